@@ -1,0 +1,44 @@
+"""One error hierarchy for every user-facing failure.
+
+Every class derives from `WNA16Error`, itself a `ValueError`, so callers that
+already catch `ValueError` keep working. Messages name the tensor or file, what
+was expected, what was found (with every number) and the fix.
+"""
+
+from __future__ import annotations
+
+
+class WNA16Error(ValueError):
+    """Base class of every error this package raises on bad input."""
+
+
+class ConfigError(WNA16Error):
+    """config.json (or its quantization config) is missing, malformed or unsupported."""
+
+
+class FormatError(WNA16Error):
+    """A tensor's dtype, shape or content disagrees with its declared format."""
+
+
+class CheckpointError(WNA16Error):
+    """A checkpoint file or index is missing, unsafe or inconsistent."""
+
+
+class ShardingError(WNA16Error):
+    """A parallel layout cannot be applied to this model."""
+
+
+class CompletenessError(WNA16Error):
+    """Expert slots are missing, duplicated or unexpected after a load."""
+
+
+class LayoutMismatchError(ShardingError):
+    """A pre-sharded output was loaded with a different parallel layout."""
+
+
+def format_offenders(items: list[str], *, limit: int = 20) -> str:
+    """Render up to `limit` offenders, one per line, and a count of the rest."""
+    shown = [f"  - {item}" for item in items[:limit]]
+    if len(items) > limit:
+        shown.append(f"  ... and {len(items) - limit} more ({len(items)} in all)")
+    return "\n".join(shown)

@@ -1,0 +1,35 @@
+"""AutoRound checkpoints exported with GPTQ or AWQ packing.
+
+The tensors are exactly those of `gptq.py` (zeros stored as z-1, word-wise) or
+`awq.py`; `packing_format` says which.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from . import awq, gptq
+from .spec import FormatDecl, ModuleFilter, QuantSpec, bool_key, int_key, str_tuple
+
+GPTQ_PACKINGS = ("auto_gptq", "auto_round:auto_gptq", "auto_round:gptqmodel")
+AWQ_PACKINGS = ("auto_awq", "auto_round:auto_awq")
+
+
+def parse(qconfig: dict[str, Any]) -> QuantSpec:
+    """QuantSpec of an AutoRound `quantization_config`."""
+    packing = qconfig.get("packing_format")
+    bits = int_key(qconfig, ("bits",))
+    group_size = int_key(qconfig, ("group_size",))
+    symmetric = bool_key(qconfig, "sym", True)
+    modules = ModuleFilter(ignore=str_tuple(qconfig.get("modules_to_not_convert")))
+    if packing in AWQ_PACKINGS:
+        return awq.spec_from(bits=bits, group_size=group_size, zero_point=not symmetric, modules=modules)
+    if packing in GPTQ_PACKINGS:
+        return QuantSpec(format_name="gptq", bits=bits, group_size=group_size, symmetric=symmetric, act_order=False,
+                         layouts=gptq.LAYOUTS, zero_word_bias=True, checkpoint_format=packing, modules=modules)
+    raise ConfigError(f"quantization_config: AutoRound packing_format={packing!r} is not supported; expected "
+                      f"one of {list(GPTQ_PACKINGS + AWQ_PACKINGS)}.")
+
+
+FORMAT = FormatDecl(name="auto-round", quant_methods=("auto-round", "intel/auto-round"), parse=parse)

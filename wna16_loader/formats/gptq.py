@@ -1,0 +1,49 @@
+"""GPTQ (AutoGPTQ / GPTQModel), checkpoint_format `gptq` (v1, z-1 stored) or `gptq_v2`.
+
+| tensor  | storage        | packing                            |
+|---------|----------------|------------------------------------|
+| qweight | [K/P, N] int32 | along K, least significant first   |
+| qzeros  | [K/G, N/P]     | along N; v1 holds z-1 word-wise    |
+| scales  | [K/G, N]       | fp16 / bf16                        |
+| g_idx   | [K] int32      | group of each input row            |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError
+from .spec import (FLOAT_DTYPES, INDEX_DTYPES, Dim, FormatDecl, ModuleFilter, Need, QuantSpec, Role,
+                   TensorLayout, bool_key, int_key, str_tuple)
+
+LAYOUTS = (
+    TensorLayout(Role.QWEIGHT, "qweight", (Dim.K, Dim.N), packed=Dim.K),
+    TensorLayout(Role.ZEROS, "qzeros", (Dim.GROUP, Dim.N), need=Need.ASYMMETRIC, packed=Dim.N),
+    TensorLayout(Role.SCALES, "scales", (Dim.GROUP, Dim.N), dtypes=FLOAT_DTYPES),
+    TensorLayout(Role.G_IDX, "g_idx", (Dim.K,), need=Need.ACT_ORDER, dtypes=INDEX_DTYPES),
+)
+
+CHECKPOINT_FORMATS = {"gptq": True, "gptq_v2": False}  # value: zeros stored as z - 1, word-wise
+
+
+def parse(qconfig: dict[str, Any]) -> QuantSpec:
+    """QuantSpec of a GPTQ `quantization_config`."""
+    checkpoint_format = qconfig.get("checkpoint_format") or "gptq"
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ConfigError(f"quantization_config: GPTQ checkpoint_format={checkpoint_format!r} is not "
+                          f"supported; expected one of {sorted(CHECKPOINT_FORMATS)}.")
+    group_size = int_key(qconfig, ("group_size",), -1)
+    return QuantSpec(
+        format_name="gptq",
+        bits=int_key(qconfig, ("bits",)),
+        group_size=group_size,
+        symmetric=bool_key(qconfig, "sym", True),
+        act_order=bool_key(qconfig, "desc_act", False) and group_size != -1,
+        layouts=LAYOUTS,
+        zero_word_bias=CHECKPOINT_FORMATS[checkpoint_format],
+        checkpoint_format=checkpoint_format,
+        modules=ModuleFilter(ignore=str_tuple(qconfig.get("modules_to_not_convert"))),
+    )
+
+
+FORMAT = FormatDecl(name="gptq", quant_methods=("gptq",), parse=parse)

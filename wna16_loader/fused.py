@@ -1,0 +1,265 @@
+"""The fused expert layout, its writer and the completeness ledger.
+
+Per MoE layer and rank (E_l local experts in ascending global id, b bits,
+P8 = 8 / b values per byte):
+
+| name        | dtype  | shape                                        |
+|-------------|--------|----------------------------------------------|
+| w13_qweight | uint8  | [E_l, 2*I_p, H/P8]  gate rows, then up rows  |
+| w2_qweight  | uint8  | [E_l, H, I_p/P8]                             |
+| w13_scales  | scale  | [E_l, 2*I_p, ceil(H/G_eff)]                  |
+| w2_scales   | scale  | [E_l, H, ceil(I_p/G_eff)] (act-order: ceil(I/G)) |
+| w13_qzeros  | uint8  | [E_l, 2*I_p/P8, ceil(H/G_eff)] (asymmetric)  |
+| w2_qzeros   | uint8  | [E_l, H/P8, w2 groups] (asymmetric)          |
+| w13_g_idx   | int32  | [E_l, H] (act-order)                         |
+| w2_g_idx    | int32  | [E_l, I_p] (act-order)                       |
+| expert_ids  | int32  | [E_l]                                        |
+
+Weights pack along K (4-bit byte j = q[2j] + 16*q[2j+1]); zero points pack
+along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import CompletenessError, FormatError, format_offenders
+from .extract import ProjectionShard
+from .formats import QuantSpec, Role
+from .names import Proj
+from .packing import pack_bytes, unpack_bytes
+from .sharding import LayerGeometry
+
+FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
+               "w13_g_idx", "w2_g_idx", "expert_ids")
+
+
+@dataclass(frozen=True)
+class FusedSpec:
+    """Shapes and dtypes of one layer's fused parameters on one rank."""
+
+    experts: tuple[int, ...]
+    hidden: int
+    part: int  # I_p
+    intermediate: int  # I
+    bits: int
+    group_size: int  # G_eff, -1 channelwise
+    w13_groups: int
+    w2_groups: int
+    has_zero_point: bool
+    act_order: bool
+    scale_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, geometry: LayerGeometry, quant: QuantSpec, scale_dtype: torch.dtype) -> "FusedSpec":
+        """The fused layout for `geometry` under `quant`."""
+        w13_groups = (geometry.fused_groups(geometry.hidden) if not geometry.act_order
+                      else -(-geometry.hidden // geometry.group_size))
+        return cls(experts=geometry.experts, hidden=geometry.hidden, part=geometry.part,
+                   intermediate=geometry.intermediate, bits=quant.bits, group_size=geometry.group_eff,
+                   w13_groups=w13_groups, w2_groups=geometry.w2_groups, has_zero_point=not quant.symmetric,
+                   act_order=geometry.act_order, scale_dtype=scale_dtype)
+
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every parameter present in this layout."""
+        e, h, i, per_byte = len(self.experts), self.hidden, self.part, 8 // self.bits
+        out = {
+            "w13_qweight": ((e, 2 * i, h // per_byte), torch.uint8),
+            "w2_qweight": ((e, h, i // per_byte), torch.uint8),
+            "w13_scales": ((e, 2 * i, self.w13_groups), self.scale_dtype),
+            "w2_scales": ((e, h, self.w2_groups), self.scale_dtype),
+        }
+        if self.has_zero_point:
+            out["w13_qzeros"] = ((e, 2 * i // per_byte, self.w13_groups), torch.uint8)
+            out["w2_qzeros"] = ((e, h // per_byte, self.w2_groups), torch.uint8)
+        if self.act_order:
+            out["w13_g_idx"] = ((e, h), torch.int32)
+            out["w2_g_idx"] = ((e, i), torch.int32)
+        out["expert_ids"] = ((e,), torch.int32)
+        return out
+
+
+@dataclass(frozen=True)
+class DequantizedExperts:
+    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H], w2 [E_l, H, I_p]."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+class FusedExperts:
+    """One MoE layer's fused parameters on one rank (see the module table)."""
+
+    def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor]) -> None:
+        assert set(tensors) == set(spec.shapes()), f"{prefix}: tensors {sorted(tensors)} do not match the layout"
+        self.prefix = prefix
+        self.spec = spec
+        self.tensors = tensors
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        if name in FUSED_NAMES:
+            return self.__dict__["tensors"].get(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    bits = property(lambda self: self.spec.bits, doc="Bits per weight.")
+    group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
+    has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
+    act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
+        return f"FusedExperts({self.prefix!r}, {shapes})"
+
+    def dequantize(self) -> DequantizedExperts:
+        """Float32 weights of every local expert, for users and tests."""
+        return DequantizedExperts(
+            w13=dequantize(self.tensors["w13_qweight"], self.tensors["w13_scales"], self.tensors.get("w13_qzeros"),
+                           self.tensors.get("w13_g_idx"), bits=self.bits, group_size=self.group_size),
+            w2=dequantize(self.tensors["w2_qweight"], self.tensors["w2_scales"], self.tensors.get("w2_qzeros"),
+                          self.tensors.get("w2_g_idx"), bits=self.bits, group_size=self.group_size),
+        )
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, g_idx: torch.Tensor | None,
+               *, bits: int, group_size: int) -> torch.Tensor:
+    """(q - z) * s in float32 for fused tensors.
+
+    | qweight | [E, N, K/P8] uint8 | scales | [E, N, nG] |
+    | qzeros  | [E, N/P8, nG]      | g_idx  | [E, K]     |
+    | out     | [E, N, K] float32  |        |            |
+    """
+    q = unpack_bytes(qweight, bits=bits, dim=2).to(torch.float32)
+    e, n, k = q.shape
+    if g_idx is not None:
+        groups = g_idx.to(torch.long)
+    else:
+        cols = torch.arange(k, device=q.device)
+        groups = (cols * 0 if group_size == -1 else cols // group_size).expand(e, k)
+    index = groups.unsqueeze(1).expand(e, n, k)
+    s = torch.gather(scales.to(torch.float32), 2, index)
+    if qzeros is None:
+        return (q - float(1 << (bits - 1))) * s
+    z = torch.gather(unpack_bytes(qzeros, bits=bits, dim=1).to(torch.float32), 2, index)
+    return (q - z) * s
+
+
+class FusedWriter:
+    """Writes projection shards into one layer's fused parameters.
+
+    Shards go into host staging buffers (pinned when the target is a GPU); `finish`
+    moves each parameter to the device in one non-blocking copy. On CPU the staging
+    buffers are the parameters.
+    """
+
+    def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str) -> None:
+        self.prefix, self.spec, self.device = prefix, spec, torch.device(device)
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self.staging = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin)
+                        for name, (shape, dtype) in spec.shapes().items()}
+        self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
+        self._slots = {expert: i for i, expert in enumerate(spec.experts)}
+        self._g_idx_owner: dict[int, str] = {}
+        self.bytes_written = 0
+
+    def write(self, expert: int, proj: Proj, shard: ProjectionShard, *, label: str) -> None:
+        """Place `shard` (expert `expert`'s slice of `proj`) in its rows of the fused parameters."""
+        slot = self._slots[expert]
+        if proj is Proj.DOWN:
+            self._put("w2", slot, slice(None), slice(None), shard)
+            if self.spec.act_order:
+                assert shard.g_idx is not None, f"{label}: act-order layout but no g_idx"
+                self._copy("w2_g_idx", slot, slice(None), shard.g_idx)
+            return
+        part, per_byte = self.spec.part, 8 // self.spec.bits
+        half = 0 if proj is Proj.GATE else 1
+        rows = slice(half * part, (half + 1) * part)
+        zero_rows = slice(half * part // per_byte, (half + 1) * part // per_byte)
+        self._put("w13", slot, rows, zero_rows, shard)
+        if self.spec.act_order:
+            assert shard.g_idx is not None, f"{label}: act-order layout but no g_idx"
+            self._put_w13_g_idx(expert, slot, shard.g_idx, label)
+
+    def _put(self, prefix: str, slot: int, rows: slice, zero_rows: slice, shard: ProjectionShard) -> None:
+        bits = self.spec.bits
+        self._copy(f"{prefix}_qweight", slot, rows, pack_bytes(shard.q, bits=bits, dim=1))
+        self._copy(f"{prefix}_scales", slot, rows, shard.scales)
+        if self.spec.has_zero_point:
+            assert shard.zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
+            self._copy(f"{prefix}_qzeros", slot, zero_rows, pack_bytes(shard.zeros, bits=bits, dim=0))
+
+    def _put_w13_g_idx(self, expert: int, slot: int, g_idx: torch.Tensor, label: str) -> None:
+        """gate and up share one w13_g_idx row: the first writes it, the second must agree."""
+        first = self._g_idx_owner.get(expert)
+        if first is None:
+            self._copy("w13_g_idx", slot, slice(None), g_idx)
+            self._g_idx_owner[expert] = label
+        elif not torch.equal(self.staging["w13_g_idx"][slot], g_idx):
+            raise FormatError(f"{label}: its g_idx differs from that of {first}; gate and up of one expert share "
+                              f"w13_g_idx and must carry the same act-order permutation.")
+
+    def _copy(self, name: str, slot: int, rows: slice, value: torch.Tensor) -> None:
+        target = self.staging[name][slot, rows]
+        assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
+        target.copy_(value)
+        self.bytes_written += value.numel() * value.element_size()
+
+    def finish(self) -> FusedExperts:
+        """Move the staged parameters to the device (one copy each) and return the layer."""
+        if self.device.type == "cpu":
+            return FusedExperts(self.prefix, self.spec, self.staging)
+        moved = {name: torch.empty_like(buf, device=self.device) for name, buf in self.staging.items()}
+        for name, buf in self.staging.items():
+            moved[name].copy_(buf, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return FusedExperts(self.prefix, self.spec, moved)
+
+
+@dataclass(frozen=True, order=True)
+class Slot:
+    """One (layer, expert, projection, role) cell of the fused layout."""
+
+    prefix: str
+    expert: int
+    proj: str
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.prefix}.{self.expert}.{self.proj}.{self.role}"
+
+
+@dataclass
+class Ledger:
+    """Records every slot written; `check` raises one error naming every offender."""
+
+    expected: set[Slot] = field(default_factory=set)
+    written: dict[Slot, list[str]] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+
+    def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
+        """Declare a slot that must be written exactly once."""
+        self.expected.add(Slot(prefix, expert, proj.value, role.value))
+
+    def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
+        """Note that tensor `name` fills a slot."""
+        self.written.setdefault(Slot(prefix, expert, proj.value, role.value), []).append(name)
+
+    def reject(self, name: str, why: str) -> None:
+        """Note a tensor that has no slot."""
+        self.unexpected.append(f"{name} ({why})")
+
+    def offenders(self) -> list[str]:
+        """Every missing, duplicated or unexpected entry, in a stable order."""
+        missing = [f"missing: {slot}" for slot in sorted(self.expected - set(self.written))]
+        dups = [f"written {len(names)} times: {slot} from {names}"
+                for slot, names in sorted(self.written.items()) if len(names) > 1]
+        return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
+
+    def check(self) -> None:
+        """Raise CompletenessError listing the first 20 offenders and a count."""
+        problems = self.offenders()
+        if problems:
+            raise CompletenessError(f"the load is incomplete or inconsistent: {len(problems)} problems\n"
+                                    f"{format_offenders(problems)}")

@@ -1,0 +1,93 @@
+"""load_experts: read this rank's share of every MoE layer into fused parameters."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointIndex
+from .extract import read_projection
+from .fused import FusedExperts, FusedWriter, Ledger
+from .modelconfig import MoEConfig, read_config_files
+from .names import Proj
+from .parallel import ParallelConfig
+from .plan import CheckpointScan, LayerPlan, plan_layers
+
+log = logging.getLogger("wna16_loader")
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did, for logs and benchmarks."""
+
+    layers: int
+    experts: int
+    tensors: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"{self.layers} layers, {self.experts} local experts, {self.tensors} tensors, "
+                f"{self.bytes_read / 2**20:.1f} MiB read, {self.bytes_written / 2**20:.1f} MiB written, "
+                f"{self.seconds:.2f} s")
+
+
+class LoadedExperts(dict[str, FusedExperts]):
+    """experts prefix -> FusedExperts, with the load's `report`."""
+
+    report: LoadReport
+
+
+def read_moe_config(path: str | Path) -> MoEConfig:
+    """The resolved description of a checkpoint: config keys, quantization and experts prefixes."""
+    moe = read_config_files(path)
+    with CheckpointIndex(path) as index:
+        prefixes = tuple(CheckpointScan.of(index).layers)
+    return replace(moe, experts_prefixes=prefixes)
+
+
+def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
+                 allow_nonfinite_scales: bool = False) -> LoadedExperts:
+    """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
+
+    Tensors of non-local experts are never read; each local projection is read as
+    the slice covering the rank's columns, converted, and written once into the
+    fused layout on `device`. Raises a WNA16Error subclass on any bad input.
+    """
+    start = time.perf_counter()
+    moe = read_config_files(path)
+    ledger = Ledger()
+    with CheckpointIndex(path) as index:
+        plans = plan_layers(index, moe, parallel, ledger)
+        ledger.check()
+        result = LoadedExperts()
+        written = tensors = 0
+        for plan in plans:
+            layer, count, nbytes = _load_layer(index, moe, plan, device, allow_nonfinite_scales)
+            result[plan.prefix] = layer
+            tensors += count
+            written += nbytes
+        bytes_read = index.bytes_read
+    result.report = LoadReport(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans),
+                               tensors=tensors, bytes_read=bytes_read, bytes_written=written,
+                               seconds=time.perf_counter() - start)
+    log.info("rank %d (tp %d/%d, ep %d/%d): %s", parallel.rank, parallel.tp_rank, parallel.tp_size,
+             parallel.ep_rank, parallel.ep_size, result.report)
+    return result
+
+
+def _load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
+                allow_nonfinite: bool) -> tuple[FusedExperts, int, int]:
+    """Read, convert and write every local projection of one layer."""
+    writer = FusedWriter(plan.prefix, plan.fused, device)
+    tensors = 0
+    for (expert, proj), src in sorted(plan.sources.items(), key=lambda kv: (kv[0][0], list(Proj).index(kv[0][1]))):
+        shard = read_projection(index, moe.quant, src, plan.geometry.slice(proj), allow_nonfinite=allow_nonfinite)
+        writer.write(expert, proj, shard, label=f"{plan.prefix}.{expert}.{proj.value}")
+        tensors += len(src.tensors)
+    return writer.finish(), tensors, writer.bytes_written

@@ -1,0 +1,116 @@
+"""Checkpoint tensor names: parsed once into typed keys.
+
+This is the only module that matches tensor names. A routed-expert tensor name is
+`{root}.layers.{L}[.{module}].experts.[{e}.]{proj}.{suffix}` with root `model`,
+`model.language_model` or `language_model.model`; without `{e}` the tensor is
+stacked over experts (`[E, ...]`).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+
+
+class Proj(enum.Enum):
+    """A logical expert projection (what a fused slot holds)."""
+
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+
+
+class Source(enum.Enum):
+    """What one checkpoint projection tensor carries."""
+
+    GATE = "gate"
+    UP = "up"
+    DOWN = "down"
+    GATE_UP = "gate_up"  # gate and up as the two halves of N
+
+    @property
+    def projs(self) -> tuple[Proj, ...]:
+        """The logical projections this source holds, in N order."""
+        return _SOURCE_PROJS[self]
+
+
+_SOURCE_PROJS = {
+    Source.GATE: (Proj.GATE,),
+    Source.UP: (Proj.UP,),
+    Source.DOWN: (Proj.DOWN,),
+    Source.GATE_UP: (Proj.GATE, Proj.UP),
+}
+
+PROJ_ALIASES: dict[str, Source] = {
+    "gate_proj": Source.GATE,
+    "w1": Source.GATE,
+    "up_proj": Source.UP,
+    "w3": Source.UP,
+    "down_proj": Source.DOWN,
+    "w2": Source.DOWN,
+    "gate_up_proj": Source.GATE_UP,
+}
+
+ROOTS = ("model", "model.language_model", "language_model.model")
+MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward")
+
+_EXPERT_RE = re.compile(
+    r"^(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)"
+    r"\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
+        roots="|".join(re.escape(r) for r in ROOTS),
+        modules="|".join(MODULES),
+        projs="|".join(PROJ_ALIASES),
+    )
+)
+_LAYER_RE = re.compile(r"^(?:{roots})\.layers\.(?P<layer>\d+)\.".format(
+    roots="|".join(re.escape(r) for r in ROOTS)))
+
+
+@dataclass(frozen=True)
+class ExpertTensorKey:
+    """One routed-expert tensor of a checkpoint.
+
+    `expert` is None for a tensor stacked over all experts (leading dim E).
+    """
+
+    name: str
+    experts_prefix: str
+    layer: int
+    expert: int | None
+    source: Source
+    suffix: str
+
+    @property
+    def module_name(self) -> str:
+        """The Linear module this tensor belongs to (name without the suffix)."""
+        return self.name[: -len(self.suffix) - 1]
+
+
+def parse_expert_name(name: str) -> ExpertTensorKey | None:
+    """Parse a routed-expert tensor name; None for every other tensor."""
+    match = _EXPERT_RE.match(name)
+    if match is None:
+        return None
+    expert = match.group("expert")
+    source = PROJ_ALIASES[match.group("proj")]
+    return ExpertTensorKey(
+        name=name,
+        experts_prefix=match.group("prefix"),
+        layer=int(match.group("layer")),
+        expert=None if expert is None else int(expert),
+        source=source,
+        suffix=match.group("suffix"),
+    )
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer index a tensor name belongs to, if any."""
+    match = _LAYER_RE.match(name)
+    return None if match is None else int(match.group("layer"))
+
+
+def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
+    """Build an experts prefix, e.g. `model.layers.3.mlp.experts`."""
+    middle = f".{module}" if module else ""
+    return f"{root}.layers.{layer}{middle}.experts"

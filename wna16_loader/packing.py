@@ -1,0 +1,106 @@
+"""Pure bit manipulation: int32 word (un)packing and the fused byte packing.
+
+Words hold P = 32 / b values. `slot_order[i]` is the position of the value in
+bit slot i (bits b*i .. b*i+b-1); None means slot i holds position i. All
+functions are vectorised over whole tensors; nothing here reads files.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_WORD = 1 << 32
+
+
+def word_bias(bits: int) -> int:
+    """The word with a 1 in every b-bit field: 0x11111111 (4-bit), 0x01010101 (8-bit)."""
+    return sum(1 << (bits * i) for i in range(32 // bits))
+
+
+def add_word_bias(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Add 1 to every field of every int32 word, carrying across fields, modulo 2^32.
+
+    GPTQ v1 stores z - 1 by subtracting `word_bias` from whole words; this undoes
+    it exactly, including the borrow a zero point of 0 took from its neighbour.
+    """
+    wide = (words.to(torch.int64) + word_bias(bits)) % _WORD
+    return torch.where(wide >= _WORD // 2, wide - _WORD, wide).to(torch.int32)
+
+
+def _inverse(order: tuple[int, ...] | None, count: int) -> list[int]:
+    """slot index for each position (argsort of `order`)."""
+    if order is None:
+        return list(range(count))
+    if sorted(order) != list(range(count)):
+        raise AssertionError(f"slot order {order} is not a permutation of 0..{count - 1}")
+    inverse = [0] * count
+    for slot, position in enumerate(order):
+        inverse[position] = slot
+    return inverse
+
+
+def unpack_words(words: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Unpack int32 `words` along `dim` into uint8 values (that dim grows P times).
+
+    | in  | words  [..., W, ...] int32  |
+    | out | values [..., W*P, ...] uint8 |
+    """
+    per_word = 32 // bits
+    moved = words.movedim(dim, -1).to(torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
+    slots = torch.bitwise_and(torch.bitwise_right_shift(moved.unsqueeze(-1), shifts), (1 << bits) - 1)
+    if slot_order is not None:
+        slots = slots[..., _inverse(slot_order, per_word)]
+    values = slots.reshape(*moved.shape[:-1], moved.shape[-1] * per_word).to(torch.uint8)
+    return values.movedim(-1, dim)
+
+
+def pack_words(values: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Inverse of `unpack_words`: pack values in [0, 2^b) along `dim` into int32 words.
+
+    A length that is not a multiple of P is zero-padded at the end.
+
+    | in  | values [..., L, ...]       |
+    | out | words  [..., ceil(L/P), ...] int32 |
+    """
+    per_word = 32 // bits
+    moved = values.movedim(dim, -1).to(torch.int64)
+    pad = (-moved.shape[-1]) % per_word
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad))
+    grouped = moved.reshape(*moved.shape[:-1], moved.shape[-1] // per_word, per_word)
+    if slot_order is not None:
+        grouped = grouped[..., list(slot_order)]
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    wide = (grouped << shifts).sum(-1)
+    words = torch.where(wide >= _WORD // 2, wide - _WORD, wide).to(torch.int32)
+    return words.movedim(-1, dim)
+
+
+def pack_bytes(values: torch.Tensor, *, bits: int, dim: int) -> torch.Tensor:
+    """The fused byte packing along `dim`: 4-bit byte j = v[2j] + 16 * v[2j+1]; 8-bit as is.
+
+    | in  | values [..., L, ...] uint8    |
+    | out | bytes  [..., L*b/8, ...] uint8 |
+    """
+    if bits == 8:
+        return values.to(torch.uint8)
+    moved = values.movedim(dim, -1).to(torch.uint8)
+    if moved.shape[-1] % 2:
+        raise AssertionError(f"4-bit byte packing needs an even length, got {moved.shape[-1]}")
+    packed = torch.bitwise_or(moved[..., 0::2], torch.bitwise_left_shift(moved[..., 1::2], 4))
+    return packed.movedim(-1, dim)
+
+
+def unpack_bytes(packed: torch.Tensor, *, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of `pack_bytes`.
+
+    | in  | bytes  [..., L*b/8, ...] uint8 |
+    | out | values [..., L, ...] uint8     |
+    """
+    if bits == 8:
+        return packed
+    moved = packed.movedim(dim, -1)
+    low = torch.bitwise_and(moved, 0xF)
+    high = torch.bitwise_right_shift(moved, 4)
+    return torch.stack((low, high), dim=-1).reshape(*moved.shape[:-1], moved.shape[-1] * 2).movedim(-1, dim)

@@ -1,0 +1,154 @@
+"""Plan a load: which checkpoint tensors feed which fused slots on this rank.
+
+Works from tensor names and headers only: nothing is read here. Experts that are
+not local to the rank are dropped before any read, for every suffix.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import CheckpointIndex, TensorRef
+from .errors import CheckpointError, FormatError
+from .extract import SourceTensors, check_header
+from .formats import Role
+from .fused import FusedSpec, Ledger
+from .modelconfig import MoEConfig
+from .names import ExpertTensorKey, Proj, Source, parse_expert_name
+from .parallel import ParallelConfig
+from .sharding import LayerGeometry
+
+STACKED_SOURCES = (Source.GATE_UP, Source.DOWN)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Everything needed to load one MoE layer on one rank."""
+
+    prefix: str
+    layer: int
+    geometry: LayerGeometry
+    fused: FusedSpec
+    sources: dict[tuple[int, Proj], SourceTensors]
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """A checkpoint's tensor names split into routed-expert layers and the rest."""
+
+    layers: dict[str, list[ExpertTensorKey]]
+    others: tuple[str, ...]
+
+    @classmethod
+    def of(cls, index: CheckpointIndex) -> "CheckpointScan":
+        """Parse every name once."""
+        layers: dict[str, list[ExpertTensorKey]] = defaultdict(list)
+        others = []
+        for name in index.refs:
+            key = parse_expert_name(name)
+            if key is None:
+                others.append(name)
+            else:
+                layers[key.experts_prefix].append(key)
+        return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
+
+
+def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
+                ledger: Ledger) -> list[LayerPlan]:
+    """Plan every MoE layer of the checkpoint for `parallel`'s rank."""
+    scan = CheckpointScan.of(index)
+    if not scan.layers:
+        raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
+                              f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
+    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items()}
+    for layer in moe.moe_layers:
+        if layer not in found:
+            ledger.reject(f"layer {layer}", "the config makes it a MoE layer but the checkpoint has no expert "
+                                            "tensors for it")
+    plans = []
+    for prefix, keys in scan.layers.items():
+        layer = keys[0].layer
+        if layer not in moe.moe_layers:
+            for key in keys:
+                ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
+            continue
+        plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger))
+    return plans
+
+
+def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
+               keys: list[ExpertTensorKey], ledger: Ledger) -> LayerPlan:
+    """Plan one layer: EP filter, header checks, ledger entries."""
+    geometry = LayerGeometry(hidden=moe.hidden_size, intermediate=moe.intermediate_size,
+                             num_experts=moe.num_experts, bits=moe.quant.bits, group_size=moe.quant.group_size,
+                             act_order=moe.quant.act_order, parallel=parallel)
+    local = set(geometry.experts)
+    entries = _group_entries(index, moe, keys, local, ledger)
+    sources: dict[tuple[int, Proj], SourceTensors] = {}
+    for expert in sorted(local):
+        for proj in Proj:
+            candidates = [_source(moe, entries[ek], ek, expert) for ek in _candidates(entries, expert, proj)]
+            _record(ledger, moe, prefix, expert, proj, candidates)
+            if candidates:
+                sources[(expert, proj)] = candidates[0]
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources))
+    for src in sources.values():
+        for role, ref in src.tensors.items():
+            check_header(ref, moe.quant.layout(role), moe.quant, src, moe.num_experts)
+    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
+
+
+EntryKey = tuple[int | None, Source]
+
+
+def _group_entries(index: CheckpointIndex, moe: MoEConfig, keys: list[ExpertTensorKey], local: set[int],
+                   ledger: Ledger) -> dict[EntryKey, dict]:
+    """(expert or None, source) -> {role: ref}, for local experts and stacked tensors only."""
+    entries: dict[EntryKey, dict] = defaultdict(dict)
+    for key in keys:
+        layout = moe.quant.layout_for_suffix(key.suffix)
+        if layout is None:
+            ledger.reject(key.name, f"suffix {key.suffix!r} is not a {moe.quant.format_name} expert tensor")
+        elif key.expert is None and key.source not in STACKED_SOURCES:
+            ledger.reject(key.name, f"a stacked {key.source.value} tensor; only gate_up_proj and down_proj stack")
+        elif key.expert is not None and key.expert >= moe.num_experts:
+            ledger.reject(key.name, f"expert id {key.expert} >= expert count {moe.num_experts}")
+        elif not moe.quant.modules.covers(key.module_name):
+            ledger.reject(key.name, "its module is excluded by the quantization config (targets/ignore)")
+        elif key.expert is None or key.expert in local:
+            entries[(key.expert, key.source)][layout.role] = index.refs[key.name]
+    return entries
+
+
+def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[EntryKey]:
+    return [ek for ek in entries if proj in ek[1].projs and ek[0] in (expert, None)]
+
+
+def _source(moe: MoEConfig, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:
+    source = entry[1]
+    n_one = moe.hidden_size if source is Source.DOWN else moe.intermediate_size
+    k_total = moe.intermediate_size if source is Source.DOWN else moe.hidden_size
+    return SourceTensors(source=source, tensors=tensors, expert_row=expert if entry[0] is None else None,
+                         n_total=n_one * len(source.projs), k_total=k_total)
+
+
+def _record(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj,
+            candidates: list[SourceTensors]) -> None:
+    for layout in moe.quant.layouts:
+        if moe.quant.required(layout):
+            ledger.expect(prefix, expert, proj, layout.role)
+    for src in candidates:
+        for role, ref in src.tensors.items():
+            ledger.record(prefix, expert, proj, role, ref.name)
+
+
+def _scale_dtype(prefix: str, sources: dict[tuple[int, Proj], SourceTensors]) -> torch.dtype:
+    found = {src.tensors[Role.SCALES].dtype: src.tensors[Role.SCALES].name
+             for src in sources.values() if Role.SCALES in src.tensors}
+    if len(found) > 1:
+        raise FormatError(f"{prefix}: scales use several dtypes {[(str(d), n) for d, n in found.items()]}; one "
+                          f"layer's fused scales need one dtype.")
+    return next(iter(found), torch.float16)
