@@ -32,4 +32,13 @@ def parse(qconfig: dict[str, Any]) -> QuantSpec:
                       f"one of {list(GPTQ_PACKINGS + AWQ_PACKINGS)}.")
 
 
-FORMAT = FormatDecl(name="auto-round", quant_methods=("auto-round", "intel/auto-round"), parse=parse)
+def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **extra: Any) -> dict[str, Any]:
+    """An AutoRound `quantization_config`; `packing_format` defaults to GPTQ packing."""
+    if act_order:
+        raise ConfigError("AutoRound exports have no act-order variant.")
+    return {"quant_method": "auto-round", "packing_format": "auto_round:auto_gptq", "bits": bits,
+            "group_size": group_size, "sym": symmetric, "data_type": "int", **extra}
+
+
+FORMAT = FormatDecl(name="auto-round", quant_methods=("auto-round", "intel/auto-round"), parse=parse,
+                    to_config=to_config)

@@ -52,4 +52,12 @@ def parse(qconfig: dict[str, Any]) -> QuantSpec:
     )
 
 
-FORMAT = FormatDecl(name="awq", quant_methods=("awq",), parse=parse)
+def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **extra: Any) -> dict[str, Any]:
+    """An AWQ `quantization_config` (for writers of checkpoints); AWQ has no act-order."""
+    if act_order:
+        raise ConfigError("AWQ has no act-order variant.")
+    return {"quant_method": "awq", "version": "gemm", "bits": bits, "group_size": group_size,
+            "zero_point": not symmetric, **extra}
+
+
+FORMAT = FormatDecl(name="awq", quant_methods=("awq",), parse=parse, to_config=to_config)

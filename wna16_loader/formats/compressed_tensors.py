@@ -77,4 +77,15 @@ def _scheme(name: str, group: dict[str, Any], top_format: Any) -> tuple[tuple[in
     return scheme, str_tuple(group.get("targets"))
 
 
-FORMAT = FormatDecl(name="compressed-tensors", quant_methods=("compressed-tensors",), parse=parse)
+def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **extra: Any) -> dict[str, Any]:
+    """A compressed-tensors `quantization_config` (for writers of checkpoints)."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric,
+               "strategy": "channel" if group_size == -1 else "group",
+               "group_size": None if group_size == -1 else group_size, "actorder": "group" if act_order else None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ["lm_head"], **extra}
+
+
+FORMAT = FormatDecl(name="compressed-tensors", quant_methods=("compressed-tensors",), parse=parse,
+                    to_config=to_config)

@@ -46,4 +46,10 @@ def parse(qconfig: dict[str, Any]) -> QuantSpec:
     )
 
 
-FORMAT = FormatDecl(name="gptq", quant_methods=("gptq",), parse=parse)
+def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **extra: Any) -> dict[str, Any]:
+    """A GPTQ `quantization_config` (for writers of checkpoints); `extra` overrides keys."""
+    return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": symmetric,
+            "desc_act": act_order, "checkpoint_format": "gptq", **extra}
+
+
+FORMAT = FormatDecl(name="gptq", quant_methods=("gptq",), parse=parse, to_config=to_config)

@@ -148,6 +148,7 @@ class FormatDecl:
     name: str
     quant_methods: tuple[str, ...]
     parse: Callable[[dict[str, Any]], QuantSpec]
+    to_config: Callable[..., dict[str, Any]]  # (bits, group_size, symmetric, act_order, **extra) -> config
 
 
 def int_key(qconfig: dict[str, Any], keys: tuple[str, ...], default: int | None = None) -> int:
