@@ -42,3 +42,7 @@ def format_offenders(items: list[str], *, limit: int = 20) -> str:
     if len(items) > limit:
         shown.append(f"  ... and {len(items) - limit} more ({len(items)} in all)")
     return "\n".join(shown)
+
+
+class PreshardError(WNA16Error):
+    """A pre-sharded output folder is locked, foreign, or was written with other parameters."""

@@ -4,7 +4,7 @@ Slice first, then convert: only the int32 words, groups and rows that cover the
 rank's columns are read; unpacking and reordering touch nothing else. The
 result is format-free:
 
-| q      | [N_l, K_l]  uint8, unsigned values               |
+| qweight| [N_l, K_l/P8] uint8, the fused byte packing along K |
 | scales | [N_l, nG]   stored scale dtype                   |
 | zeros  | [N_l, nG]   uint8 true zero points, or None (sym) |
 | g_idx  | [K_l]       int32 checkpoint group per row, or None |
@@ -20,7 +20,7 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
 from .formats import Dim, QuantSpec, Role, TensorLayout
 from .names import Proj, Source
-from .packing import add_word_bias, unpack_words
+from .packing import add_word_bias, pack_bytes, unpack_words, words_as_bytes
 from .sharding import ProjectionSlice, Span, ceil_div
 
 CANONICAL: dict[Role, tuple[Dim, ...]] = {
@@ -36,7 +36,7 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
 class ProjectionShard:
     """One rank's slice of one projection, unpacked (see the module table)."""
 
-    q: torch.Tensor
+    qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor | None
     g_idx: torch.Tensor | None
@@ -143,7 +143,26 @@ def read_projection(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors,
         _check_symmetric_zeros(zeros, spec, src.tensors[Role.ZEROS])
         zeros = None
     g_idx = _checked_g_idx(role(Role.G_IDX), spec, src, cut)
-    return ProjectionShard(q=role(Role.QWEIGHT), scales=scales, zeros=zeros, g_idx=g_idx)
+    qweight = _read_qweight(index, spec, src, spans)
+    return ProjectionShard(qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx)
+
+
+def _read_qweight(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, spans: dict[Dim, Span]) -> torch.Tensor:
+    """The rank's weights as fused bytes [N_l, K_l/P8].
+
+    Words packed sequentially along K and cut on word boundaries already are the
+    fused byte packing; anything else is unpacked, trimmed and repacked.
+    """
+    layout, ref = spec.layout(Role.QWEIGHT), src.tensors[Role.QWEIGHT]
+    k, per_word = spans[Dim.K], spec.pack_factor
+    if layout.packed is Dim.K and layout.slot_order is None and k.start % per_word == 0 and k.stop % per_word == 0:
+        storage, _ = _storage_index(layout, spans, per_word, src.expert_row)
+        words = index.read(ref, storage)
+        axis = layout.dims.index(Dim.K)
+        order = [layout.dims.index(Dim.N), axis]
+        return words_as_bytes(words.permute(order), dim=1)
+    values = read_role(index, spec, layout, ref, spans, src.expert_row)
+    return pack_bytes(values, bits=spec.bits, dim=1)
 
 
 def _check_shape_tensor(shape: torch.Tensor | None, src: SourceTensors) -> None:

@@ -156,7 +156,7 @@ class FusedWriter:
     def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str) -> None:
         self.prefix, self.spec, self.device = prefix, spec, torch.device(device)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self.staging = {name: torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.staging = {name: torch.empty(shape, dtype=dtype, pin_memory=pin)
                         for name, (shape, dtype) in spec.shapes().items()}
         self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
         self._slots = {expert: i for i, expert in enumerate(spec.experts)}
@@ -183,7 +183,7 @@ class FusedWriter:
 
     def _put(self, prefix: str, slot: int, rows: slice, zero_rows: slice, shard: ProjectionShard) -> None:
         bits = self.spec.bits
-        self._copy(f"{prefix}_qweight", slot, rows, pack_bytes(shard.q, bits=bits, dim=1))
+        self._copy(f"{prefix}_qweight", slot, rows, shard.qweight)
         self._copy(f"{prefix}_scales", slot, rows, shard.scales)
         if self.spec.has_zero_point:
             assert shard.zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"

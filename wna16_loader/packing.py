@@ -7,6 +7,8 @@ functions are vectorised over whole tensors; nothing here reads files.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 _WORD = 1 << 32
@@ -42,17 +44,33 @@ def _inverse(order: tuple[int, ...] | None, count: int) -> list[int]:
 def unpack_words(words: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[int, ...] | None = None) -> torch.Tensor:
     """Unpack int32 `words` along `dim` into uint8 values (that dim grows P times).
 
+    Works on the little-endian bytes of each word, so no int32 temporaries per value.
+
     | in  | words  [..., W, ...] int32  |
     | out | values [..., W*P, ...] uint8 |
     """
+    assert sys.byteorder == "little", "int32 -> byte views assume a little-endian host"
     per_word = 32 // bits
-    moved = words.movedim(dim, -1).to(torch.int32)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
-    slots = torch.bitwise_and(torch.bitwise_right_shift(moved.unsqueeze(-1), shifts), (1 << bits) - 1)
+    moved = words.movedim(dim, -1).contiguous().view(torch.uint8)  # [..., W*4]
+    values = unpack_bytes(moved, bits=bits, dim=-1)  # [..., W*P], slot order within each word
     if slot_order is not None:
-        slots = slots[..., _inverse(slot_order, per_word)]
-    values = slots.reshape(*moved.shape[:-1], moved.shape[-1] * per_word).to(torch.uint8)
+        shape = values.shape
+        values = values.reshape(*shape[:-1], shape[-1] // per_word, per_word)[..., _inverse(slot_order, per_word)]
+        values = values.reshape(shape)
     return values.movedim(-1, dim)
+
+
+def words_as_bytes(words: torch.Tensor, *, dim: int) -> torch.Tensor:
+    """Sequentially packed words along `dim` read as the fused byte packing along `dim`.
+
+    A word packing values least-significant first holds, in its little-endian bytes,
+    exactly `pack_bytes` of those values, so no unpacking is needed.
+
+    | in  | words [..., W, ...] int32   |
+    | out | bytes [..., W*4, ...] uint8 |
+    """
+    assert sys.byteorder == "little", "int32 -> byte views assume a little-endian host"
+    return words.movedim(dim, -1).contiguous().view(torch.uint8).movedim(-1, dim)
 
 
 def pack_words(values: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[int, ...] | None = None) -> torch.Tensor:
