@@ -30,17 +30,20 @@ class LoadReport:
     bytes_read: int
     bytes_written: int
     seconds: float
+    ignored: int = 0  # tensors that are not routed experts (routers, attention, shared experts, dense MLPs)
 
     def __str__(self) -> str:
         return (f"{self.layers} layers, {self.experts} local experts, {self.tensors} tensors, "
                 f"{self.bytes_read / 2**20:.1f} MiB read, {self.bytes_written / 2**20:.1f} MiB written, "
-                f"{self.seconds:.2f} s")
+                f"{self.seconds:.2f} s, {self.ignored} non-expert tensors left alone")
 
 
 class LoadedExperts(dict[str, FusedExperts]):
-    """experts prefix -> FusedExperts, with the load's `report`."""
+    """experts prefix -> FusedExperts, with the load's `report` and the names of the
+    non-expert tensors it left alone (`ignored`)."""
 
     report: LoadReport
+    ignored: tuple[str, ...] = ()
 
 
 def read_moe_config(path: str | Path) -> MoEConfig:
@@ -63,7 +66,8 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     moe = read_config_files(path)
     ledger = Ledger()
     with CheckpointIndex(path) as index:
-        plans = plan_layers(index, moe, parallel, ledger)
+        scan = CheckpointScan.of(index)
+        plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
         result = LoadedExperts()
         written = tensors = 0
@@ -75,7 +79,8 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
         bytes_read = index.bytes_read
     result.report = LoadReport(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans),
                                tensors=tensors, bytes_read=bytes_read, bytes_written=written,
-                               seconds=time.perf_counter() - start)
+                               seconds=time.perf_counter() - start, ignored=len(scan.others))
+    result.ignored = scan.others
     log.info("rank %d (tp %d/%d, ep %d/%d): %s", parallel.rank, parallel.tp_rank, parallel.tp_size,
              parallel.ep_rank, parallel.ep_size, result.report)
     return result

@@ -56,10 +56,10 @@ class CheckpointScan:
         return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
 
 
-def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
-                ledger: Ledger) -> list[LayerPlan]:
+def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, ledger: Ledger,
+                scan: CheckpointScan | None = None) -> list[LayerPlan]:
     """Plan every MoE layer of the checkpoint for `parallel`'s rank."""
-    scan = CheckpointScan.of(index)
+    scan = scan or CheckpointScan.of(index)
     if not scan.layers:
         raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
                               f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
