@@ -116,14 +116,33 @@ def read_role(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref
     return tensor.permute(order) if len(order) > 1 else tensor
 
 
-def read_projection(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
-                    *, allow_nonfinite: bool = False) -> ProjectionShard:
-    """Read and validate the rank's slice `cut` of one projection of one expert."""
+def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span], torch.Tensor]:
+    """Storage spans covering the rank's slice `cut` of `src`, and the read group of each fused group."""
     offset = src.n_offset(cut.proj)
     n = Span(cut.n.start + offset, cut.n.stop + offset)
     groups = Span(min(cut.groups), max(cut.groups) + 1)
     spans = {Dim.N: n, Dim.K: cut.k, Dim.GROUP: groups, Dim.PAIR: Span(0, 2)}
-    pick = torch.tensor(cut.groups, dtype=torch.long) - groups.start
+    return spans, torch.tensor(cut.groups, dtype=torch.long) - groups.start
+
+
+def check_dropped_role(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
+                       role: Role) -> None:
+    """Validate one optional tensor that `read_projection` checks and drops (symmetric zero points,
+    a plain g_idx, a shape record), for a tensor that arrives after its projection was written."""
+    spans, pick = rank_spans(src, cut)
+    tensor = read_role(index, spec, spec.layout(role), src.tensors[role], spans, src.expert_row)
+    if role is Role.ZEROS and spec.symmetric:
+        _check_symmetric_zeros(tensor.index_select(1, pick), spec, src.tensors[role])
+    elif role is Role.G_IDX:
+        _checked_g_idx(tensor, spec, src, cut)
+    elif role is Role.SHAPE:
+        _check_shape_tensor(tensor, src)
+
+
+def read_projection(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
+                    *, allow_nonfinite: bool = False) -> ProjectionShard:
+    """Read and validate the rank's slice `cut` of one projection of one expert."""
+    spans, pick = rank_spans(src, cut)
 
     def role(r: Role) -> torch.Tensor | None:
         layout, ref = spec.layout(r), src.tensors.get(r)

@@ -153,11 +153,18 @@ class FusedWriter:
     buffers are the parameters.
     """
 
-    def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str) -> None:
+    def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str, *,
+                 staging: dict[str, torch.Tensor] | None = None) -> None:
+        """`staging`: existing tensors to write into directly (e.g. a module's parameters, on any
+        device), one per name of `spec.shapes()`; `finish` is then not needed."""
         self.prefix, self.spec, self.device = prefix, spec, torch.device(device)
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self.staging = {name: torch.empty(shape, dtype=dtype, pin_memory=pin)
-                        for name, (shape, dtype) in spec.shapes().items()}
+        if staging is None:
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            staging = {name: torch.empty(shape, dtype=dtype, pin_memory=pin)
+                       for name, (shape, dtype) in spec.shapes().items()}
+        assert {n: tuple(t.shape) for n, t in staging.items()} == {n: s for n, (s, _) in spec.shapes().items()}, \
+            f"{prefix}: staging tensors do not match the layout {spec.shapes()}"
+        self.staging = staging
         self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
         self._slots = {expert: i for i, expert in enumerate(spec.experts)}
         self._g_idx_owner: dict[int, str] = {}
@@ -250,9 +257,13 @@ class Ledger:
         """Note a tensor that has no slot."""
         self.unexpected.append(f"{name} ({why})")
 
+    def missing(self) -> list[Slot]:
+        """Expected slots not written yet, sorted."""
+        return sorted(self.expected - set(self.written))
+
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
-        missing = [f"missing: {slot}" for slot in sorted(self.expected - set(self.written))]
+        missing = [f"missing: {slot}" for slot in self.missing()]
         dups = [f"written {len(names)} times: {slot} from {names}"
                 for slot, names in sorted(self.written.items()) if len(names) > 1]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]

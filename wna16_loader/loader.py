@@ -61,7 +61,12 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     Tensors of non-local experts are never read; each local projection is read as
     the slice covering the rank's columns, converted, and written once into the
     fused layout on `device`. Raises a WNA16Error subclass on any bad input.
+    A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
+    from the rank's pre-sharded files; its layout must equal `parallel`'s.
     """
+    if (Path(path) / "wna16_manifest.json").is_file():  # a wna16-shard output: load the rank's files as-is
+        from .preshard import load_presharded  # local import: preshard imports this module
+        return load_presharded(path, parallel, device=device)
     start = time.perf_counter()
     moe = read_config_files(path)
     ledger = Ledger()

@@ -80,8 +80,21 @@ def is_moe_layer(config: dict[str, Any], layer: int) -> bool:
         return False
     if layer in _int_list(config, "mlp_only_layers"):
         return False
+    if not _in_moe_range(config, layer):
+        return False
     enabled = config.get("enable_moe_block", config.get("use_second_mlp_block"))
     return enabled is not False
+
+
+def _in_moe_range(config: dict[str, Any], layer: int) -> bool:
+    """ERNIE 4.5: MoE layers from moe_layer_start_index to moe_layer_end_index, every moe_layer_interval."""
+    start, end = config.get("moe_layer_start_index"), config.get("moe_layer_end_index")
+    interval = config.get("moe_layer_interval")
+    if isinstance(start, int) and layer < start:
+        return False
+    if isinstance(end, int) and end >= 0 and layer > end:
+        return False
+    return not (isinstance(interval, int) and interval > 1 and (layer + 1) % interval)
 
 
 def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = None) -> MoEConfig:

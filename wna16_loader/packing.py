@@ -51,7 +51,7 @@ def unpack_words(words: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[
     """
     assert sys.byteorder == "little", "int32 -> byte views assume a little-endian host"
     per_word = 32 // bits
-    moved = words.movedim(dim, -1).contiguous().view(torch.uint8)  # [..., W*4]
+    moved = _word_bytes(words.movedim(dim, -1))  # [..., W*4]
     values = unpack_bytes(moved, bits=bits, dim=-1)  # [..., W*P], slot order within each word
     if slot_order is not None:
         shape = values.shape
@@ -70,7 +70,16 @@ def words_as_bytes(words: torch.Tensor, *, dim: int) -> torch.Tensor:
     | out | bytes [..., W*4, ...] uint8 |
     """
     assert sys.byteorder == "little", "int32 -> byte views assume a little-endian host"
-    return words.movedim(dim, -1).contiguous().view(torch.uint8).movedim(-1, dim)
+    return _word_bytes(words.movedim(dim, -1)).movedim(-1, dim)
+
+
+def _word_bytes(words: torch.Tensor) -> torch.Tensor:
+    """[..., W] int32 -> [..., W*4] uint8, the little-endian bytes of each word."""
+    flat = words.to(torch.int32).reshape(-1)
+    if flat.stride(0) != 1:  # size-1 dims may carry any stride, even after .contiguous()
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    flat = flat.view(torch.uint8)
+    return flat.reshape(*words.shape[:-1], words.shape[-1] * 4)
 
 
 def pack_words(values: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[int, ...] | None = None) -> torch.Tensor:

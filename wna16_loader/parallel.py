@@ -34,7 +34,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for label, size, rank in (("tp", self.tp_size, self.tp_rank), ("ep", self.ep_size, self.ep_rank)):
-            if not isinstance(size, int) or not isinstance(rank, int) or isinstance(size, bool):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, rank)):
                 raise ShardingError(f"ParallelConfig: {label}_size and {label}_rank must be integers, "
                                     f"got {label}_size={size!r}, {label}_rank={rank!r}.")
             if size < 1:
@@ -119,5 +119,9 @@ def _detect_rank_and_world(process_group: Any) -> tuple[int, int]:
     except ImportError:  # accelerate is a dependency, but stay usable without it
         pass
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        try:
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise ShardingError(f"ParallelConfig.from_environment: RANK={os.environ['RANK']!r} and WORLD_SIZE="
+                                f"{os.environ['WORLD_SIZE']!r} must be integers (as torchrun sets them).") from None
     return 0, 1

@@ -82,9 +82,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
 def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
                keys: list[ExpertTensorKey], ledger: Ledger) -> LayerPlan:
     """Plan one layer: EP filter, header checks, ledger entries."""
-    geometry = LayerGeometry(hidden=moe.hidden_size, intermediate=moe.intermediate_size,
-                             num_experts=moe.num_experts, bits=moe.quant.bits, group_size=moe.quant.group_size,
-                             act_order=moe.quant.act_order, parallel=parallel)
+    geometry = layer_geometry(moe, parallel)
     local = set(geometry.experts)
     entries = _group_entries(index, moe, keys, local, ledger)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
@@ -99,6 +97,29 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
         for role, ref in src.tensors.items():
             check_header(ref, moe.quant.layout(role), moe.quant, src, moe.num_experts)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
+
+
+def layer_geometry(moe: MoEConfig, parallel: ParallelConfig) -> LayerGeometry:
+    """The validated sizes of one MoE layer of `moe` on `parallel`'s rank."""
+    return LayerGeometry(hidden=moe.hidden_size, intermediate=moe.intermediate_size, num_experts=moe.num_experts,
+                         bits=moe.quant.bits, group_size=moe.quant.group_size, act_order=moe.quant.act_order,
+                         parallel=parallel)
+
+
+def source_tensors(moe: MoEConfig, source: Source, tensors: dict[Role, TensorRef],
+                   expert_row: int | None) -> SourceTensors:
+    """SourceTensors of one checkpoint source (`expert_row`: the row of a stacked tensor, else None)."""
+    n_one = moe.hidden_size if source is Source.DOWN else moe.intermediate_size
+    k_total = moe.intermediate_size if source is Source.DOWN else moe.hidden_size
+    return SourceTensors(source=source, tensors=tensors, expert_row=expert_row, n_total=n_one * len(source.projs),
+                         k_total=k_total)
+
+
+def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj) -> None:
+    """Declare every role the format requires for one projection of one local expert."""
+    for layout in moe.quant.layouts:
+        if moe.quant.required(layout):
+            ledger.expect(prefix, expert, proj, layout.role)
 
 
 EntryKey = tuple[int | None, Source]
@@ -128,18 +149,12 @@ def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[
 
 
 def _source(moe: MoEConfig, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:
-    source = entry[1]
-    n_one = moe.hidden_size if source is Source.DOWN else moe.intermediate_size
-    k_total = moe.intermediate_size if source is Source.DOWN else moe.hidden_size
-    return SourceTensors(source=source, tensors=tensors, expert_row=expert if entry[0] is None else None,
-                         n_total=n_one * len(source.projs), k_total=k_total)
+    return source_tensors(moe, entry[1], tensors, expert if entry[0] is None else None)
 
 
 def _record(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj,
             candidates: list[SourceTensors]) -> None:
-    for layout in moe.quant.layouts:
-        if moe.quant.required(layout):
-            ledger.expect(prefix, expert, proj, layout.role)
+    expect_projection(ledger, moe, prefix, expert, proj)
     for src in candidates:
         for role, ref in src.tensors.items():
             ledger.record(prefix, expert, proj, role, ref.name)

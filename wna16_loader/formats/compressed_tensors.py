@@ -73,7 +73,7 @@ def _scheme(name: str, group: dict[str, Any], top_format: Any) -> tuple[tuple[in
     if not isinstance(group_size, int) or not isinstance(weights.get("num_bits"), int):
         raise ConfigError(f"quantization_config: compressed-tensors group {name!r} needs integer num_bits and "
                           f"group_size, found num_bits={weights.get('num_bits')!r}, group_size={group_size!r}.")
-    scheme = (weights["num_bits"], group_size, bool(weights.get("symmetric", True)), ACT_ORDER_VALUES[actorder])
+    scheme = (weights["num_bits"], group_size, weights.get("symmetric") is not False, ACT_ORDER_VALUES[actorder])
     return scheme, str_tuple(group.get("targets"))
 
 

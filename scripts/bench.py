@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""Benchmark load_experts against a read floor and a whole-tensor loader.
+
+Usage: python scripts/bench.py --workdir /tmp/wna16-bench --size small --reps 5 --json out.json --png out.png
+
+Contenders (page cache warm, alternated within every repetition):
+  floor      safetensors get_tensor of every expert tensor + a copy touching every byte
+  ours       wna16_loader.load_experts, TP=1 and each rank alone at TP=2,4,8
+  whole      a whole-tensor loader per rank: an honest re-implementation of what engines do
+             today (read each expert tensor whole, convert it whole to the fused layout, narrow)
+Also: peak RSS in subprocesses, source pages touched per rank (mincore), and, when
+wna16_loader.preshard exists, the pre-sharded load and the sharding script vs cp -r.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import ctypes
+import gc
+import json
+import mmap
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from wna16_loader import ParallelConfig, load_experts
+from wna16_loader.checkpoint import CheckpointIndex
+from wna16_loader.extract import CANONICAL
+from wna16_loader.formats import Role
+from wna16_loader.fused import Ledger
+from wna16_loader.modelconfig import read_config_files
+from wna16_loader.names import Proj
+from wna16_loader.packing import add_word_bias, pack_bytes, unpack_words
+from wna16_loader.plan import LayerPlan, plan_layers
+from wna16_loader.sharding import layout_problem
+from wna16_loader.synthetic import quant_config, write_checkpoint
+
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"num_experts": 16, "hidden": 1024, "intermediate": 704, "num_layers": 2, "files": 2},
+    "full": {"num_experts": 64, "hidden": 2048, "intermediate": 1408, "num_layers": 4, "files": 4},
+}
+FORMAT_NAMES = {"gptq": "gptq", "awq": "awq", "ct": "compressed-tensors"}
+TP_SIZES = (2, 4, 8)
+Timing = dict[str, float]
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def build_checkpoint(workdir: Path, fmt: str, size: str) -> Path:
+    """The cached checkpoint of `fmt` at `size`, written once."""
+    folder = workdir / f"{size}-{fmt}-int4-g128"
+    done = folder / ".complete"
+    if done.is_file():
+        return folder
+    start = time.perf_counter()
+    write_checkpoint(folder, quant_config(FORMAT_NAMES[fmt], bits=4, group_size=128), **SIZES[size])
+    done.write_text("ok\n")
+    print(f"built {folder} in {time.perf_counter() - start:.1f} s", flush=True)
+    return folder
+
+
+def plans_for(path: Path, parallel: ParallelConfig) -> tuple[Any, list[LayerPlan]]:
+    """(MoEConfig, layer plans) of `parallel`'s rank; reads headers only."""
+    moe = read_config_files(path)
+    with CheckpointIndex(path) as index:
+        return moe, plan_layers(index, moe, parallel, Ledger())
+
+
+def expert_tensors(path: Path, parallel: ParallelConfig | None = None) -> dict[str, list[str]]:
+    """file -> names of the expert tensors `parallel`'s rank reads (every expert at TP=1 by default)."""
+    _, plans = plans_for(path, parallel or ParallelConfig(1, 0))
+    out: dict[str, list[str]] = {}
+    for plan in plans:
+        for src in plan.sources.values():
+            for ref in src.tensors.values():
+                out.setdefault(ref.file, []).append(ref.name)
+    return out
+
+
+def expert_bytes(path: Path, parallel: ParallelConfig) -> int:
+    """Bytes of the expert tensors of the rank's experts, divided by tp: the rank's share."""
+    _, plans = plans_for(path, parallel)
+    total = sum(ref.nbytes for plan in plans for src in plan.sources.values() for ref in src.tensors.values())
+    return total // parallel.tp_size
+
+
+def fused_bytes(path: Path, parallel: ParallelConfig) -> int:
+    """Bytes of the fused output of `parallel`'s rank."""
+    _, plans = plans_for(path, parallel)
+    total = 0
+    for plan in plans:
+        for shape, dtype in plan.fused.shapes().values():
+            total += torch.Size(shape).numel() * dtype.itemsize
+    return total
+
+
+# ---------------------------------------------------------------- contenders
+
+def run_floor(path: Path) -> list[torch.Tensor]:
+    """Read every expert tensor with get_tensor, then copy it (touches every byte)."""
+    out = []
+    for file, names in expert_tensors(path).items():
+        with safe_open(str(path / file), framework="pt") as handle:
+            for name in names:
+                out.append(handle.get_tensor(name).clone())
+    return out
+
+
+def run_ours(path: Path, parallel: ParallelConfig) -> Any:
+    """The loader under test."""
+    return load_experts(path, parallel)
+
+
+def whole_to_fused(spec: Any, role: Role, tensor: torch.Tensor) -> torch.Tensor:
+    """Convert one whole checkpoint tensor to canonical fused form (engine-style, no slicing)."""
+    layout = spec.layout(role)
+    if layout.packed is not None:
+        if spec.zero_word_bias and role is Role.ZEROS:
+            tensor = add_word_bias(tensor, spec.bits)
+        tensor = unpack_words(tensor, bits=spec.bits, dim=layout.dims.index(layout.packed),
+                              slot_order=layout.slot_order)
+    tensor = tensor.permute([layout.dims.index(d) for d in CANONICAL[role]])
+    if role is Role.QWEIGHT:
+        return pack_bytes(tensor, bits=spec.bits, dim=1).contiguous()  # [N, K/2]
+    if role is Role.ZEROS:
+        return pack_bytes(tensor, bits=spec.bits, dim=0).contiguous()  # [N/2, nG]
+    return tensor.contiguous()  # scales [N, nG]
+
+
+def whole_projection(spec: Any, handles: dict[str, Any], src: Any) -> dict[Role, torch.Tensor]:
+    """Every role of one projection read whole and converted whole."""
+    out = {}
+    for role in (Role.QWEIGHT, Role.SCALES, Role.ZEROS):
+        ref = src.tensors.get(role)
+        if ref is not None and not (role is Role.ZEROS and spec.symmetric):
+            tensor = handles[ref.file].get_tensor(ref.name)
+            tensor = tensor[src.expert_row] if src.expert_row is not None else tensor
+            out[role] = whole_to_fused(spec, role, tensor)
+    return out
+
+
+def narrow_into(buffers: dict[str, torch.Tensor], slot: int, proj: Proj, part: int, cut: Any,
+                offset: int, whole: dict[Role, torch.Tensor], bits: int) -> None:
+    """Narrow the converted whole tensors to the rank's slice and copy them into the fused buffers."""
+    per_byte = 8 // bits
+    name = "w2" if proj is Proj.DOWN else "w13"
+    half = 0 if proj in (Proj.GATE, Proj.DOWN) else 1
+    rows = slice(half * part, (half + 1) * part) if proj is not Proj.DOWN else slice(None)
+    n0, n1, groups = cut.n.start + offset, cut.n.stop + offset, torch.tensor(cut.groups)
+    q = whole[Role.QWEIGHT][n0:n1, cut.k.start // per_byte:cut.k.stop // per_byte]
+    buffers[f"{name}_qweight"][slot, rows].copy_(q)
+    buffers[f"{name}_scales"][slot, rows].copy_(whole[Role.SCALES][n0:n1].index_select(1, groups))
+    if Role.ZEROS in whole:
+        zrows = slice(rows.start // per_byte, rows.stop // per_byte) if rows.start is not None else slice(None)
+        z = whole[Role.ZEROS][n0 // per_byte:n1 // per_byte].index_select(1, groups)
+        buffers[f"{name}_qzeros"][slot, zrows].copy_(z)
+
+
+def run_whole(path: Path, parallel: ParallelConfig) -> list[dict[str, torch.Tensor]]:
+    """Whole-tensor loader for one rank (baseline; act-order g_idx is not handled)."""
+    moe, plans = plans_for(path, parallel)
+    handles = {file: safe_open(str(path / file), framework="pt") for file in {
+        ref.file for plan in plans for src in plan.sources.values() for ref in src.tensors.values()}}
+    out = []
+    for plan in plans:
+        buffers = {n: torch.empty(s, dtype=d) for n, (s, d) in plan.fused.shapes().items()}
+        buffers["expert_ids"].copy_(torch.tensor(plan.fused.experts, dtype=torch.int32))
+        for slot, expert in enumerate(plan.fused.experts):
+            for proj in Proj:
+                src = plan.sources[(expert, proj)]
+                whole = whole_projection(moe.quant, handles, src)
+                narrow_into(buffers, slot, proj, plan.geometry.part, plan.geometry.slice(proj),
+                            src.n_offset(proj), whole, moe.quant.bits)
+        out.append(buffers)
+    return out
+
+
+# ---------------------------------------------------------------- timing
+
+def valid_tps(path: Path) -> list[int]:
+    """The TP sizes of TP_SIZES this checkpoint can be sharded to."""
+    moe = read_config_files(path)
+    q = moe.quant
+    return [tp for tp in TP_SIZES if not layout_problem(moe.hidden_size, moe.intermediate_size, q.bits,
+                                                         q.group_size, q.act_order, tp)]
+
+
+def contenders(path: Path) -> dict[str, Callable[[], Any]]:
+    """label -> zero-argument callable, for one checkpoint."""
+    tasks: dict[str, Callable[[], Any]] = {"floor": lambda: run_floor(path),
+                                           "ours tp1": lambda: run_ours(path, ParallelConfig(1, 0))}
+    for tp in valid_tps(path):
+        for rank in range(tp):
+            cfg = ParallelConfig(tp, rank)
+            tasks[f"ours tp{tp} r{rank}"] = lambda cfg=cfg: run_ours(path, cfg)
+            tasks[f"whole tp{tp} r{rank}"] = lambda cfg=cfg: run_whole(path, cfg)
+    return tasks
+
+
+def time_alternating(tasks: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
+    """Run every task once per repetition, rotating the order each time; seconds per run."""
+    labels = list(tasks)
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    for rep in range(reps):
+        shift = (rep * max(1, len(labels) // reps + 1)) % len(labels)
+        order = labels[shift:] + labels[:shift]
+        order = order if rep % 2 == 0 else order[::-1]
+        for label in order:
+            gc.collect()
+            start = time.perf_counter()
+            result = tasks[label]()
+            times[label].append(time.perf_counter() - start)
+            del result
+    return times
+
+
+def stats(values: list[float]) -> Timing:
+    """median / min / max of a list of seconds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarise(times: dict[str, list[float]]) -> dict[str, Any]:
+    """Per contender stats, with per-TP rank aggregates (median rank and max rank)."""
+    out: dict[str, Any] = {label: stats(v) for label, v in times.items() if " r" not in label}
+    groups: dict[str, list[float]] = {}
+    for label, values in times.items():
+        if " r" in label:
+            groups.setdefault(label.rsplit(" r", 1)[0], []).append(statistics.median(values))
+    for key, medians in groups.items():
+        out[key] = {"median_rank": statistics.median(medians), "max_rank": max(medians),
+                    "min_rank": min(medians), "ranks": len(medians)}
+    return out
+
+
+# ---------------------------------------------------------------- memory and pages
+
+CHILD = """
+import json, resource, sys
+sys.path.insert(0, {here!r})
+import bench
+from wna16_loader import ParallelConfig
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+result = bench.child_task({mode!r}, {path!r}, {tp}, {rank}, {ep}, {ep_rank})
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({{"before_kib": before, "peak_kib": after}}))
+"""
+
+
+def child_task(mode: str, path: str, tp: int, rank: int, ep: int, ep_rank: int) -> Any:
+    """What a measuring subprocess runs."""
+    cfg = ParallelConfig(tp_size=tp, tp_rank=rank, ep_size=ep, ep_rank=ep_rank)
+    if mode == "floor":
+        return run_floor(Path(path))
+    if mode == "whole":
+        return run_whole(Path(path), cfg)
+    return run_ours(Path(path), cfg)
+
+
+def run_child(mode: str, path: Path, tp: int = 1, rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
+    """Run one load in a fresh interpreter; its ru_maxrss before and after, in KiB."""
+    code = CHILD.format(here=str(Path(__file__).parent), mode=mode, path=str(path), tp=tp, rank=rank, ep=ep,
+                        ep_rank=ep_rank)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_rss(path: Path) -> dict[str, Any]:
+    """Peak RSS of ours at TP=1 and TP=4 (rank 1) and of the floor, vs the fused output bytes."""
+    out = {}
+    for label, mode, tp, rank in (("ours tp1", "ours", 1, 0), ("ours tp4 r1", "ours", 4, 1), ("floor", "floor", 1, 0)):
+        rss = run_child(mode, path, tp, rank)
+        fused = fused_bytes(path, ParallelConfig(tp, rank))
+        growth = (rss["peak_kib"] - rss["before_kib"]) * 1024
+        out[label] = {"peak_mib": rss["peak_kib"] / 1024, "growth_mib": growth / 2**20,
+                      "fused_mib": fused / 2**20, "excess_mib": (growth - fused) / 2**20}
+    return out
+
+
+def evict(files: list[Path]) -> None:
+    """Drop the files' pages from the page cache."""
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_bytes(file: Path) -> int:
+    """Bytes of `file` in the page cache, by mincore over a private mapping."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size, page = file.stat().st_size, mmap.PAGESIZE
+    pages = (size + page - 1) // page
+    with open(file, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
+    anchor = ctypes.c_char.from_buffer(mapped)
+    vec = (ctypes.c_ubyte * pages)()
+    rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+    err = ctypes.get_errno()
+    del anchor
+    mapped.close()
+    if rc != 0:
+        raise OSError(err, "mincore failed")
+    return sum(v & 1 for v in vec) * page
+
+
+def measure_pages(path: Path) -> dict[str, Any]:
+    """Evict, load one rank in a subprocess, count resident source pages vs the rank's share."""
+    files = sorted(path.glob("*.safetensors"))
+    out = {}
+    for label, tp, rank, ep, ep_rank in (("tp4 r1", 4, 1, 1, 0), ("ep2 r1", 1, 0, 2, 1)):
+        evict(files)
+        cold = sum(resident_bytes(f) for f in files)
+        start = time.perf_counter()
+        run_child("ours", path, tp, rank, ep, ep_rank)
+        seconds = time.perf_counter() - start
+        touched = sum(resident_bytes(f) for f in files) - cold
+        share = expert_bytes(path, ParallelConfig(tp_size=tp, tp_rank=rank, ep_size=ep, ep_rank=ep_rank))
+        out[label] = {"touched_mib": touched / 2**20, "share_mib": share / 2**20, "ratio": touched / share,
+                      "resident_after_evict_mib": cold / 2**20, "cold_load_s": seconds}
+    for file in files:  # warm the cache again for whatever follows
+        file.read_bytes()
+    return out
+
+
+# ---------------------------------------------------------------- pre-sharding (optional)
+
+def measure_preshard(path: Path, reps: int) -> dict[str, Any]:
+    """(4) and (5) when wna16_loader.preshard exists, else 'not available'."""
+    try:
+        from wna16_loader.preshard import preshard_checkpoint
+    except ImportError:
+        return {"status": "not available (wna16_loader.preshard is not importable)"}
+    out: dict[str, Any] = {"status": "ok"}
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        shard_t, cp_t = [], []
+        for rep in range(reps):
+            target = Path(tmp) / f"s{rep}"
+            start = time.perf_counter()
+            preshard_checkpoint(path, target, tp_size=4)
+            shard_t.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            subprocess.run(["cp", "-r", str(path), str(Path(tmp) / f"c{rep}")], check=True)
+            cp_t.append(time.perf_counter() - start)
+        out["preshard tp4"], out["cp -r"] = stats(shard_t), stats(cp_t)
+        out["load"] = preshard_load(Path(tmp) / "s0", reps)
+    return out
+
+
+def preshard_load(folder: Path, reps: int) -> dict[str, Any]:
+    """Each TP=4 rank loading the pre-sharded output (load_experts detects it), best of `reps`."""
+    try:
+        times = [min(_timed(lambda r=r: load_experts(folder, ParallelConfig(4, r))) for _ in range(reps))
+                 for r in range(4)]
+    except Exception as exc:  # report rather than abort the whole benchmark
+        return {"status": f"could not load the pre-sharded output: {exc}"}
+    return {"median_rank": statistics.median(times), "max_rank": max(times), "ranks": len(times)}
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- report
+
+def targets(fmt: str, timing: dict[str, Any], rss: dict[str, Any], pages: dict[str, Any]) -> list[tuple[str, float, float, bool]]:
+    """(target, value, limit, pass) for one format."""
+    floor, ours1 = timing["floor"]["median"], timing["ours tp1"]["median"]
+    limit = 3.0 if fmt == "awq" else 1.5
+    rows = [(f"TP=1 / floor <= {limit}", ours1 / floor, limit)]
+    if "ours tp4" in timing:
+        tp4, whole4 = timing["ours tp4"]["median_rank"], timing["whole tp4"]["median_rank"]
+        rows += [("TP=4 rank (median) / TP=1 <= 0.35", tp4 / ours1, 0.35),
+                 ("TP=4 rank (max) / TP=1 <= 0.35", timing["ours tp4"]["max_rank"] / ours1, 0.35),
+                 ("whole-tensor / ours at TP=4 >= 3", whole4 / tp4, 3.0)]
+    rows += [(f"pages touched {k} / share <= 1.05", v["ratio"], 1.05) for k, v in pages.items()]
+    rows += [(f"RSS growth {k} - fused <= 256 MiB", v["excess_mib"], 256.0) for k, v in rss.items() if k != "floor"]
+    return [(name, value, lim, value >= lim if ">=" in name else value <= lim) for name, value, lim in rows]
+
+
+def timing_table(results: dict[str, Any]) -> str:
+    """A markdown table of the timings of every format."""
+    lines = ["| format | contender | median s | min s | max s | x floor |", "|---|---|---|---|---|---|"]
+    for fmt, res in results.items():
+        floor = res["timing"]["floor"]["median"]
+        for label, s in res["timing"].items():
+            if "median" in s:
+                lines.append(f"| {fmt} | {label} | {s['median']:.3f} | {s['min']:.3f} | {s['max']:.3f} | "
+                             f"{s['median'] / floor:.2f} |")
+            else:
+                lines.append(f"| {fmt} | {label} (per rank, {s['ranks']} ranks) | median rank {s['median_rank']:.3f}"
+                             f" | min rank {s['min_rank']:.3f} | max rank {s['max_rank']:.3f} | "
+                             f"{s['median_rank'] / floor:.2f} |")
+    return "\n".join(lines)
+
+
+def other_tables(results: dict[str, Any]) -> str:
+    """Markdown tables: RSS, pages, pre-sharding, targets."""
+    lines = ["| format | load | peak RSS MiB | growth MiB | fused MiB | growth - fused MiB |", "|---|---|---|---|---|---|"]
+    for fmt, res in results.items():
+        for k, v in res["rss"].items():
+            lines.append(f"| {fmt} | {k} | {v['peak_mib']:.0f} | {v['growth_mib']:.0f} | {v['fused_mib']:.0f} | "
+                         f"{v['excess_mib']:.0f} |")
+    lines += ["", "| format | rank | pages touched MiB | rank share MiB | ratio |", "|---|---|---|---|---|"]
+    for fmt, res in results.items():
+        for k, v in res["pages"].items():
+            lines.append(f"| {fmt} | {k} | {v['touched_mib']:.1f} | {v['share_mib']:.1f} | {v['ratio']:.3f} |")
+    lines += ["", "| format | target | value | PASS/FAIL |", "|---|---|---|---|"]
+    for fmt, res in results.items():
+        for name, value, _, ok in res["targets"]:
+            lines.append(f"| {fmt} | {name} | {value:.3f} | {'PASS' if ok else 'FAIL'} |")
+    lines += ["", "pre-sharding (items 4, 5): " + json.dumps({f: r["preshard"] for f, r in results.items()})]
+    return "\n".join(lines)
+
+
+def draw(results: dict[str, Any], png: Path) -> None:
+    """Bar chart of median seconds per contender and format (skipped without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed; skipping the chart (pip install '.[bench]')")
+        return
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (fmt, res) in zip(axes[0], results.items()):
+        labels = list(res["timing"])
+        values = [s.get("median", s.get("median_rank")) for s in res["timing"].values()]
+        ax.barh(labels, values)
+        ax.set_title(f"{fmt}: median s (per rank for TP>1)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"wrote {png}")
+
+
+# ---------------------------------------------------------------- profile and main
+
+def profile(path: Path, top: int = 12) -> str:
+    """cProfile of ours at TP=1, the top functions by internal time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    run_ours(path, ParallelConfig(1, 0))
+    prof.disable()
+    out = tempfile.SpooledTemporaryFile(mode="w+")
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    out.seek(0)
+    return out.read()
+
+
+def bench_format(workdir: Path, fmt: str, size: str, reps: int, do_profile: bool) -> dict[str, Any]:
+    """Everything for one format."""
+    path = build_checkpoint(workdir, fmt, size)
+    run_ours(path, ParallelConfig(1, 0))  # warm the page cache and the imports
+    run_floor(path)
+    timing = summarise(time_alternating(contenders(path), reps))
+    rss, pages = measure_rss(path), measure_pages(path)
+    result = {"checkpoint": str(path), "timing": timing, "rss": rss, "pages": pages,
+              "preshard": measure_preshard(path, min(reps, 3)), "targets": targets(fmt, timing, rss, pages)}
+    if do_profile:
+        result["profile"] = profile(path)
+        print(f"---- cProfile, ours TP=1, {fmt}\n{result['profile']}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-bench")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--formats", default="gptq,awq,ct", help="comma-separated subset of gptq,awq,ct")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--png", type=Path)
+    parser.add_argument("--profile", action="store_true", help="cProfile ours at TP=1 per format")
+    args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = {fmt: bench_format(args.workdir, fmt, args.size, args.reps, args.profile)
+               for fmt in args.formats.split(",")}
+    print(f"\nsize={args.size} reps={args.reps} torch threads={torch.get_num_threads()} cpus={os.cpu_count()}")
+    print(timing_table(results) + "\n\n" + other_tables(results))
+    if args.json:
+        args.json.write_text(json.dumps({"size": args.size, "reps": args.reps, "results": results}, indent=2))
+    if args.png:
+        draw(results, args.png)
+
+
+if __name__ == "__main__":
+    main()

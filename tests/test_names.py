@@ -1,0 +1,147 @@
+"""parse_expert_name: every root, module, projection alias, stacked tensors and non-expert names."""
+
+from __future__ import annotations
+
+import pytest
+
+from wna16_loader.names import (MODULES, PROJ_ALIASES, ROOTS, ExpertTensorKey, Proj, Source, experts_prefix_for,
+                                layer_of, parse_expert_name)
+
+ALL_ROOTS = ("model", "model.language_model", "language_model.model")
+ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", None)
+ALIASES = {
+    "gate_proj": Source.GATE, "w1": Source.GATE,
+    "up_proj": Source.UP, "w3": Source.UP,
+    "down_proj": Source.DOWN, "w2": Source.DOWN,
+    "gate_up_proj": Source.GATE_UP,
+}
+
+
+def test_declared_tables_match_the_spelling_this_file_tests() -> None:
+    assert ROOTS == ALL_ROOTS
+    assert set(MODULES) == {m for m in ALL_MODULES if m}
+    assert PROJ_ALIASES == ALIASES
+
+
+@pytest.mark.parametrize("root", ALL_ROOTS)
+@pytest.mark.parametrize("module", ALL_MODULES)
+@pytest.mark.parametrize("proj", sorted(ALIASES))
+def test_per_expert_name_every_root_module_and_alias(root: str, module: str | None, proj: str) -> None:
+    middle = f".{module}" if module else ""
+    prefix = f"{root}.layers.17{middle}.experts"
+    name = f"{prefix}.42.{proj}.qweight"
+    key = parse_expert_name(name)
+    assert key == ExpertTensorKey(name=name, experts_prefix=prefix, layer=17, expert=42,
+                                  source=ALIASES[proj], suffix="qweight")
+    assert key.module_name == f"{prefix}.42.{proj}"
+    assert experts_prefix_for(root, 17, module) == prefix
+
+
+@pytest.mark.parametrize("root", ALL_ROOTS)
+@pytest.mark.parametrize("module", ALL_MODULES)
+@pytest.mark.parametrize("proj", ["gate_up_proj", "down_proj", "gate_proj"])
+def test_stacked_name_without_expert_index(root: str, module: str | None, proj: str) -> None:
+    middle = f".{module}" if module else ""
+    prefix = f"{root}.layers.0{middle}.experts"
+    name = f"{prefix}.{proj}.qweight"
+    key = parse_expert_name(name)
+    assert key is not None
+    assert key.expert is None
+    assert key.layer == 0
+    assert key.experts_prefix == prefix
+    assert key.source is ALIASES[proj]
+    assert key.suffix == "qweight"
+    assert key.module_name == f"{prefix}.{proj}"
+
+
+def test_stacked_gate_up_exact_fields() -> None:
+    name = "model.layers.0.mlp.experts.gate_up_proj.qweight"
+    key = parse_expert_name(name)
+    assert key == ExpertTensorKey(name=name, experts_prefix="model.layers.0.mlp.experts", layer=0, expert=None,
+                                  source=Source.GATE_UP, suffix="qweight")
+    assert key.module_name == "model.layers.0.mlp.experts.gate_up_proj"
+    assert key.source.projs == (Proj.GATE, Proj.UP)
+
+
+def test_gemma4_style_name_without_module() -> None:
+    name = "model.layers.3.experts.5.gate_proj.qweight"
+    key = parse_expert_name(name)
+    assert key is not None
+    assert key.experts_prefix == "model.layers.3.experts"
+    assert key.layer == 3
+    assert key.expert == 5
+    assert key.source is Source.GATE
+    assert key.suffix == "qweight"
+    assert key.module_name == "model.layers.3.experts.5.gate_proj"
+
+
+def test_gemma4_language_model_root() -> None:
+    key = parse_expert_name("model.language_model.layers.29.experts.127.down_proj.scales")
+    assert key is not None
+    assert (key.experts_prefix, key.layer, key.expert, key.source, key.suffix) == (
+        "model.language_model.layers.29.experts", 29, 127, Source.DOWN, "scales")
+
+
+@pytest.mark.parametrize("suffix", ["qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                                    "weight_zero_point", "weight_g_idx", "weight_shape"])
+def test_every_format_suffix(suffix: str) -> None:
+    name = f"model.layers.2.block_sparse_moe.experts.7.w2.{suffix}"
+    key = parse_expert_name(name)
+    assert key is not None
+    assert key.suffix == suffix
+    assert key.source is Source.DOWN
+    assert key.module_name == "model.layers.2.block_sparse_moe.experts.7.w2"
+
+
+def test_multi_digit_layer_and_expert() -> None:
+    key = parse_expert_name("language_model.model.layers.123.moe.experts.255.w3.qzeros")
+    assert key is not None
+    assert (key.layer, key.expert, key.source) == (123, 255, Source.UP)
+    assert key.experts_prefix == "language_model.model.layers.123.moe.experts"
+
+
+def test_source_projs() -> None:
+    assert Source.GATE.projs == (Proj.GATE,)
+    assert Source.UP.projs == (Proj.UP,)
+    assert Source.DOWN.projs == (Proj.DOWN,)
+    assert Source.GATE_UP.projs == (Proj.GATE, Proj.UP)
+
+
+@pytest.mark.parametrize("name", [
+    "model.layers.0.mlp.gate.weight",  # router
+    "model.layers.0.block_sparse_moe.gate.weight",  # Mixtral router
+    "model.layers.0.mlp.gate.e_score_correction_bias",  # DeepSeek-V3 router bias
+    "model.layers.0.mlp.shared_experts.gate_proj.qweight",  # DeepSeek shared experts
+    "model.layers.0.mlp.shared_expert.up_proj.qweight",  # Qwen2-MoE shared expert
+    "model.layers.0.mlp.shared_expert_gate.weight",
+    "model.layers.0.self_attn.q_proj.qweight",  # attention
+    "model.layers.0.self_attn.o_proj.weight_packed",
+    "model.layers.0.mlp.gate_proj.qweight",  # dense MLP
+    "model.layers.0.mlp.down_proj.qweight",
+    "model.embed_tokens.weight",
+    "lm_head.weight",
+    "model.norm.weight",
+    "model.layers.0.mlp.experts.0.gate_proj",  # no suffix
+    "model.layers.0.mlp.experts.0.gate_proj.qweight.extra",  # trailing component
+    "transformer.layers.0.mlp.experts.0.gate_proj.qweight",  # unknown root
+    "prefix.model.layers.0.mlp.experts.0.gate_proj.qweight",  # not anchored at the start
+    "model.layers.0.mlp.experts.0.o_proj.qweight",  # not an expert projection
+    "model.layers.0.attention.experts.0.gate_proj.qweight",  # unknown module
+    "model.layers.x.mlp.experts.0.gate_proj.qweight",  # non-numeric layer
+    "model.layers.0.mlp.experts.a.gate_proj.qweight",  # non-numeric expert
+    "model.layers.0.mlp.experts.0.gate_proj.q-weight",  # bad suffix character
+    "",
+])
+def test_non_expert_names_return_none(name: str) -> None:
+    assert parse_expert_name(name) is None
+
+
+@pytest.mark.parametrize("name,layer", [
+    ("model.layers.5.self_attn.q_proj.weight", 5),
+    ("model.language_model.layers.12.mlp.gate.weight", 12),
+    ("language_model.model.layers.0.input_layernorm.weight", 0),
+    ("model.embed_tokens.weight", None),
+    ("lm_head.weight", None),
+])
+def test_layer_of(name: str, layer: int | None) -> None:
+    assert layer_of(name) == layer

@@ -1,0 +1,179 @@
+"""preshard_checkpoint / load_presharded / verify_output on tiny synthetic checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from wna16_loader import LayoutMismatchError, ParallelConfig, load_experts
+from wna16_loader.errors import PreshardError
+from wna16_loader.preshard import LOCK_NAME, MANIFEST_NAME, PLAN_NAME, preshard_checkpoint, verify_output
+from wna16_loader.synthetic import quant_config, write_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FORMATS = {
+    "gptq_actorder": dict(format_name="gptq", act_order=True),
+    "awq": dict(format_name="awq"),
+    "ct": dict(format_name="compressed-tensors"),
+}
+
+
+def make_source(folder: Path, fmt: str = "gptq_actorder", *, seed: int = 0, files: int = 2) -> Path:
+    """A 2-layer, 4-expert checkpoint (hidden 64, intermediate 128) in `fmt`."""
+    kwargs = dict(FORMATS[fmt])
+    write_checkpoint(folder, quant_config(kwargs.pop("format_name"), **kwargs), hidden=64, intermediate=128,
+                     num_layers=2, files=files, seed=seed)
+    (folder / "generation_config.json").write_text('{"do_sample": false}')
+    return folder
+
+
+def tree_bytes(folder: Path) -> dict[str, bytes]:
+    """relative path -> content of every file below `folder`."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def raw_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, raw bytes) of every tensor of every safetensors file below `folder`."""
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                t = handle.get_tensor(name)
+                out[name] = (str(t.dtype), list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return out
+
+
+CASES = ([(fmt, tp, ep) for fmt in FORMATS for tp, ep in ((1, 1), (2, 2), (4, 2))]
+         + [("gptq_actorder", tp, ep) for tp, ep in ((2, 1), (4, 1), (1, 2))])
+
+
+@pytest.mark.parametrize("fmt,tp,ep", CASES)
+def test_round_trip_equals_direct_load(tmp_path: Path, fmt: str, tp: int, ep: int) -> None:
+    src = make_source(tmp_path / "src", fmt)
+    out = tmp_path / "out"
+    summary = preshard_checkpoint(src, out, tp_size=tp, ep_size=ep, max_file_size=24_000, progress=False)
+    assert [r.name for r in summary.ranks][1:] == [f"rank-{r:05d}-of-{tp * ep:05d}" for r in range(tp * ep)]
+    for pc in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep):
+        fast, direct = load_experts(out, pc), load_experts(src, pc)
+        assert list(fast) == list(direct)
+        for prefix, layer in direct.items():
+            assert fast[prefix].spec == layer.spec
+            assert set(fast[prefix].tensors) == set(layer.tensors)
+            for name, tensor in layer.tensors.items():
+                assert torch.equal(fast[prefix].tensors[name], tensor), (prefix, name)
+    common = raw_tensors(out / "common")
+    source = raw_tensors(src)
+    assert common == {name: value for name, value in source.items() if ".experts." not in name}
+    if tp * ep == 4:  # the full source check reloads every rank: once per format is enough
+        assert verify_output(out, source=src) == []
+
+
+def test_output_layout_manifest_and_file_cap(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, placement="round_robin", max_file_size=20_000,
+                        progress=False)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["parallel"] == {"tp": 2, "ep": 2, "placement": "round_robin"}
+    assert manifest["quantization"]["act_order"] is True
+    assert set(manifest["quantization"]["group_size_eff"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    with safe_open(str(src / "model-00001-of-00002.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) <= set(manifest["source_tensors"])
+    assert all(v.get("ranks") or v.get("common") for v in manifest["source_tensors"].values())
+    for path in out.rglob("*.safetensors"):
+        assert path.stat().st_size <= 20_000, path
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+        assert meta["layout"] == "fused" and meta["tp"] == "2" and meta["ep"] == "2" and "rank" in meta
+    rank0 = out / "rank-00000-of-00004"
+    assert (rank0 / "model.safetensors.index.json").is_file()
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert (out / "generation_config.json").is_file()
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    summary = preshard_checkpoint(src, tmp_path / "out", tp_size=2, dry_run=True, progress=False)
+    assert summary.dry_run and len(summary.plan.ranks) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_killed_run_then_resume_is_byte_identical(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    preshard_checkpoint(src, clean, tp_size=2, ep_size=2, max_file_size=20_000, progress=False)
+    code = ("import sys, wna16_loader.preshard as p; p.KILL_AFTER_FILES = 4; from wna16_loader.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    args = [sys.executable, "-c", code, str(src), str(killed), "--tp", "2", "--ep", "2", "--max-file-size", "20000",
+            "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    assert (killed / LOCK_NAME).exists() and (killed / PLAN_NAME).exists()
+    assert not (killed / MANIFEST_NAME).exists()
+    summary = preshard_checkpoint(src, killed, tp_size=2, ep_size=2, max_file_size=20_000, resume=True,
+                                  progress=False)
+    assert sum(r.kept for r in summary.ranks) == 4
+    assert tree_bytes(killed) == tree_bytes(clean)
+
+
+def test_verify_catches_flipped_byte_and_missing_file(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    assert verify_output(out) == []
+    victim = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10
+    victim.write_bytes(bytes(data))
+    problems = verify_output(out)
+    assert len(problems) == 1 and victim.name in problems[0] and "sha256" in problems[0]
+    gone = sorted((out / "common").glob("*.safetensors"))[-1]
+    gone.unlink()
+    problems = verify_output(out, source=src)
+    assert any("missing" in p and gone.name in p for p in problems)
+
+
+def test_other_parameters_or_changed_source_refused(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, progress=False)
+    with pytest.raises(PreshardError, match=r"tp: written 2, requested 1"):
+        preshard_checkpoint(src, out, tp_size=1, progress=False, resume=True)
+    changed = make_source(tmp_path / "changed", files=1)  # the fingerprint covers names, sizes and headers
+    with pytest.raises(PreshardError, match=r"source file model-00001-of-00002.safetensors"):
+        preshard_checkpoint(changed, out, tp_size=2, progress=False)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(PreshardError, match="not empty"):
+        preshard_checkpoint(src, foreign, tp_size=2, progress=False)
+
+
+def test_concurrent_run_refused(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(f"{os.getpid()}\n")
+    with pytest.raises(PreshardError, match=f"pid {os.getpid()}"):
+        preshard_checkpoint(src, out, tp_size=2, progress=False)
+    assert (out / LOCK_NAME).exists()
+
+
+def test_load_with_other_layout_raises(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False)
+    with pytest.raises(LayoutMismatchError, match=r"'tp': 2, 'ep': 2.*'tp': 4, 'ep': 1"):
+        load_experts(out, ParallelConfig(tp_size=4, tp_rank=0))
+    with pytest.raises(LayoutMismatchError, match="round_robin"):
+        load_experts(out, ParallelConfig(2, 0, 2, 0, expert_placement="round_robin"))

@@ -1,0 +1,338 @@
+"""The engine-style load hook: whole per-expert checkpoint tensors in, this rank's fused slice out.
+
+An engine walks the checkpoint and hands every routed-expert tensor, whole, to
+`weight_loader(param, loaded_weight, weight_name, shard_id, expert_id)` (vLLM's
+calling convention). `ExpertLoadHook` keeps the tensors of one (expert,
+projection) in a `TensorStore` until every role the format requires has
+arrived, then reads the rank's slice through the same `read_projection` as
+`load_experts` and writes it with the same `FusedWriter`. Tensors of non-local
+experts are refused before anything is kept or converted.
+
+| shard_id | projection | fused rows                        |
+|----------|------------|-----------------------------------|
+| "w1"     | gate       | w13 rows [0, I_p)                 |
+| "w3"     | up         | w13 rows [I_p, 2*I_p)             |
+| "w2"     | down       | w2, row-parallel along I          |
+
+`ExpertParamMapping` maps a checkpoint name to the fused parameters it feeds in
+O(1) (one regex match, dict lookups).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .checkpoint import CheckpointIndex, TensorRef
+from .errors import FormatError
+from .extract import SourceTensors, check_dropped_role, check_header, read_projection
+from .formats import Role
+from .fused import FusedWriter, Ledger
+from .modelconfig import MoEConfig
+from .names import PROJ_ALIASES, Proj, Source, parse_expert_name
+from .plan import STACKED_SOURCES, LayerPlan, source_tensors
+from .sharding import LayerGeometry
+
+MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
+FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx"}
+
+
+class ShardId(enum.Enum):
+    """vLLM's projection ids, converted to `Proj` at the hook boundary."""
+
+    W1 = "w1"  # gate
+    W3 = "w3"  # up
+    W2 = "w2"  # down
+
+    @property
+    def proj(self) -> Proj:
+        """The logical projection this id names."""
+        return {ShardId.W1: Proj.GATE, ShardId.W3: Proj.UP, ShardId.W2: Proj.DOWN}[self]
+
+    @classmethod
+    def of_proj(cls, proj: Proj) -> "ShardId":
+        """The id of a projection."""
+        return {Proj.GATE: cls.W1, Proj.UP: cls.W3, Proj.DOWN: cls.W2}[proj]
+
+    @classmethod
+    def parse(cls, shard_id: "str | ShardId", weight_name: str) -> "ShardId":
+        """`shard_id` as an enum; FormatError naming the tensor for anything else."""
+        if isinstance(shard_id, ShardId):
+            return shard_id
+        try:
+            return cls(shard_id)
+        except ValueError:
+            raise FormatError(f"{weight_name}: shard_id={shard_id!r} is not a projection id; expected one of "
+                              f"{[s.value for s in cls]} (w1 gate, w3 up, w2 down).") from None
+
+
+def fused_half(proj: Proj) -> str:
+    """'w13' for gate and up, 'w2' for down."""
+    return "w2" if proj is Proj.DOWN else "w13"
+
+
+def default_alias(proj: Proj) -> str:
+    """The first checkpoint module name of a projection (gate_proj, up_proj, down_proj)."""
+    return next(alias for alias, source in PROJ_ALIASES.items() if source.value == proj.value)
+
+
+@dataclass(frozen=True)
+class ParamTarget:
+    """One fused parameter a checkpoint tensor feeds, and the weight_loader arguments for it."""
+
+    param_name: str  # "{experts prefix}.{fused_name}"
+    fused_name: str  # e.g. "w13_qweight"; roles without a fused tensor of their own map to the qweight
+    shard_id: ShardId
+    expert_id: int | None  # global id; None for a tensor stacked over experts
+
+
+class ExpertParamMapping:
+    """Checkpoint tensor name -> the fused parameters it feeds, in O(1) per name.
+
+    Names under another experts prefix (when `prefix` is given), with a suffix the
+    format does not declare, an expert id >= E, a module the quantization config
+    excludes, or stacked sources other than gate_up/down map to ().
+    """
+
+    def __init__(self, moe: MoEConfig, prefix: str | None = None) -> None:
+        self.moe, self.prefix = moe, prefix
+        self._layouts = {layout.suffix: layout for layout in moe.quant.layouts}
+        stored = {Role.QWEIGHT, Role.SCALES} | ({Role.G_IDX} if moe.quant.act_order else set())
+        stored |= set() if moe.quant.symmetric else {Role.ZEROS}
+        self._fused = {(proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}"
+                       if layout.role in stored else f"{fused_half(proj)}_qweight"
+                       for proj in Proj for layout in moe.quant.layouts}
+
+    def __call__(self, name: str) -> tuple[ParamTarget, ...]:
+        """The targets of checkpoint tensor `name`: two for gate_up_proj, one otherwise, () if none."""
+        key = parse_expert_name(name)
+        layout = None if key is None else self._layouts.get(key.suffix)
+        if layout is None or (self.prefix is not None and key.experts_prefix != self.prefix):
+            return ()
+        if key.expert is None and key.source not in STACKED_SOURCES:
+            return ()
+        if (key.expert is not None and key.expert >= self.moe.num_experts) or \
+                not self.moe.quant.modules.covers(key.module_name):
+            return ()
+        return tuple(ParamTarget(f"{key.experts_prefix}.{self._fused[(proj, layout.role)]}",
+                                 self._fused[(proj, layout.role)], ShardId.of_proj(proj), key.expert)
+                     for proj in key.source.projs)
+
+    map_checkpoint_name = __call__
+
+
+def expert_param_mapping(moe: MoEConfig, prefix: str | None = None) -> ExpertParamMapping:
+    """The O(1) name mapping for `moe` (only names under experts prefix `prefix`, when given)."""
+    return ExpertParamMapping(moe, prefix)
+
+
+class TensorReader(Protocol):
+    """What `read_projection` needs: `read(ref, index)` -> `tensor[index]` (CheckpointIndex, TensorStore)."""
+
+    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
+
+
+class TensorStore:
+    """Whole in-memory tensors, read like a CheckpointIndex: `read(ref, index)` is `tensor[index]` on the CPU.
+
+    Each `hold` of a name is matched by one `release`; the tensor is dropped at the last one.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._holds: dict[str, int] = {}
+        self.bytes_read = 0
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def hold(self, ref: TensorRef, tensor: torch.Tensor) -> TensorRef:
+        """Keep `tensor` under `ref.name` until released."""
+        self._tensors[ref.name] = tensor
+        self._holds[ref.name] = self._holds.get(ref.name, 0) + 1
+        return ref
+
+    def release(self, ref: TensorRef) -> None:
+        """Drop one hold of `ref`; the tensor goes with the last."""
+        self._holds[ref.name] -= 1
+        if not self._holds[ref.name]:
+            del self._holds[ref.name], self._tensors[ref.name]
+
+    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
+        """`tensor[index]` (basic slices and ints), on the CPU."""
+        tensor = self._tensors[ref.name]
+        out = (tensor[index] if index else tensor).to("cpu")
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    @classmethod
+    def of(cls, ref: TensorRef, tensor: torch.Tensor) -> "TensorStore":
+        """A store holding one tensor."""
+        store = cls()
+        store.hold(ref, tensor)
+        return store
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What one weight_loader call delivers, resolved from its name and arguments."""
+
+    source: Source
+    role: Role
+    expert: int | None  # None: stacked over experts
+    alias: str  # checkpoint module name of the projection, e.g. gate_proj
+
+
+@dataclass
+class Collected:
+    """The tensors of one (expert, projection) received so far."""
+
+    source: Source
+    expert_row: int | None
+    refs: dict[Role, TensorRef]
+
+
+class ExpertLoadHook:
+    """Collects whole checkpoint tensors of one layer and writes this rank's slice of each projection.
+
+    The ledger records every (expert, projection, role) slot filled, so `Ledger.check`
+    reports what is missing or duplicated. `accept` takes a writer factory, called
+    only for tensors this rank keeps.
+    """
+
+    def __init__(self, prefix: str, moe: MoEConfig, geometry: LayerGeometry, ledger: Ledger, *,
+                 allow_nonfinite: bool = False) -> None:
+        self.prefix, self.moe, self.geometry, self.ledger = prefix, moe, geometry, ledger
+        self.allow_nonfinite = allow_nonfinite
+        self.layouts = {layout.suffix: layout for layout in moe.quant.layouts}
+        self.required = frozenset(lay.role for lay in moe.quant.layouts if moe.quant.required(lay))
+        self.local = frozenset(geometry.experts)
+        self.store = TensorStore()
+        self.pending: dict[tuple[int, Proj], Collected] = {}
+        self.written: dict[tuple[int, Proj], Collected] = {}
+        self.aliases: dict[Proj, tuple[str, bool]] = {}  # proj -> (checkpoint module name, stacked)
+        self.tensors = 0
+        self.bytes_written = 0
+
+    def accept(self, writer: Callable[[], FusedWriter], loaded: torch.Tensor, weight_name: str,
+               shard_id: str | ShardId, expert_id: int | None) -> bool:
+        """Take one whole checkpoint tensor; False (nothing kept or converted) when no local expert needs it."""
+        proj = ShardId.parse(shard_id, weight_name).proj
+        arrival = self._resolve(weight_name, proj, expert_id)
+        experts = tuple(sorted(self.local)) if arrival.expert is None else \
+            ((arrival.expert,) if arrival.expert in self.local else ())
+        if not experts:
+            return False
+        fused = writer()  # fails early when the parameters are not materialised
+        ref = TensorRef(weight_name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype)
+        row = None if arrival.expert is not None else experts[0]
+        check_header(ref, self.moe.quant.layout(arrival.role), self.moe.quant,
+                     source_tensors(self.moe, arrival.source, {arrival.role: ref}, row), self.moe.num_experts)
+        self.aliases[proj] = (arrival.alias, arrival.expert is None)
+        for expert in experts:
+            self._arrive(fused, loaded, ref, expert, proj, arrival)
+        self.tensors += 1
+        return True
+
+    def _resolve(self, weight_name: str, proj: Proj, expert_id: int | None) -> Arrival:
+        """Source, role and expert of a tensor, from its checkpoint name (or a bare suffix and expert_id)."""
+        key = parse_expert_name(weight_name)
+        if key is None:
+            suffix, source, expert, alias = weight_name.rsplit(".", 1)[-1], Source(proj.value), expert_id, None
+        else:
+            suffix, source, expert = key.suffix, key.source, key.expert
+            alias = key.module_name.rsplit(".", 1)[-1]
+            if expert_id is not None and expert_id != key.expert:
+                raise FormatError(f"{weight_name}: expert_id={expert_id} but the name says expert {key.expert} "
+                                  f"(None: stacked over experts); pass the id the name carries.")
+        layout = self.layouts.get(suffix)
+        if layout is None:
+            raise FormatError(f"{weight_name}: suffix {suffix!r} is not a {self.moe.quant.format_name} expert "
+                              f"tensor; expected one of {sorted(self.layouts)}. Pass the checkpoint tensor's own "
+                              f"name as weight_name.")
+        self._check_ids(weight_name, proj, source, expert)
+        return Arrival(source, layout.role, expert, alias or default_alias(proj))
+
+    def _check_ids(self, weight_name: str, proj: Proj, source: Source, expert: int | None) -> None:
+        if proj not in source.projs:
+            raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but the "
+                              f"tensor holds {[p.value for p in source.projs]}; use shard_id "
+                              f"{[ShardId.of_proj(p).value for p in source.projs]}.")
+        if expert is None and source not in STACKED_SOURCES:
+            raise FormatError(f"{weight_name}: no expert id, and only gate_up_proj and down_proj tensors stack "
+                              f"over experts; pass expert_id (0..{self.moe.num_experts - 1}).")
+        if expert is not None and not 0 <= expert < self.moe.num_experts:
+            raise FormatError(f"{weight_name}: expert id {expert} is outside 0..{self.moe.num_experts - 1} "
+                              f"(the config declares {self.moe.num_experts} experts).")
+
+    def _arrive(self, writer: FusedWriter, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
+                arrival: Arrival) -> None:
+        """Record one role of (expert, proj); write the projection once every required role is here."""
+        self.ledger.record(self.prefix, expert, proj, arrival.role, ref.name)
+        key, row = (expert, proj), (expert if arrival.expert is None else None)
+        if key in self.written:
+            self._late(self.written[key], loaded, ref, expert, proj, arrival.role)
+            return
+        entry = self.pending.setdefault(key, Collected(arrival.source, row, {}))
+        if (entry.source, entry.expert_row) != (arrival.source, row):
+            raise FormatError(f"{ref.name}: {self.prefix} expert {expert} {proj.value} already has tensors from "
+                              f"{sorted(r.name for r in entry.refs.values())}; one projection must come from one "
+                              f"source ({entry.source.value} {'stacked' if entry.expert_row is not None else ''}).")
+        if arrival.role in entry.refs:  # a duplicate: the ledger reports it; keep the newest
+            self.store.release(entry.refs[arrival.role])
+        entry.refs[arrival.role] = self.store.hold(ref, loaded)
+        if self.required <= entry.refs.keys():
+            self.write(self.store, writer, expert, proj, source_tensors(self.moe, entry.source, entry.refs, row))
+            for held in entry.refs.values():
+                self.store.release(held)
+            self.written[key] = self.pending.pop(key)
+
+    def _late(self, done: Collected, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
+              role: Role) -> None:
+        """A role for a written projection: a duplicate (the ledger reports it) or an optional tensor to check."""
+        if role in done.refs:
+            return
+        src = source_tensors(self.moe, done.source, {role: ref}, done.expert_row)
+        check_dropped_role(TensorStore.of(ref, loaded), self.moe.quant, src, self.geometry.slice(proj), role)
+        done.refs[role] = ref
+
+    def write(self, reader: TensorReader, writer: FusedWriter, expert: int, proj: Proj, src: SourceTensors) -> None:
+        """Read the rank's slice of one projection through `reader` and write it (shared by every load path)."""
+        self._check_scale_dtype(src, writer)
+        shard = read_projection(reader, self.moe.quant, src, self.geometry.slice(proj),  # type: ignore[arg-type]
+                                allow_nonfinite=self.allow_nonfinite)
+        before = writer.bytes_written
+        writer.write(expert, proj, shard, label=f"{self.prefix}.{expert}.{proj.value}")
+        self.bytes_written += writer.bytes_written - before
+
+    def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:
+        """Scales may widen into the fused dtype (fp16 -> fp32), never round."""
+        half = "w2" if src.source is Source.DOWN else "w13"
+        ref, target = src.tensors[Role.SCALES], writer.staging[f"{half}_scales"].dtype
+        if torch.promote_types(ref.dtype, target) != target:
+            raise FormatError(f"{ref.name}: scales are {ref.dtype} but {self.prefix} stores {target} scales; "
+                              f"converting would round them. Build the module with scale_dtype={ref.dtype}.")
+
+    def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
+        """Read and write every projection of a `plan_layer` plan (the `load_experts` path)."""
+        for (expert, proj), src in sorted(plan.sources.items(), key=lambda kv: (kv[0][0], list(Proj).index(kv[0][1]))):
+            for role, ref in src.tensors.items():
+                self.ledger.record(self.prefix, expert, proj, role, ref.name)
+            self.write(index, writer, expert, proj, src)
+            self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
+            self.tensors += len(src.tensors)
+
+    def missing_names(self, prefix: str) -> list[str]:
+        """Checkpoint names (under `prefix`, e.g. 'model.layers.0.mlp.experts.') of the slots still missing."""
+        names = set()
+        for slot in self.ledger.missing():
+            if slot.prefix != self.prefix:
+                continue
+            proj = Proj(slot.proj)
+            alias, stacked = self.aliases.get(proj, (default_alias(proj), False))
+            suffix = self.moe.quant.layout(Role(slot.role)).suffix
+            names.add(f"{prefix}{alias}.{suffix}" if stacked else f"{prefix}{slot.expert}.{alias}.{suffix}")
+        return sorted(names)
