@@ -251,7 +251,7 @@ import json, resource, sys
 sys.path.insert(0, {here!r})
 import bench
 from wna16_loader import ParallelConfig
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() // 1024  # current RSS, KiB
 result = bench.child_task({mode!r}, {path!r}, {tp}, {rank}, {ep}, {ep_rank})
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({{"before_kib": before, "peak_kib": after}}))
@@ -269,7 +269,7 @@ def child_task(mode: str, path: str, tp: int, rank: int, ep: int, ep_rank: int) 
 
 
 def run_child(mode: str, path: Path, tp: int = 1, rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
-    """Run one load in a fresh interpreter; its ru_maxrss before and after, in KiB."""
+    """Run one load in a fresh interpreter; its RSS just before the load and its ru_maxrss after, in KiB."""
     code = CHILD.format(here=str(Path(__file__).parent), mode=mode, path=str(path), tp=tp, rank=rank, ep=ep,
                         ep_rank=ep_rank)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

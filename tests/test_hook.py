@@ -428,6 +428,10 @@ def test_load_state_dict_complete_and_fused_round_trip(checkpoints: Callable[...
     result = again.load_state_dict(model.state_dict(), strict=True)  # fused names load as plain parameters
     assert not result.missing_keys and not result.unexpected_keys
     assert_equal_to_load_experts(again, folder, parallel)
+    other_rank, _ = model_for(folder, ParallelConfig(tp_size=2, tp_rank=0, ep_size=2, ep_rank=0))
+    install_load_hook(other_rank)
+    with pytest.raises(LayoutMismatchError, match=r"holds experts \[2, 3\] but this rank owns \[0, 1\]"):
+        other_rank.load_state_dict(model.state_dict(), strict=True)
 
 
 def test_install_load_hook_needs_modules() -> None:

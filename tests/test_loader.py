@@ -406,6 +406,10 @@ def test_shared_experts_router_dense_left_alone(tmp_path, monkeypatch):
     read_names = {name for name, _ in reads}
     assert read_names and all(re.match(r"model\.layers\.[12]\.mlp\.experts\.\d+\.", n) for n in read_names)
     assert not read_names & others
+    non_expert = {n for n in names if ".experts." not in n or ".shared_experts." in n}
+    assert set(loaded.ignored) == non_expert and others <= set(loaded.ignored)
+    assert loaded.report.ignored == len(non_expert)
+    assert f"{len(non_expert)} non-expert tensors left alone" in str(loaded.report)
 
 
 EP_FILTER_CASES = [("gptq", 4, 32, False, True), ("compressed-tensors", 4, 32, False, True),

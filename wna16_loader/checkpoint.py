@@ -100,13 +100,25 @@ class CheckpointIndex:
         return tensor
 
 
+def _allowed_roots(folder: Path) -> tuple[Path, ...]:
+    """Where a shard file may really live: the folder, and for a Hugging Face cache snapshot
+    (`<repo>/snapshots/<rev>/`, whose files are symlinks into `<repo>/blobs/`) that blobs folder."""
+    roots = [folder.resolve()]
+    if folder.resolve().parent.name == "snapshots":
+        roots.append(folder.resolve().parent.parent / "blobs")
+    return tuple(roots)
+
+
 def _inside(folder: Path, entry: str) -> Path:
-    """`folder / entry`, refusing entries that leave the folder."""
+    """`folder / entry`, refusing entries (or symlinks) that leave the folder."""
     path = Path(entry)
     resolved = (folder / path).resolve()
-    if path.is_absolute() or ".." in path.parts or not resolved.is_relative_to(folder.resolve()):
+    if path.is_absolute() or ".." in path.parts:
         raise CheckpointError(f"{folder / INDEX_FILE}: entry {entry!r} points outside the checkpoint folder "
                               f"{folder}; refusing to read it.")
+    if not any(resolved.is_relative_to(root) for root in _allowed_roots(folder)):
+        raise CheckpointError(f"{folder / entry}: a symlink to {resolved}, outside the checkpoint folder {folder}; "
+                              f"refusing to read it. Copy the file into the folder.")
     return resolved
 
 
@@ -122,6 +134,8 @@ def _shard_files(folder: Path) -> list[str]:
                 raise CheckpointError(f"{index_path}: names {file!r}, which does not exist in {folder}.")
         return files
     files = sorted(p.name for p in folder.glob("*.safetensors"))
+    for file in files:
+        _inside(folder, file)
     if files:
         return files
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)

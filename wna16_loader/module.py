@@ -130,12 +130,15 @@ class FusedMoEExperts(nn.Module):
 
     def _after_move(self) -> None:
         """Re-attach the weight loaders (moves may replace parameters) and fill expert_ids."""
-        self._writer = None
-        for param in self.parameters(recurse=False):
-            param.weight_loader = self.weight_loader
+        self._attach_loaders()
         if not self.expert_ids.is_meta:
             with torch.no_grad():
                 self.expert_ids.copy_(torch.tensor(self.spec.experts, dtype=torch.int32))
+
+    def _attach_loaders(self) -> None:
+        self._writer = None
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
 
     def _fused_writer(self) -> FusedWriter:
         """A FusedWriter whose staging tensors are this module's parameters."""
@@ -215,6 +218,11 @@ class FusedMoEExperts(nn.Module):
         """load_state_dict post-hook: report missing checkpoint names instead of fused parameter names."""
         prefix, consumed = self._load_call or ("", 0)
         self._load_call = None
+        self._attach_loaders()  # assign=True replaces parameters
+        if not self.expert_ids.is_meta and self.expert_ids.tolist() != list(self.spec.experts):
+            raise LayoutMismatchError(f"{prefix}expert_ids: the state dict holds experts {self.expert_ids.tolist()} "
+                                      f"but this rank owns {list(self.spec.experts)}; load the fused state dict "
+                                      f"saved by the same rank of the same ParallelConfig.")
         if not consumed:
             return
         fused = {prefix + name for name in self._parameters}
