@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -10,15 +9,12 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointIndex
-from .extract import read_projection
 from .fused import FusedExperts, FusedWriter, Ledger
+from .hook import ExpertLoadHook
+from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
-from .names import Proj
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, LayerPlan, plan_layers
-
-log = logging.getLogger("wna16_loader")
-
 
 @dataclass(frozen=True)
 class LoadReport:
@@ -86,18 +82,14 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
                                tensors=tensors, bytes_read=bytes_read, bytes_written=written,
                                seconds=time.perf_counter() - start, ignored=len(scan.others))
     result.ignored = scan.others
-    log.info("rank %d (tp %d/%d, ep %d/%d): %s", parallel.rank, parallel.tp_rank, parallel.tp_size,
-             parallel.ep_rank, parallel.ep_size, result.report)
+    rank_logger(parallel).info("loaded: %s", result.report)
     return result
 
 
 def _load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
                 allow_nonfinite: bool) -> tuple[FusedExperts, int, int]:
-    """Read, convert and write every local projection of one layer."""
+    """Read, convert and write every local projection of one layer (the hook's own write path)."""
     writer = FusedWriter(plan.prefix, plan.fused, device)
-    tensors = 0
-    for (expert, proj), src in sorted(plan.sources.items(), key=lambda kv: (kv[0][0], list(Proj).index(kv[0][1]))):
-        shard = read_projection(index, moe.quant, src, plan.geometry.slice(proj), allow_nonfinite=allow_nonfinite)
-        writer.write(expert, proj, shard, label=f"{plan.prefix}.{expert}.{proj.value}")
-        tensors += len(src.tensors)
-    return writer.finish(), tensors, writer.bytes_written
+    hook = ExpertLoadHook(plan.prefix, moe, plan.geometry, Ledger(), allow_nonfinite=allow_nonfinite)
+    hook.load_plan(index, writer, plan)
+    return writer.finish(), hook.tensors, writer.bytes_written

@@ -15,7 +15,6 @@ underneath (`ExpertLoadHook.write` -> `read_projection` -> `FusedWriter`):
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,12 +29,12 @@ from .errors import CompletenessError, FormatError, LayoutMismatchError, format_
 from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
 from .hook import ExpertLoadHook, ExpertParamMapping, ParamTarget, ShardId
 from .loader import LoadReport
+from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
 from .names import Proj
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, LayerPlan, expect_projection, layer_geometry, plan_layers
 
-log = logging.getLogger("wna16_loader")
 
 
 class Activation(enum.Enum):
@@ -46,20 +45,6 @@ class Activation(enum.Enum):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.silu(x) if self is Activation.SILU else F.gelu(x, approximate="tanh")
-
-
-class RankLogger(logging.LoggerAdapter):
-    """Prefixes every message with the rank, e.g. `[rank 3 tp 1/2 ep 1/2]`."""
-
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, MutableMapping[str, Any]]:
-        return f"[{self.extra['rank']}] {msg}", kwargs
-
-
-def rank_logger(parallel: ParallelConfig) -> RankLogger:
-    """The package logger, prefixed with `parallel`'s rank."""
-    tag = (f"rank {parallel.rank} tp {parallel.tp_rank}/{parallel.tp_size} "
-           f"ep {parallel.ep_rank}/{parallel.ep_size}")
-    return RankLogger(log, {"rank": tag})
 
 
 def _registers_on_meta() -> bool:
