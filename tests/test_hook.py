@@ -534,3 +534,26 @@ def test_forward_checks_inputs(checkpoints: Callable[..., Path]) -> None:
     with pytest.raises(FormatError, match="topk_ids"):
         module(hidden, ids[:, :1], weights)
     assert reference_forward(module.dequantize(), (), hidden, ids, weights, Activation.SILU).abs().sum() == 0
+
+
+def test_load_model_experts_from_a_presharded_output(tmp_path):
+    """load_model_experts reads a wna16-shard output directly and equals a load from the source."""
+    from torch import nn
+
+    from wna16_loader import FusedMoEExperts, ParallelConfig, load_experts, load_model_experts, read_moe_config
+    from wna16_loader.preshard import preshard_checkpoint
+    from wna16_loader.synthetic import quant_config, write_checkpoint
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_checkpoint(src, quant_config("gptq", bits=4, group_size=32, act_order=True), hidden=64, intermediate=64)
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False)
+    moe = read_moe_config(src)
+    for parallel in ParallelConfig.all_ranks(tp_size=2, ep_size=2):
+        model = nn.Module()
+        model.experts = FusedMoEExperts(moe, moe.experts_prefixes[0], parallel)
+        report = load_model_experts(model, out, parallel)
+        direct = load_experts(src, parallel)[moe.experts_prefixes[0]]
+        assert report.layers == 1
+        for name, tensor in direct.tensors.items():
+            assert torch.equal(getattr(model.experts, name), tensor), name
+        assert model.experts.ledger_report() == []

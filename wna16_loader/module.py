@@ -28,7 +28,8 @@ from .checkpoint import CheckpointIndex
 from .errors import CompletenessError, FormatError, LayoutMismatchError, format_offenders
 from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
 from .hook import ExpertLoadHook, ExpertParamMapping, ParamTarget, ShardId
-from .loader import LoadReport
+from .loader import LoadReport, load_experts
+from .preshard import is_presharded
 from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
 from .names import Proj
@@ -162,6 +163,17 @@ class FusedMoEExperts(nn.Module):
                                       f"and the same ParallelConfig.")
         with torch.no_grad():
             self.hook.load_plan(index, self._fused_writer(), plan)
+
+    def load_fused(self, fused: FusedExperts, *, source: str) -> None:
+        """Copy an already fused layer (e.g. from a wna16-shard output) into the parameters; fills the ledger."""
+        if fused.spec != self.spec:
+            raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {fused.spec} but the module was built "
+                                      f"as {self.spec}; build it with the ParallelConfig the output was sharded for.")
+        with torch.no_grad():
+            for name, tensor in fused.tensors.items():
+                getattr(self, name).copy_(tensor)
+        for slot in self.ledger.missing():
+            self.ledger.written.setdefault(slot, []).append(f"{source}:{self.prefix}")
 
     def ledger_report(self) -> list[str]:
         """Every missing, duplicated or unexpected slot so far (empty when complete)."""
@@ -321,6 +333,8 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     start = time.perf_counter()
     modules = experts_modules(model)
     _check_parallel(modules, parallel)
+    if is_presharded(checkpoint_folder):
+        return _load_presharded_into(modules, checkpoint_folder, parallel)
     moe, ledger = read_config_files(checkpoint_folder), Ledger()
     with CheckpointIndex(checkpoint_folder) as index:
         scan = CheckpointScan.of(index)
@@ -339,6 +353,22 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
                         seconds=time.perf_counter() - start, ignored=len(scan.others))
     rank_logger(parallel).info("loaded into the model: %s", report)
     return report
+
+
+def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Path,
+                          parallel: ParallelConfig) -> LoadReport:
+    """Fill the modules from a wna16-shard output: the rank's fused tensors, copied as they are."""
+    layers = load_experts(folder, parallel)
+    problems = [f"output layer {p} has no FusedMoEExperts in the model" for p in sorted(set(layers) - set(modules))]
+    problems += [f"module {p} is not in the pre-sharded output" for p in sorted(set(modules) - set(layers))]
+    if problems:
+        raise CompletenessError(f"{folder}: the model's FusedMoEExperts and the output's MoE layers differ:\n"
+                                f"{format_offenders(problems)}")
+    for prefix, fused in layers.items():
+        modules[prefix].load_fused(fused, source=str(folder))
+        modules[prefix].check_complete()
+    rank_logger(parallel).info("loaded pre-sharded output into the model: %s", layers.report)
+    return layers.report
 
 
 def _check_parallel(modules: dict[str, FusedMoEExperts], parallel: ParallelConfig) -> None:
