@@ -104,6 +104,14 @@ def _storage_index(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
 def read_role(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref: TensorRef,
               spans: dict[Dim, Span], row: int | None) -> torch.Tensor:
     """Read the part of one role tensor covering `spans`, unpacked, in canonical dim order."""
+    tensor = _read_values(index, spec, layout, ref, spans, row)
+    order = [layout.dims.index(d) for d in CANONICAL[layout.role]]
+    return tensor.permute(order) if len(order) > 1 else tensor
+
+
+def _read_values(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref: TensorRef,
+                 spans: dict[Dim, Span], row: int | None) -> torch.Tensor:
+    """Read the part of one role tensor covering `spans`, unpacked and trimmed, in storage dim order."""
     storage, trims = _storage_index(layout, spans, spec.pack_factor, row)
     tensor = index.read(ref, storage)
     if layout.packed is not None:
@@ -112,8 +120,7 @@ def read_role(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref
         axis = layout.dims.index(layout.packed)
         tensor = unpack_words(tensor, bits=spec.bits, dim=axis, slot_order=layout.slot_order)
         tensor = tensor.narrow(axis, trims[layout.packed], len(spans[layout.packed]))
-    order = [layout.dims.index(d) for d in CANONICAL[layout.role]]
-    return tensor.permute(order) if len(order) > 1 else tensor
+    return tensor
 
 
 def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span], torch.Tensor]:
@@ -180,8 +187,9 @@ def _read_qweight(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, s
         axis = layout.dims.index(Dim.K)
         order = [layout.dims.index(Dim.N), axis]
         return words_as_bytes(words.permute(order), dim=1)
-    values = read_role(index, spec, layout, ref, spans, src.expert_row)
-    return pack_bytes(values, bits=spec.bits, dim=1)
+    values = _read_values(index, spec, layout, ref, spans, src.expert_row)  # storage dim order
+    packed = pack_bytes(values, bits=spec.bits, dim=layout.dims.index(Dim.K))  # pack before transposing
+    return packed.permute([layout.dims.index(Dim.N), layout.dims.index(Dim.K)])
 
 
 def _check_shape_tensor(shape: torch.Tensor | None, src: SourceTensors) -> None:

@@ -55,8 +55,9 @@ def unpack_words(words: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[
     values = unpack_bytes(moved, bits=bits, dim=-1)  # [..., W*P], slot order within each word
     if slot_order is not None:
         shape = values.shape
-        values = values.reshape(*shape[:-1], shape[-1] // per_word, per_word)[..., _inverse(slot_order, per_word)]
-        values = values.reshape(shape)
+        slots = values.reshape(*shape[:-1], shape[-1] // per_word, per_word)
+        index = torch.tensor(_inverse(slot_order, per_word), device=words.device)
+        values = torch.index_select(slots, -1, index).reshape(shape)
     return values.movedim(-1, dim)
 
 
@@ -107,16 +108,22 @@ def pack_words(values: torch.Tensor, *, bits: int, dim: int, slot_order: tuple[i
 def pack_bytes(values: torch.Tensor, *, bits: int, dim: int) -> torch.Tensor:
     """The fused byte packing along `dim`: 4-bit byte j = v[2j] + 16 * v[2j+1]; 8-bit as is.
 
+    Works in place along any dim (no transposition), so packing along the
+    outer dim of a row-major tensor stays a pass over whole rows.
+
     | in  | values [..., L, ...] uint8    |
     | out | bytes  [..., L*b/8, ...] uint8 |
     """
     if bits == 8:
         return values.to(torch.uint8)
-    moved = values.movedim(dim, -1).to(torch.uint8)
-    if moved.shape[-1] % 2:
-        raise AssertionError(f"4-bit byte packing needs an even length, got {moved.shape[-1]}")
-    packed = torch.bitwise_or(moved[..., 0::2], torch.bitwise_left_shift(moved[..., 1::2], 4))
-    return packed.movedim(-1, dim)
+    dim = dim % values.ndim
+    if values.shape[dim] % 2:
+        raise AssertionError(f"4-bit byte packing needs an even length, got {values.shape[dim]}")
+    even = [slice(None)] * values.ndim
+    odd = list(even)
+    even[dim], odd[dim] = slice(0, None, 2), slice(1, None, 2)
+    values = values.to(torch.uint8)
+    return torch.bitwise_or(values[tuple(even)], torch.bitwise_left_shift(values[tuple(odd)], 4))
 
 
 def unpack_bytes(packed: torch.Tensor, *, bits: int, dim: int) -> torch.Tensor:
