@@ -36,7 +36,7 @@ def test_help_explains_every_option() -> None:
     run = cli("--help", script=True)
     assert run.returncode == 0
     for option in ("--tp", "--ep", "--placement", "--max-file-size", "--resume", "--verify", "--dry-run",
-                   "--quiet", "--layout", "examples:", "wna16-shard verify"):
+                   "--quiet", "--layout", "--workers", "examples:", "wna16-shard verify"):
         assert option in run.stdout, option
 
 
@@ -70,8 +70,8 @@ def test_bad_usage_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 
 def test_in_process_codes(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    assert main([str(source), str(out), "--tp", "2", "--layout", "checkpoint"]) == 2
-    assert "not implemented yet" in capsys.readouterr().err
+    assert main([str(source), str(out), "--tp", "4", "--layout", "checkpoint"]) == 2  # I/tp = 16 < G = 32
+    assert "--layout checkpoint cannot slice at tp=4" in capsys.readouterr().err and not out.exists()
     assert main([str(source), str(out), "--tp", "2", "--dry-run"]) == 0
     assert "G_eff" in capsys.readouterr().out and not out.exists()
     assert main([str(source), str(out), "--tp", "3"]) == 2
@@ -91,3 +91,13 @@ def test_parse_size() -> None:
     assert parse_size("4GB") == 4 * 2**30 and parse_size("512MiB") == 512 * 2**20 and parse_size("1000") == 1000
     with pytest.raises(argparse.ArgumentTypeError):
         parse_size("lots")
+
+
+def test_checkpoint_layout_with_workers(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--tp", "2", "--ep", "2", "--layout", "checkpoint", "--workers", "2",
+                 "--quiet", "--verify"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["verify", str(out), "--source", str(source)]) == 0
+    assert main([str(source), str(tmp_path / "o2"), "--tp", "2", "--workers", "0"]) == 2
+    assert "workers=0: must be at least 1" in capsys.readouterr().err

@@ -21,6 +21,8 @@ examples:
   wna16-shard ./Mixtral-AWQ ./out --tp 2 --ep 4 --placement round_robin --max-file-size 2GB
   wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
+  wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
+  wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
 
 Load the result with load_experts(OUT, ParallelConfig(...)) using the same tp/ep/placement.
@@ -64,8 +66,11 @@ def shard_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-file-size", type=parse_size, default=4 * 2**30, metavar="SIZE",
                    help="largest output file, split by tensor, e.g. 4GB (default), 512MB, 1000000")
     p.add_argument("--layout", choices=["fused", "checkpoint"], default="fused",
-                   help="output layout: fused (default); checkpoint (per-expert source format) is not "
-                        "implemented yet")
+                   help="output layout: fused (default; load_experts reads it) or checkpoint (every source expert "
+                        "tensor keeps its name, dtype and format, sliced for the rank; only when the cuts fall on "
+                        "int32-word and group boundaries)")
+    p.add_argument("--workers", type=int, default=1, metavar="K",
+                   help="write K folders (ranks, common/) in parallel processes (default 1); output is identical")
     p.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo the "
                                                           "rest of an interrupted run")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
@@ -111,12 +116,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    if args.layout != "fused":
-        print("wna16-shard: error: --layout checkpoint is not implemented yet; use --layout fused", file=sys.stderr)
-        return 2
     summary = preshard_checkpoint(args.src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
-                                  dry_run=args.dry_run, progress=not args.quiet)
+                                  dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
+                                  workers=args.workers)
     if args.dry_run:
         print(describe_plan(summary.plan))
         return 0

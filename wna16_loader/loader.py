@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointIndex
+from .errors import CheckpointError
 from .fused import FusedExperts, FusedWriter, Ledger
 from .hook import ExpertLoadHook
 from .logs import rank_logger
@@ -63,6 +64,10 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     if (Path(path) / "wna16_manifest.json").is_file():  # a wna16-shard output: load the rank's files as-is
         from .preshard import load_presharded  # local import: preshard imports this module
         return load_presharded(path, parallel, device=device)
+    if (Path(path) / ".wna16-plan.json").is_file():  # a wna16-shard output that never finished
+        raise CheckpointError(f"{path}: an unfinished wna16-shard output (.wna16-plan.json but no "
+                              f"wna16_manifest.json); finish it with wna16-shard SRC {path} ... --resume, "
+                              f"or load the source checkpoint.")
     start = time.perf_counter()
     moe = read_config_files(path)
     ledger = Ledger()

@@ -6,6 +6,7 @@ Output folder OUT (W = tp * ep ranks, rank r = ep_rank * tp + tp_rank):
 |----------------------------------------|-----------------------------------------------------|
 | .wna16-plan.json                       | parameters + source fingerprint (written first)     |
 | rank-{r:05d}-of-{W:05d}/*.safetensors  | `{experts_prefix}.{fused name}` of rank r's load    |
+|                                        | (--layout checkpoint: source tensors, sliced)       |
 | common/*.safetensors                   | every non-routed-expert tensor, bytes unchanged     |
 | config.json, tokenizer*, ...           | small non-safetensors files of the source, copied   |
 | wna16_manifest.json                    | hashes, layout, source account (written last)       |
@@ -13,22 +14,27 @@ Output folder OUT (W = tp * ep ranks, rank r = ep_rank * tp + tp_rank):
 Every file is written under a temporary name, fsynced and renamed; `.wna16-done.jsonl`
 journals finished files so `resume=True` redoes only the rest. Output is deterministic
 (sorted tensors, fixed metadata, no timestamps), so a resumed run is byte-identical to a
-clean one. Rank tensors come from `load_experts` itself: no conversion is re-implemented.
+clean one. Fused rank tensors come from the loader's own per-layer path (`loader._load_layer`), one
+layer at a time, so memory does not grow with the layer count; --layout checkpoint slices come from
+`presliced` (the loader's storage index computation). `workers` > 1 writes folders in a process pool.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -36,10 +42,11 @@ from safetensors import safe_open
 from .checkpoint import DTYPES, INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex
 from .errors import CheckpointError, CompletenessError, LayoutMismatchError, PreshardError, WNA16Error, format_offenders
 from .fused import FusedExperts, FusedSpec, Ledger
-from .loader import LoadedExperts, LoadReport, load_experts
+from .loader import LoadedExperts, LoadReport, _load_layer, load_experts
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, plan_layers
+from .presliced import SlicedTensor, materialize, slice_layer
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "wna16_manifest.json"
@@ -51,6 +58,14 @@ HEADER_BYTES_PER_TENSOR = 256  # safetensors JSON header estimate per tensor, fo
 COPY_LIMIT = 64 * 2**20  # non-safetensors files up to this size are copied to OUT
 KILL_AFTER_FILES = 0  # test hook: when > 0, SIGKILL this process after that many files (simulates kill -9)
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+LAYOUTS = ("fused", "checkpoint")
+ERRNO_FIXES = {errno.ENOSPC: "free disk space or choose an output folder on a larger disk, then re-run with --resume",
+               errno.EDQUOT: "raise the disk quota or free space, then re-run with --resume",
+               errno.EFBIG: "raise the file size limit (ulimit -f) or use a smaller --max-file-size, then re-run "
+                            "with --resume",
+               errno.EACCES: "make the output folder writable (chmod u+w) or choose another one",
+               errno.EPERM: "make the output folder writable (chmod u+w) or choose another one",
+               errno.EROFS: "the file system is read-only; choose an output folder on a writable one"}
 
 
 # ---------------------------------------------------------------- plan (headers only)
@@ -72,11 +87,13 @@ class FilePlan:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One rank's parallel config, fused layer specs and output files."""
+    """One rank's parallel config, fused layer specs and output files (and, for --layout checkpoint,
+    the sliced source tensors of every file, by name)."""
 
     parallel: ParallelConfig
     layers: dict[str, FusedSpec]
     files: tuple[FilePlan, ...]
+    sliced: dict[str, SlicedTensor] = field(default_factory=dict)
 
     @property
     def folder(self) -> str:
@@ -108,44 +125,56 @@ def rank_folder(rank: int, world: int) -> str:
 
 
 def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str = "linear",
-              max_file_size: int = 4 * 2**30) -> ShardPlan:
-    """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers."""
+              max_file_size: int = 4 * 2**30, layout: str = "fused") -> ShardPlan:
+    """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers.
+
+    layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
+    fall on word and group boundaries.
+    """
     src = Path(src)
     if max_file_size < 1:
         raise PreshardError(f"max_file_size={max_file_size}: must be a positive number of bytes, e.g. 4GB.")
+    if layout not in LAYOUTS:
+        raise PreshardError(f"layout={layout!r}: unknown; use one of {list(LAYOUTS)}.")
     placement = ParallelConfig(1, 0, expert_placement=placement).expert_placement.value
     moe = read_config_files(src)
     with CheckpointIndex(src) as index:
         scan = CheckpointScan.of(index)
-        ranks, expert_sources = _plan_ranks(index, moe, tp_size, ep_size, placement, max_file_size)
+        ranks, expert_sources = _plan_ranks(index, moe, (tp_size, ep_size, placement), max_file_size, layout)
         common_sizes = {name: index.refs[name].nbytes for name in scan.others}
         _check_account(index, scan, expert_sources)
         fingerprint = source_fingerprint(src, index.files)
-    params = {"layout": "fused", "tp": tp_size, "ep": ep_size, "placement": placement,
+    params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
               "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION}
     return ShardPlan(source=src, params=params, fingerprint=fingerprint, quant=_quant_summary(moe, ranks),
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src))
 
 
-def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, tp: int, ep: int, placement: str,
-                max_file_size: int) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
+def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, grid: tuple[int, int, str], max_file_size: int,
+                layout: str) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
     """Plan every rank with plan_layers; note which source tensors feed which ranks."""
     ranks, feeds = [], {}
+    tp, ep, placement = grid
     for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep, expert_placement=placement):
         ledger = Ledger()
         plans = plan_layers(index, moe, parallel, ledger)
         ledger.check()
         sizes: dict[str, int] = {}
+        sliced: dict[str, SlicedTensor] = {}
         for plan in plans:
-            for name, (shape, dtype) in plan.fused.shapes().items():
-                sizes[f"{plan.prefix}.{name}"] = _numel(shape) * dtype.itemsize
+            if layout == "checkpoint":
+                sliced.update(slice_layer(moe.quant, plan))
+            else:
+                sizes.update({f"{plan.prefix}.{name}": _numel(shape) * dtype.itemsize
+                              for name, (shape, dtype) in plan.fused.shapes().items()})
             for src in plan.sources.values():
                 for ref in src.tensors.values():
                     feeds.setdefault(ref.name, set()).add(parallel.rank)
+        sizes.update({name: t.nbytes for name, t in sliced.items()})
         folder = rank_folder(parallel.rank, parallel.world_size)
         ranks.append(RankPlan(parallel, {p.prefix: p.fused for p in plans},
-                              split_files(folder, sizes, max_file_size)))
+                              split_files(folder, sizes, max_file_size), sliced))
     return tuple(ranks), {name: tuple(sorted(r)) for name, r in sorted(feeds.items())}
 
 
@@ -221,7 +250,7 @@ def describe_plan(plan: ShardPlan) -> str:
     """A human-readable plan: layout, G_eff per layer, files and bytes per rank."""
     p = plan.params
     lines = [f"source: {plan.source}",
-             f"layout: fused, tp={p['tp']} ep={p['ep']} placement={p['placement']} -> {len(plan.ranks)} ranks, "
+             f"layout: {p['layout']}, tp={p['tp']} ep={p['ep']} placement={p['placement']} -> {len(plan.ranks)} ranks, "
              f"max file size {p['max_file_size']} bytes",
              f"quantization: {plan.quant['format']} {plan.quant['bits']}-bit group {plan.quant['group_size']} "
              f"sym={plan.quant['sym']} act_order={plan.quant['act_order']}"]
@@ -257,8 +286,9 @@ def _commit(tmp: Path, final: Path) -> None:
 def write_json_atomic(path: Path, data: Any) -> None:
     """Write JSON (stable formatting) through a temporary file, fsync and rename."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    _commit(tmp, path)
+    with _writing(path, tmp):
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        _commit(tmp, path)
 
 
 def sha256_file(path: Path) -> str:
@@ -291,6 +321,8 @@ def output_lock(out: Path) -> Iterator[None]:
                 raise PreshardError(f"{path}: another wna16-shard run (pid {holder}) is writing into {out}; wait "
                                     f"for it to finish, or delete the lock file if that process is gone.") from None
             path.unlink(missing_ok=True)  # stale: its process died (e.g. killed); resume is safe
+        except OSError as exc:
+            raise write_error(path, exc) from None
     else:
         raise PreshardError(f"{path}: could not create the lock file; delete it and retry.")
     os.write(fd, f"{os.getpid()}\n".encode())
@@ -384,22 +416,29 @@ class ShardSummary:
 
 def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_size: int = 1,
                         placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
-                        verify: bool = False, dry_run: bool = False, progress: bool = True) -> ShardSummary:
-    """Write every rank's fused expert tensors of `src` into `out` (see the module docstring).
+                        verify: bool = False, dry_run: bool = False, progress: bool = True,
+                        layout: str = "fused", workers: int = 1) -> ShardSummary:
+    """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
-    dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
+    layout: "fused" (load_experts' tensors) or "checkpoint" (source tensors sliced per rank, source names
+    and format). dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
     verify: re-read the output and compare it with the source; problems land in the summary.
-    Raises a WNA16Error subclass on bad input, a locked or foreign `out`, or changed parameters.
+    workers: folders written in parallel processes (output identical to workers=1).
+    Raises a WNA16Error subclass on bad input, a locked or foreign `out`, changed parameters or a failed write.
     """
-    plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size)
     out = Path(out)
+    _check_out_not_in_source(Path(src), out)
+    if workers < 1:
+        raise PreshardError(f"workers={workers}: must be at least 1, e.g. --workers 4.")
+    plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
+                     layout=layout)
     if dry_run:
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
-    out.mkdir(parents=True, exist_ok=True)
+    _make_dir(out)
     with output_lock(out):
         _check_existing(out, plan)
         journal = _start(out, plan, resume)
-        summaries = _write_all(out, plan, journal, progress)
+        summaries = _write_all(out, plan, journal, progress, workers)
         records = {rec["path"]: rec for rec in journal.values()}
         for name in plan.copied:
             _copy_file(plan.source / name, out / name)
@@ -407,6 +446,50 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         (out / JOURNAL_NAME).unlink(missing_ok=True)
     problems = tuple(verify_output(out, source=plan.source)) if verify else ()
     return ShardSummary(out=out, plan=plan, ranks=summaries, problems=problems)
+
+
+def _check_out_not_in_source(src: Path, out: Path) -> None:
+    """OUT must not lie inside SRC (its files would be read back as checkpoint shards)."""
+    if out.resolve() == src.resolve() or out.resolve().is_relative_to(src.resolve()):
+        raise PreshardError(f"{out}: the output folder is inside the source folder {src}; its safetensors files "
+                            f"would be mistaken for checkpoint shards. Choose an output folder outside {src}.")
+
+
+def _make_dir(folder: Path) -> None:
+    with _writing(folder):
+        folder.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def _writing(path: Path, tmp: Path | None = None) -> Iterator[None]:
+    """Turn an OSError while writing `path` into a PreshardError naming it, its errno and the fix
+    (the temporary file `tmp` is removed)."""
+    try:
+        yield
+    except OSError as exc:
+        if tmp is not None:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+        raise write_error(path, exc) from None
+
+
+def write_error(path: Path, exc: OSError) -> PreshardError:
+    """The PreshardError for an OSError while writing `path`: errno text and the fix."""
+    fix = ERRNO_FIXES.get(exc.errno, "check the output folder and disk, then re-run with --resume")
+    name = errno.errorcode.get(exc.errno, "?") if exc.errno else "?"
+    return PreshardError(f"{path}: write failed: {exc.strerror or exc} ({name}); {fix}. No manifest was "
+                         f"written, so the output is marked unfinished.")
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file of OUT, or a PreshardError saying it is corrupt and what to do."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise PreshardError(f"{path}: corrupt ({type(exc).__name__}: {exc}); it cannot be trusted to resume "
+                            f"from. Delete {path.parent} and run wna16-shard again without --resume.") from None
 
 
 def plan_record(plan: ShardPlan) -> dict[str, Any]:
@@ -423,7 +506,7 @@ def _check_existing(out: Path, plan: ShardPlan) -> None:
     recorded = None
     for name in (PLAN_NAME, MANIFEST_NAME):
         if (out / name).is_file():
-            recorded = json.loads((out / name).read_text(encoding="utf-8"))
+            recorded = _read_json(out / name)
             break
     if recorded is None:
         raise PreshardError(f"{out}: not empty ({sorted(entries)[:5]}) and holds no {PLAN_NAME} or {MANIFEST_NAME}; "
@@ -468,62 +551,99 @@ def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
     kept: dict[str, dict[str, Any]] = {}
     lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
     if (out / MANIFEST_NAME).is_file():  # a finished run: its manifest records every file
-        manifest = json.loads((out / MANIFEST_NAME).read_text(encoding="utf-8"))
-        files = manifest["common"]["files"] + [f for rank in manifest["ranks"] for f in rank["files"]]
+        manifest = _read_json(out / MANIFEST_NAME)
+        try:
+            files = manifest["common"]["files"] + [f for rank in manifest["ranks"] for f in rank["files"]]
+        except (KeyError, TypeError):
+            raise PreshardError(f"{out / MANIFEST_NAME}: corrupt (no common/ranks file lists); delete {out} and run "
+                                f"wna16-shard again without --resume.") from None
         lines += [json.dumps(rec) for rec in files]
     for line in lines:
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a kill
+            path, tensors, digest = rec["path"], sorted(rec["tensors"]), rec["sha256"]
+        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: redo that file
             continue
-        file = out / rec["path"]
-        if planned.get(rec["path"]) == sorted(rec["tensors"]) and file.is_file() and sha256_file(file) == rec["sha256"]:
-            kept[rec["path"]] = rec
+        file = out / path
+        if planned.get(path) == tensors and file.is_file() and sha256_file(file) == digest:
+            kept[path] = rec
     return kept
 
 
 def _append_journal(out: Path, record: dict[str, Any]) -> None:
-    with open(out / JOURNAL_NAME, "a", encoding="utf-8") as handle:
-        handle.write(json.dumps(record) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    """One line per finished file, in one O_APPEND write (whole lines even with --workers)."""
+    with _writing(out / JOURNAL_NAME):
+        fd = os.open(out / JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
-def _write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]],
-               progress: bool) -> tuple[RankSummary, ...]:
-    """Write common/ then every rank; journaled files are kept."""
+def _write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], progress: bool,
+               workers: int = 1) -> tuple[RankSummary, ...]:
+    """Write common/ then every rank (in `workers` processes when > 1); journaled files are kept."""
     meter = Progress(sum(f.nbytes for f in plan.all_files()), progress)
-    state = {"written": 0, "kill_after": KILL_AFTER_FILES}
+    groups = [None] + list(range(len(plan.ranks)))
     try:
-        summaries = [_write_group(out, plan, COMMON_DIR, plan.common, None, journal, meter, state)]
-        for rank in plan.ranks:
-            summaries.append(_write_group(out, plan, rank.folder, rank.files, rank.parallel, journal, meter, state))
+        if workers <= 1:
+            state = {"written": 0, "kill_after": KILL_AFTER_FILES}
+            results = [_write_group(out, plan, g, journal, state, meter.advance) for g in groups]
+        else:
+            results = _write_parallel(out, plan, groups, journal, workers)
+            for summary, _ in results:
+                meter.advance(summary.bytes, summary.name)
+        summaries = []
+        for summary, records in results:
+            journal.update({rec["path"]: rec for rec in records})
+            summaries.append(summary)
     finally:
         meter.close()
     return tuple(summaries)
 
 
-def _write_group(out: Path, plan: ShardPlan, folder: str, files: tuple[FilePlan, ...], parallel: ParallelConfig | None,
-                 journal: dict[str, dict[str, Any]], meter: Progress, state: dict[str, int]) -> RankSummary:
-    """Write one folder's files; tensors come from load_experts (ranks) or raw source reads (common)."""
+def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journal: dict[str, dict[str, Any]],
+                    workers: int) -> list[tuple[RankSummary, list[dict[str, Any]]]]:
+    """One job per folder in a 'spawn' process pool; results in folder order."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(groups)), mp_context=context) as pool:
+        futures = [pool.submit(_write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
+        return [future.result() for future in futures]
+
+
+def _write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
+                 state: dict[str, int], advance: Callable[[int, str], None] | None = None
+                 ) -> tuple[RankSummary, list[dict[str, Any]]]:
+    """Write one folder's files (common/ when `group` is None, else rank `group`), one file at a time;
+    `advance(bytes, path)` is called after each file (kept ones included)."""
     start = time.perf_counter()
-    (out / folder).mkdir(parents=True, exist_ok=True)
+    rank = None if group is None else plan.ranks[group]
+    folder, files = (COMMON_DIR, plan.common) if rank is None else (rank.folder, rank.files)
+    _make_dir(out / folder)
     todo = [f for f in files if f.path not in journal]
-    tensors = _source_tensors(plan, parallel, todo)
-    metadata = file_metadata(plan, "common" if parallel is None else str(parallel.rank))
-    for fp in files:
-        if fp.path not in journal:
-            record = write_safetensors(out, fp, {n: tensors[n] for n in fp.tensors}, metadata)
-            _append_journal(out, record)
-            journal[fp.path] = record
-            _maybe_kill(state)
-        meter.advance(fp.nbytes, fp.path)
+    metadata = file_metadata(plan, "common" if rank is None else str(rank.parallel.rank))
+    records = []
+    if todo:
+        with CheckpointIndex(plan.source) as index:
+            fetch = _tensor_fetcher(plan, rank, index)
+            for fp in todo:
+                record = write_safetensors(out, fp, fetch(fp.tensors), metadata)
+                _append_journal(out, record)
+                records.append(record)
+                _maybe_kill(state)
+                if advance is not None:
+                    advance(fp.nbytes, fp.path)
+    kept = [fp for fp in files if fp.path in journal]
+    if advance is not None and kept:
+        advance(sum(fp.nbytes for fp in kept), f"{folder} ({len(kept)} files kept)")
     if len(files) > 1:
         weight_map = {name: f.name for f in files for name in f.tensors}
         write_json_atomic(out / folder / INDEX_FILE, {"metadata": {"total_size": sum(f.nbytes for f in files)},
                                                        "weight_map": dict(sorted(weight_map.items()))})
-    return RankSummary(folder, len(files), sum(len(f.tensors) for f in files), sum(f.nbytes for f in files),
-                       time.perf_counter() - start, kept=len(files) - len(todo))
+    summary = RankSummary(folder, len(files), sum(len(f.tensors) for f in files), sum(f.nbytes for f in files),
+                          time.perf_counter() - start, kept=len(files) - len(todo))
+    return summary, records
 
 
 def _maybe_kill(state: dict[str, int]) -> None:
@@ -533,21 +653,50 @@ def _maybe_kill(state: dict[str, int]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _source_tensors(plan: ShardPlan, parallel: ParallelConfig | None, todo: list[FilePlan]) -> dict[str, torch.Tensor]:
-    """The tensors the files in `todo` need: the rank's load_experts output, or common tensors read raw."""
-    if not todo:
-        return {}
-    if parallel is not None:
-        loaded = load_experts(plan.source, parallel)
-        return {f"{prefix}.{name}": t for prefix, layer in loaded.items() for name, t in layer.tensors.items()}
-    names = [n for f in todo for n in f.tensors]
-    with CheckpointIndex(plan.source) as index:
-        return {name: index.read(index.refs[name]) for name in names}
+Fetch = Callable[[tuple[str, ...]], dict[str, torch.Tensor]]
+
+
+def _tensor_fetcher(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> Fetch:
+    """name list -> tensors, for one output file: raw common reads, checkpoint-layout slices, or fused layers."""
+    if rank is None:
+        return lambda names: {name: index.read(index.refs[name]) for name in names}
+    if rank.sliced:
+        return lambda names: {name: materialize(index, rank.sliced[name]) for name in names}
+    return FusedLayers(plan, rank, index)
+
+
+class FusedLayers:
+    """Fused tensors of one rank, loaded one layer at a time (the last layer is kept for the next file).
+
+    Peak memory is one layer plus one output file, whatever the number of layers.
+    """
+
+    def __init__(self, plan: ShardPlan, rank: RankPlan, index: CheckpointIndex) -> None:
+        self.index, self.moe = index, read_config_files(plan.source)
+        ledger = Ledger()
+        self.plans = {p.prefix: p for p in plan_layers(index, self.moe, rank.parallel, ledger)}
+        ledger.check()
+        self.cached: tuple[str, FusedExperts] | None = None
+
+    def __call__(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            prefix, _, field_name = name.rpartition(".")
+            out[name] = self.layer(prefix).tensors[field_name]
+        return out
+
+    def layer(self, prefix: str) -> FusedExperts:
+        """The fused layer `prefix` (loading it drops the previous one first)."""
+        if self.cached is None or self.cached[0] != prefix:
+            self.cached = None
+            layer, _, _ = _load_layer(self.index, self.moe, self.plans[prefix], "cpu", False)
+            self.cached = (prefix, layer)
+        return self.cached[1]
 
 
 def file_metadata(plan: ShardPlan, rank: str) -> dict[str, str]:
     """The fixed safetensors metadata of every output file."""
-    return {"format": "pt", "layout": "fused", "tp": str(plan.params["tp"]), "ep": str(plan.params["ep"]),
+    return {"format": "pt", "layout": plan.params["layout"], "tp": str(plan.params["tp"]), "ep": str(plan.params["ep"]),
             "rank": rank, "wna16_manifest_schema": str(SCHEMA_VERSION)}
 
 
@@ -556,9 +705,10 @@ def write_safetensors(out: Path, fp: FilePlan, tensors: dict[str, torch.Tensor],
     final = out / fp.folder / fp.name
     tmp = final.with_name(f".{fp.name}.tmp")
     ordered = {name: tensors[name].detach().cpu().contiguous() for name in sorted(tensors)}
-    with open(tmp, "wb") as handle:
-        _serialize(handle, ordered, metadata)
-    _commit(tmp, final)
+    with _writing(final, tmp):
+        with open(tmp, "wb") as handle:
+            _serialize(handle, ordered, metadata)
+        _commit(tmp, final)
     return {"path": fp.path, "sha256": sha256_file(final),
             "tensors": {name: tensor_record(t) for name, t in ordered.items()}}
 
@@ -582,8 +732,9 @@ def _serialize(handle: Any, tensors: dict[str, torch.Tensor], metadata: dict[str
 
 def _copy_file(src: Path, dst: Path) -> None:
     tmp = dst.with_name(f".{dst.name}.tmp")
-    shutil.copyfile(src, tmp)
-    _commit(tmp, dst)
+    with _writing(dst, tmp):
+        shutil.copyfile(src, tmp)
+        _commit(tmp, dst)
 
 
 def spec_record(spec: FusedSpec) -> dict[str, Any]:
@@ -600,6 +751,13 @@ def spec_from_record(rec: dict[str, Any]) -> FusedSpec:
     return FusedSpec(**fields)
 
 
+def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:
+    """Fused specs per layer; for --layout checkpoint only the local experts (the tensors keep the source format)."""
+    if plan.params["layout"] == "checkpoint":
+        return {p: {"experts": list(s.experts)} for p, s in rank.layers.items()}
+    return {p: spec_record(s) for p, s in rank.layers.items()}
+
+
 def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The manifest: versions, source, quantization, layout, per-rank files and hashes, source account."""
     from . import __version__
@@ -609,7 +767,7 @@ def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[
         account.update({name: {"common": fp.path} for name in fp.tensors})
     account.update({name: {"ranks": list(ranks)} for name, ranks in plan.expert_sources.items()})
     ranks = [{"rank": r.parallel.rank, "tp_rank": r.parallel.tp_rank, "ep_rank": r.parallel.ep_rank,
-              "folder": r.folder, "layers": {p: spec_record(s) for p, s in r.layers.items()},
+              "folder": r.folder, "layers": _layers_record(plan, r),
               "files": [records[f.path] for f in r.files]} for r in plan.ranks]
     return {"schema_version": SCHEMA_VERSION, "package_version": __version__, "params": plan.params,
             "parallel": {"tp": plan.params["tp"], "ep": plan.params["ep"], "placement": plan.params["placement"]},
@@ -645,6 +803,11 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion."""
     start = time.perf_counter()
     manifest = read_manifest(out)
+    if manifest["params"].get("layout", "fused") != "fused":
+        raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
+                                  f"(per-expert source tensors sliced per rank, for an engine that reads pre-sliced "
+                                  f"checkpoints); load_experts reads only --layout fused outputs. Load it with such "
+                                  f"an engine, or re-shard the source with wna16-shard --layout fused.")
     written = manifest["parallel"]
     requested = {"tp": parallel.tp_size, "ep": parallel.ep_size, "placement": parallel.expert_placement.value}
     if written != requested:
@@ -704,7 +867,10 @@ def verify_output(out: str | Path, source: str | Path | None = None) -> list[str
     problems = [p for rec in records for p in _verify_file(out, rec)]
     if source is not None and not problems:
         problems += _verify_common(out, manifest, Path(source))
-        problems += _verify_experts(out, manifest, Path(source))
+        if manifest["params"].get("layout", "fused") == "checkpoint":
+            problems += _verify_sliced(out, manifest, Path(source))
+        else:
+            problems += _verify_experts(out, manifest, Path(source))
     return problems
 
 
@@ -733,6 +899,22 @@ def _verify_common(out: Path, manifest: dict[str, Any], source: Path) -> list[st
                     ref = index.refs.get(name)
                     if ref is None or tensor_record(index.read(ref)) != tensor_record(handle.get_tensor(name)):
                         problems.append(f"{rec['path']}: tensor {name} is not byte-identical to the source")
+    return problems
+
+
+def _verify_sliced(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
+    """--layout checkpoint: every tensor equals the rank's slice of the source, re-read from the source."""
+    p = manifest["params"]
+    plan = make_plan(source, tp_size=p["tp"], ep_size=p["ep"], placement=p["placement"],
+                     max_file_size=p["max_file_size"], layout="checkpoint")
+    problems = []
+    with CheckpointIndex(source) as index:
+        for rank, rec in zip(plan.ranks, manifest["ranks"]):
+            for file_rec in rec["files"]:
+                for name, want in file_rec["tensors"].items():
+                    sliced = rank.sliced.get(name)
+                    if sliced is None or tensor_record(materialize(index, sliced)) != want:
+                        problems.append(f"{file_rec['path']}: tensor {name} is not the rank's slice of the source")
     return problems
 
 
