@@ -8,6 +8,7 @@ against model.safetensors.index.json when present); file handles stay open.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,10 +41,12 @@ class TensorRef:
     @property
     def nbytes(self) -> int:
         """Bytes of the whole tensor."""
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.dtype.itemsize
+        return nbytes_of(self.shape, self.dtype)
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype`."""
+    return math.prod(shape) * dtype.itemsize
 
 
 class CheckpointIndex:

@@ -86,7 +86,7 @@ def check_header(ref: TensorRef, layout: TensorLayout, spec: QuantSpec, src: Sou
                           f"{spec.format_name} {layout.suffix} with dims {[d.value for d in layout.dims]}.")
 
 
-def _storage_index(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
+def storage_index(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
                    row: int | None) -> tuple[tuple[slice | int, ...], dict[Dim, int]]:
     """Storage slices covering `spans`, and the offset to trim from each unpacked dim."""
     index: list[slice | int] = [] if row is None else [row]
@@ -112,7 +112,7 @@ def read_role(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref
 def _read_values(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref: TensorRef,
                  spans: dict[Dim, Span], row: int | None) -> torch.Tensor:
     """Read the part of one role tensor covering `spans`, unpacked and trimmed, in storage dim order."""
-    storage, trims = _storage_index(layout, spans, spec.pack_factor, row)
+    storage, trims = storage_index(layout, spans, spec.pack_factor, row)
     tensor = index.read(ref, storage)
     if layout.packed is not None:
         if spec.zero_word_bias and layout.role is Role.ZEROS:
@@ -182,7 +182,7 @@ def _read_qweight(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, s
     layout, ref = spec.layout(Role.QWEIGHT), src.tensors[Role.QWEIGHT]
     k, per_word = spans[Dim.K], spec.pack_factor
     if layout.packed is Dim.K and layout.slot_order is None and k.start % per_word == 0 and k.stop % per_word == 0:
-        storage, _ = _storage_index(layout, spans, per_word, src.expert_row)
+        storage, _ = storage_index(layout, spans, per_word, src.expert_row)
         words = index.read(ref, storage)
         axis = layout.dims.index(Dim.K)
         order = [layout.dims.index(Dim.N), axis]

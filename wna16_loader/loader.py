@@ -78,7 +78,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:
-            layer, count, nbytes = _load_layer(index, moe, plan, device, allow_nonfinite_scales)
+            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite_scales)
             result[plan.prefix] = layer
             tensors += count
             written += nbytes
@@ -91,7 +91,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     return result
 
 
-def _load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
+def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
                 allow_nonfinite: bool) -> tuple[FusedExperts, int, int]:
     """Read, convert and write every local projection of one layer (the hook's own write path)."""
     writer = FusedWriter(plan.prefix, plan.fused, device)

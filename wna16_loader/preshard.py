@@ -14,7 +14,7 @@ Output folder OUT (W = tp * ep ranks, rank r = ep_rank * tp + tp_rank):
 Every file is written under a temporary name, fsynced and renamed; `.wna16-done.jsonl`
 journals finished files so `resume=True` redoes only the rest. Output is deterministic
 (sorted tensors, fixed metadata, no timestamps), so a resumed run is byte-identical to a
-clean one. Fused rank tensors come from the loader's own per-layer path (`loader._load_layer`), one
+clean one. Fused rank tensors come from the loader's own per-layer path (`loader.load_layer`), one
 layer at a time, so memory does not grow with the layer count; --layout checkpoint slices come from
 `presliced` (the loader's storage index computation). `workers` > 1 writes folders in a process pool.
 """
@@ -42,7 +42,7 @@ from safetensors import safe_open
 from .checkpoint import DTYPES, INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex
 from .errors import CheckpointError, CompletenessError, LayoutMismatchError, PreshardError, WNA16Error, format_offenders
 from .fused import FusedExperts, FusedSpec, Ledger
-from .loader import LoadedExperts, LoadReport, _load_layer, load_experts
+from .loader import LoadedExperts, LoadReport, load_layer, load_experts
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, plan_layers
@@ -689,7 +689,7 @@ class FusedLayers:
         """The fused layer `prefix` (loading it drops the previous one first)."""
         if self.cached is None or self.cached[0] != prefix:
             self.cached = None
-            layer, _, _ = _load_layer(self.index, self.moe, self.plans[prefix], "cpu", False)
+            layer, _, _ = load_layer(self.index, self.moe, self.plans[prefix], "cpu", False)
             self.cached = (prefix, layer)
         return self.cached[1]
 

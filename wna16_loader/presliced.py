@@ -1,7 +1,7 @@
 """`--layout checkpoint`: each rank's slice of every source expert tensor, in the source's own format.
 
 Every per-expert tensor keeps its source name, dtype and storage layout; it is cut to the rank's
-columns with the same storage index computation as the loader (`extract._storage_index`), from
+columns with the same storage index computation as the loader (`extract.storage_index`), from
 the format's `TensorLayout` declarations only. A shape record (Dim.PAIR) is rewritten as the
 rank's [N_l, K_l]. A stacked tensor keeps the rows of the rank's experts (ascending id); a stacked
 gate_up keeps [gate rows; up rows] of the rank. Non-local experts are dropped (EP).
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointIndex, TensorRef
+from .checkpoint import CheckpointIndex, TensorRef, nbytes_of
 from .errors import PreshardError
-from .extract import SourceTensors, _storage_index, group_count, rank_spans
+from .extract import SourceTensors, storage_index, group_count, rank_spans
 from .formats import Dim, QuantSpec, TensorLayout
 from .names import Proj
 from .plan import LayerPlan
@@ -48,10 +48,7 @@ class SlicedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes of the output tensor."""
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.dtype.itemsize
+        return nbytes_of(self.shape, self.dtype)
 
 
 def slice_layer(quant: QuantSpec, plan: LayerPlan) -> dict[str, SlicedTensor]:
@@ -64,7 +61,7 @@ def slice_layer(quant: QuantSpec, plan: LayerPlan) -> dict[str, SlicedTensor]:
         _check_aligned(quant, plan.geometry, src, cut, spans)
         for role, ref in src.tensors.items():
             layouts[ref.name] = quant.layout(role)
-            storage, _ = _storage_index(layouts[ref.name], spans, quant.pack_factor, src.expert_row)
+            storage, _ = storage_index(layouts[ref.name], spans, quant.pack_factor, src.expert_row)
             per_row = rows.setdefault(ref.name, {}).setdefault(src.expert_row, {})
             per_row.setdefault(proj, (Piece(ref, storage), (len(spans[Dim.N]), len(spans[Dim.K]))))
     return {name: _sliced(layouts[name], name, by_row) for name, by_row in rows.items()}
