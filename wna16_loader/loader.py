@@ -61,13 +61,9 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
     """
-    if (Path(path) / "wna16_manifest.json").is_file():  # a wna16-shard output: load the rank's files as-is
-        from .preshard import load_presharded  # local import: preshard imports this module
+    if _is_shard_output(path):
+        from .preshard import load_presharded  # local import: preshard builds on this module
         return load_presharded(path, parallel, device=device)
-    if (Path(path) / ".wna16-plan.json").is_file():  # a wna16-shard output that never finished
-        raise CheckpointError(f"{path}: an unfinished wna16-shard output (.wna16-plan.json but no "
-                              f"wna16_manifest.json); finish it with wna16-shard SRC {path} ... --resume, "
-                              f"or load the source checkpoint.")
     start = time.perf_counter()
     moe = read_config_files(path)
     ledger = Ledger()
@@ -89,6 +85,17 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     result.ignored = scan.others
     rank_logger(parallel).info("loaded: %s", result.report)
     return result
+
+
+def _is_shard_output(path: str | Path) -> bool:
+    """True for a finished wna16-shard output; an unfinished one is refused."""
+    if (Path(path) / "wna16_manifest.json").is_file():
+        return True
+    if (Path(path) / ".wna16-plan.json").is_file():
+        raise CheckpointError(f"{path}: an unfinished wna16-shard output (.wna16-plan.json but no "
+                              f"wna16_manifest.json); finish it with wna16-shard SRC {path} ... --resume, "
+                              f"or load the source checkpoint.")
+    return False
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
