@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from wna16_loader.names import (MODULES, PROJ_ALIASES, ROOTS, ExpertTensorKey, Proj, Source, experts_prefix_for,
-                                layer_of, parse_expert_name)
+                                parse_expert_name)
 
 ALL_ROOTS = ("model", "model.language_model", "language_model.model")
 ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", None)
@@ -134,14 +134,3 @@ def test_source_projs() -> None:
 ])
 def test_non_expert_names_return_none(name: str) -> None:
     assert parse_expert_name(name) is None
-
-
-@pytest.mark.parametrize("name,layer", [
-    ("model.layers.5.self_attn.q_proj.weight", 5),
-    ("model.language_model.layers.12.mlp.gate.weight", 12),
-    ("language_model.model.layers.0.input_layernorm.weight", 0),
-    ("model.embed_tokens.weight", None),
-    ("lm_head.weight", None),
-])
-def test_layer_of(name: str, layer: int | None) -> None:
-    assert layer_of(name) == layer

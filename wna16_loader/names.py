@@ -63,9 +63,6 @@ _EXPERT_RE = re.compile(
         projs="|".join(PROJ_ALIASES),
     )
 )
-_LAYER_RE = re.compile(r"^(?:{roots})\.layers\.(?P<layer>\d+)\.".format(
-    roots="|".join(re.escape(r) for r in ROOTS)))
-
 
 @dataclass(frozen=True)
 class ExpertTensorKey:
@@ -102,12 +99,6 @@ def parse_expert_name(name: str) -> ExpertTensorKey | None:
         source=source,
         suffix=match.group("suffix"),
     )
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer index a tensor name belongs to, if any."""
-    match = _LAYER_RE.match(name)
-    return None if match is None else int(match.group("layer"))
 
 
 def experts_prefix_for(root: str, layer: int, module: str | None) -> str:

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from .formats import FORMATS, Dim, QuantSpec, Role, TensorLayout, resolve_quant_spec
+from .names import experts_prefix_for
 from .packing import pack_words, word_bias
 from .sharding import ceil_div
 
@@ -231,8 +232,7 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
         shard = shards[layer % files]
         shard.update(_other_tensors(gen, fam, layer, moe, num_experts, hidden))
         if moe:
-            middle = f".{fam.module}" if fam.module else ""
-            prefix = f"{fam.root}.layers.{layer}{middle}.experts"
+            prefix = experts_prefix_for(fam.root, layer, fam.module)
             prefixes.append(prefix)
             shard.update(_layer_tensors(gen, spec, fam, prefix, (num_experts, hidden, intermediate), scale_dtype,
                                         stacked, refs))
