@@ -206,6 +206,17 @@ class FusedWriter:
             raise FormatError(f"{label}: its g_idx differs from that of {first}; gate and up of one expert share "
                               f"w13_g_idx and must carry the same act-order permutation.")
 
+    def put_whole(self, name: str, value: torch.Tensor) -> None:
+        """Copy a whole fused parameter (e.g. from a pre-sharded file) into its staging buffer.
+
+        The copy also takes the data out of a safetensors mmap into ordinary (pinned) memory.
+        """
+        target = self.staging[name]
+        assert target.shape == value.shape and target.dtype == value.dtype, \
+            f"{self.prefix}.{name}: {list(value.shape)} {value.dtype} vs {list(target.shape)} {target.dtype}"
+        target.copy_(value)
+        self.bytes_written += value.numel() * value.element_size()
+
     def _copy(self, name: str, slot: int, rows: slice, value: torch.Tensor) -> None:
         target = self.staging[name][slot, rows]
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"

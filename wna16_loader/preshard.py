@@ -41,7 +41,7 @@ from safetensors import safe_open
 
 from .checkpoint import DTYPES, INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex
 from .errors import CheckpointError, CompletenessError, LayoutMismatchError, PreshardError, WNA16Error, format_offenders
-from .fused import FusedExperts, FusedSpec, Ledger
+from .fused import FusedExperts, FusedSpec, FusedWriter, Ledger
 from .loader import LoadedExperts, LoadReport, load_layer, load_experts
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
@@ -841,16 +841,20 @@ def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str
 
 def _layer_tensors(out: str | Path, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor],
                    device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The layer's fused tensors, checked against the spec's shapes and dtypes, on `device`."""
-    layer = {}
+    """The layer's fused tensors, checked against the spec's shapes and dtypes, on `device`.
+
+    Each tensor is copied out of the file mapping into the writer's staging buffer
+    (pinned for a GPU) and moved in one copy per parameter: never DMA from a mapping.
+    """
+    writer = FusedWriter(prefix, spec, device)
     for name, (shape, dtype) in spec.shapes().items():
         tensor = tensors.get(f"{prefix}.{name}")
         if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
             found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
             raise CheckpointError(f"{out}: tensor {prefix}.{name} should be {list(shape)} {dtype}, found {found}; "
                                   f"run `wna16-shard verify {out}` and re-shard.")
-        layer[name] = tensor.to(device)
-    return layer
+        writer.put_whole(name, tensor)
+    return writer.finish().tensors
 
 
 # ---------------------------------------------------------------- verify
