@@ -118,7 +118,9 @@ def checkpoint_tp_sizes(geometry: LayerGeometry, quant: QuantSpec, limit: int = 
     for tp in valid_tp_sizes(geometry.hidden, geometry.intermediate, geometry.bits, geometry.group_size,
                              geometry.act_order, limit=limit):
         part = geometry.intermediate // tp
-        if part % quant.pack_factor == 0 and (quant.group_size == -1 or quant.act_order or part % quant.group_size == 0):
+        whole = tp == 1  # one rank keeps whole rows: a partial last word or group is the source's own
+        if whole or part % quant.pack_factor == 0 and (quant.group_size == -1 or quant.act_order
+                                                       or part % quant.group_size == 0):
             good.append(tp)
     return good
 
