@@ -4,7 +4,8 @@ Slice first, then convert: only the int32 words, groups and rows that cover the
 rank's columns are read; unpacking and reordering touch nothing else. The
 result is format-free:
 
-| qweight| [N_l, K_l/P8] uint8, the fused byte packing along K |
+| qweight| [N_l, K_l/P8] uint8, the fused byte packing along K, or the same |
+|        | bytes as int32 words [N_l, K_l/(4*P8)] (least significant first)  |
 | scales | [N_l, nG]   stored scale dtype                   |
 | zeros  | [N_l, nG]   uint8 true zero points, or None (sym) |
 | g_idx  | [K_l]       int32 checkpoint group per row, or None |
@@ -20,7 +21,7 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
 from .formats import Dim, QuantSpec, Role, TensorLayout
 from .names import Proj, Source
-from .packing import add_word_bias, pack_bytes, unpack_words, words_as_bytes
+from .packing import add_word_bias, pack_bytes, unpack_words
 from .sharding import ProjectionSlice, Span, ceil_div
 
 CANONICAL: dict[Role, tuple[Dim, ...]] = {
@@ -123,13 +124,21 @@ def _read_values(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, 
     return tensor
 
 
-def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span], torch.Tensor]:
-    """Storage spans covering the rank's slice `cut` of `src`, and the read group of each fused group."""
+def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span], torch.Tensor | None]:
+    """Storage spans covering the rank's slice `cut` of `src`, and the read group of each fused group
+    (None when the fused groups are exactly the groups read, in order)."""
     offset = src.n_offset(cut.proj)
     n = Span(cut.n.start + offset, cut.n.stop + offset)
     groups = Span(min(cut.groups), max(cut.groups) + 1)
     spans = {Dim.N: n, Dim.K: cut.k, Dim.GROUP: groups, Dim.PAIR: Span(0, 2)}
+    if cut.groups == tuple(range(groups.start, groups.stop)):
+        return spans, None
     return spans, torch.tensor(cut.groups, dtype=torch.long) - groups.start
+
+
+def pick_groups(tensor: torch.Tensor, pick: torch.Tensor | None) -> torch.Tensor:
+    """The fused groups (dim 1) of a canonical [N, groups read] tensor."""
+    return tensor if pick is None else tensor.index_select(1, pick)
 
 
 def check_dropped_role(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
@@ -139,7 +148,7 @@ def check_dropped_role(index: CheckpointIndex, spec: QuantSpec, src: SourceTenso
     spans, pick = rank_spans(src, cut)
     tensor = read_role(index, spec, spec.layout(role), src.tensors[role], spans, src.expert_row)
     if role is Role.ZEROS and spec.symmetric:
-        _check_symmetric_zeros(tensor.index_select(1, pick), spec, src.tensors[role])
+        _check_symmetric_zeros(pick_groups(tensor, pick), spec, src.tensors[role])
     elif role is Role.G_IDX:
         _checked_g_idx(tensor, spec, src, cut)
     elif role is Role.SHAPE:
@@ -158,13 +167,13 @@ def read_projection(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors,
         return read_role(index, spec, layout, ref, spans, src.expert_row)
 
     _check_shape_tensor(role(Role.SHAPE), src)
-    scales = role(Role.SCALES).index_select(1, pick)
+    scales = pick_groups(role(Role.SCALES), pick)
     if not allow_nonfinite and not torch.isfinite(scales).all():
         bad = int((~torch.isfinite(scales)).sum())
         raise FormatError(f"{src.tensors[Role.SCALES].name}: {bad} NaN/Inf scale values in this rank's slice; "
                           f"the checkpoint is corrupt (pass allow_nonfinite_scales=True to load it anyway).")
     zeros = role(Role.ZEROS)
-    zeros = None if zeros is None else zeros.index_select(1, pick)
+    zeros = None if zeros is None else pick_groups(zeros, pick)
     if spec.symmetric and zeros is not None:
         _check_symmetric_zeros(zeros, spec, src.tensors[Role.ZEROS])
         zeros = None
@@ -174,10 +183,12 @@ def read_projection(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors,
 
 
 def _read_qweight(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, spans: dict[Dim, Span]) -> torch.Tensor:
-    """The rank's weights as fused bytes [N_l, K_l/P8].
+    """The rank's weights as fused bytes [N_l, K_l/P8] (or those bytes as int32 words).
 
     Words packed sequentially along K and cut on word boundaries already are the
-    fused byte packing; anything else is unpacked, trimmed and repacked.
+    fused byte packing: they are returned as a transposed view of the words read, and
+    the writer's single copy does the transpose. Anything else is unpacked, trimmed
+    and repacked.
     """
     layout, ref = spec.layout(Role.QWEIGHT), src.tensors[Role.QWEIGHT]
     k, per_word = spans[Dim.K], spec.pack_factor
@@ -186,7 +197,7 @@ def _read_qweight(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, s
         words = index.read(ref, storage)
         axis = layout.dims.index(Dim.K)
         order = [layout.dims.index(Dim.N), axis]
-        return words_as_bytes(words.permute(order), dim=1)
+        return words.permute(order)  # int32 words whose little-endian bytes are the fused packing
     values = _read_values(index, spec, layout, ref, spans, src.expert_row)  # storage dim order
     packed = pack_bytes(values, bits=spec.bits, dim=layout.dims.index(Dim.K))  # pack before transposing
     return packed.permute([layout.dims.index(Dim.N), layout.dims.index(Dim.K)])

@@ -190,7 +190,7 @@ class FusedWriter:
 
     def _put(self, prefix: str, slot: int, rows: slice, zero_rows: slice, shard: ProjectionShard) -> None:
         bits = self.spec.bits
-        self._copy(f"{prefix}_qweight", slot, rows, shard.qweight)
+        self._copy(f"{prefix}_qweight", slot, rows, shard.qweight, as_bytes=True)
         self._copy(f"{prefix}_scales", slot, rows, shard.scales)
         if self.spec.has_zero_point:
             assert shard.zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
@@ -217,8 +217,12 @@ class FusedWriter:
         target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()
 
-    def _copy(self, name: str, slot: int, rows: slice, value: torch.Tensor) -> None:
+    def _copy(self, name: str, slot: int, rows: slice, value: torch.Tensor, *, as_bytes: bool = False) -> None:
+        """Copy `value` into rows of one slot. With `as_bytes`, a value of another dtype (int32 words of
+        packed weights) is taken as the same bytes, so a transposed view is copied in one pass."""
         target = self.staging[name][slot, rows]
+        if as_bytes and value.dtype != target.dtype:
+            target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
         target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()

@@ -145,7 +145,9 @@ def _group_entries(index: CheckpointIndex, moe: MoEConfig, keys: list[ExpertTens
 
 
 def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[EntryKey]:
-    return [ek for ek in entries if proj in ek[1].projs and ek[0] in (expert, None)]
+    """Entries that hold `proj` of `expert`: its own per-expert sources, then stacked ones (O(1) lookups)."""
+    return [ek for source in Source for ek in ((expert, source), (None, source))
+            if proj in source.projs and ek in entries]
 
 
 def _source(moe: MoEConfig, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:
