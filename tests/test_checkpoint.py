@@ -243,3 +243,24 @@ def test_slice_reads_count_bytes(tmp_path):
 
 def test_errors_are_value_errors():
     assert issubclass(CheckpointError, WNA16Error) and issubclass(WNA16Error, ValueError)
+
+
+def _raw_safetensors(path: Path, header: dict, data: bytes) -> None:
+    """Write a safetensors file by hand (8-byte little-endian header length, JSON header, data)."""
+    import json as _json
+    import struct as _struct
+
+    blob = _json.dumps(header).encode()
+    path.write_bytes(_struct.pack("<Q", len(blob)) + blob + data)
+
+
+@pytest.mark.parametrize("header,why", [
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 64]}}, "offsets beyond the file"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+      "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}, "overlapping offsets"),
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}}, "shape x itemsize != byte span"),
+])
+def test_hand_made_bad_headers_are_checkpoint_errors(tmp_path: Path, header: dict, why: str) -> None:
+    _raw_safetensors(tmp_path / "model.safetensors", header, bytes(32))
+    with pytest.raises(CheckpointError, match="model.safetensors"):
+        CheckpointIndex(tmp_path)
