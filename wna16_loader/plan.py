@@ -144,10 +144,12 @@ def _group_entries(index: CheckpointIndex, moe: MoEConfig, keys: list[ExpertTens
     return entries
 
 
+SOURCES_OF: dict[Proj, tuple[Source, ...]] = {proj: tuple(s for s in Source if proj in s.projs) for proj in Proj}
+
+
 def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[EntryKey]:
     """Entries that hold `proj` of `expert`: its own per-expert sources, then stacked ones (O(1) lookups)."""
-    return [ek for source in Source for ek in ((expert, source), (None, source))
-            if proj in source.projs and ek in entries]
+    return [ek for source in SOURCES_OF[proj] for ek in ((expert, source), (None, source)) if ek in entries]
 
 
 def _source(moe: MoEConfig, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:

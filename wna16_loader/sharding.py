@@ -9,6 +9,7 @@ by dividing a group count.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from .errors import ShardingError
 from .names import Proj
@@ -107,13 +108,13 @@ class LayerGeometry:
         """I_p: this rank's share of the intermediate dimension."""
         return self.intermediate // self.parallel.tp_size
 
-    @property
+    @cached_property
     def group_eff(self) -> int:
         """G_eff for the whole layer (-1 for channelwise)."""
         return effective_group_size(self.group_size, self.part, tp_size=self.parallel.tp_size,
                                     act_order=self.act_order)
 
-    @property
+    @cached_property
     def experts(self) -> tuple[int, ...]:
         """Global ids of this rank's experts."""
         return local_experts(self.num_experts, self.parallel)
@@ -131,6 +132,13 @@ class LayerGeometry:
 
     def slice(self, proj: Proj) -> ProjectionSlice:
         """The rank's slice of `proj` (gate/up column-parallel, down row-parallel)."""
+        return self._slices[proj]
+
+    @cached_property
+    def _slices(self) -> dict[Proj, ProjectionSlice]:
+        return {proj: self._slice(proj) for proj in Proj}
+
+    def _slice(self, proj: Proj) -> ProjectionSlice:
         own = Span(self.parallel.tp_rank * self.part, (self.parallel.tp_rank + 1) * self.part)
         if proj is Proj.DOWN:
             if self.act_order:
