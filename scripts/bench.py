@@ -50,6 +50,7 @@ from wna16_loader.synthetic import quant_config, write_checkpoint
 SIZES: dict[str, dict[str, int]] = {
     "small": {"num_experts": 16, "hidden": 1024, "intermediate": 704, "num_layers": 2, "files": 2},
     "full": {"num_experts": 64, "hidden": 2048, "intermediate": 1408, "num_layers": 4, "files": 4},
+    "full8": {"num_experts": 64, "hidden": 2048, "intermediate": 1408, "num_layers": 8, "files": 8},
 }
 FORMAT_NAMES = {"gptq": "gptq", "awq": "awq", "ct": "compressed-tensors"}
 TP_SIZES = (2, 4, 8)
@@ -65,7 +66,8 @@ def build_checkpoint(workdir: Path, fmt: str, size: str) -> Path:
     if done.is_file():
         return folder
     start = time.perf_counter()
-    write_checkpoint(folder, quant_config(FORMAT_NAMES[fmt], bits=4, group_size=128), **SIZES[size])
+    write_checkpoint(folder, quant_config(FORMAT_NAMES[fmt], bits=4, group_size=128), references=False,
+                     **SIZES[size])
     done.write_text("ok\n")
     print(f"built {folder} in {time.perf_counter() - start:.1f} s", flush=True)
     return folder
@@ -282,7 +284,30 @@ def child_task(mode: str, path: str, tp: int, rank: int, ep: int, ep_rank: int) 
         return run_floor(Path(path))
     if mode == "whole":
         return run_whole(Path(path), cfg)
+    if mode == "preshard":
+        return run_preshard(Path(path), tp)
     return run_ours(Path(path), cfg)
+
+
+def run_preshard(path: Path, tp: int) -> None:
+    """wna16-shard of `path` at TP=`tp` into a scratch folder next to it (removed afterwards)."""
+    from wna16_loader.preshard import preshard_checkpoint
+
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        preshard_checkpoint(path, Path(tmp) / "out", tp_size=tp, progress=False)
+
+
+def shard_rss(workdir: Path) -> dict[str, Any]:
+    """Peak anonymous RSS of wna16-shard (GPTQ, TP=4) on the 4-layer and the 8-layer full checkpoint."""
+    out = {}
+    for size in ("full", "full8"):
+        path = build_checkpoint(workdir, "gptq", size)
+        rss = run_child("preshard", path, 4, 0)
+        layers = SIZES[size]["num_layers"]
+        out[f"{layers} layers"] = {"peak_anon_mib": rss["peak_kib"] / 1024,
+                                   "growth_mib": (rss["peak_kib"] - rss["before_kib"]) / 1024,
+                                   "checkpoint_mib": sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2**20}
+    return out
 
 
 def run_child(mode: str, path: Path, tp: int = 1, rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
@@ -523,9 +548,14 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--png", type=Path)
     parser.add_argument("--profile", action="store_true", help="cProfile ours at TP=1 per format")
+    parser.add_argument("--shard-rss", action="store_true",
+                        help="only: peak RSS of wna16-shard on the 4- and 8-layer full GPTQ checkpoints")
     args = parser.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.shard_rss:
+        print(json.dumps(shard_rss(args.workdir), indent=2))
+        return
     results = {fmt: bench_format(args.workdir, fmt, args.size, args.reps, args.profile)
                for fmt in args.formats.split(",")}
     print(f"\nsize={args.size} reps={args.reps} torch threads={torch.get_num_threads()} cpus={os.cpu_count()}")

@@ -40,11 +40,11 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, code: int, after: int) -> None:
     """Make the `after`+1-th safetensors write fail with OSError(code) (a full disk, a read-only folder)."""
     real, calls = preshard._serialize, [0]
 
-    def serialize(handle, tensors, metadata):
+    def serialize(handle, metas, fetch, metadata):
         calls[0] += 1
         if calls[0] > after:
             raise OSError(code, os.strerror(code))
-        real(handle, tensors, metadata)
+        return real(handle, metas, fetch, metadata)
 
     monkeypatch.setattr(preshard, "_serialize", serialize)
 

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 from safetensors import safe_open
 
-from .checkpoint import DTYPES, INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex
+from .checkpoint import DTYPES, INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex, nbytes_of
 from .errors import CheckpointError, CompletenessError, LayoutMismatchError, PreshardError, WNA16Error, format_offenders
 from .fused import FusedExperts, FusedSpec, FusedWriter, Ledger
 from .loader import LoadedExperts, LoadReport, load_layer, load_experts
@@ -626,9 +626,9 @@ def _write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
     records = []
     if todo:
         with CheckpointIndex(plan.source) as index:
-            fetch = _tensor_fetcher(plan, rank, index)
+            source = _tensor_source(plan, rank, index)
             for fp in todo:
-                record = write_safetensors(out, fp, fetch(fp.tensors), metadata)
+                record = write_safetensors(out, fp, source, metadata)
                 _append_journal(out, record)
                 records.append(record)
                 _maybe_kill(state)
@@ -653,22 +653,32 @@ def _maybe_kill(state: dict[str, int]) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-Fetch = Callable[[tuple[str, ...]], dict[str, torch.Tensor]]
+class TensorSource:
+    """Where one output folder's tensors come from: `meta(name)` gives (shape, dtype) without reading,
+    `fetch(name)` produces the tensor. Files are written header first, then one tensor at a time."""
+
+    def __init__(self, meta: Callable[[str], tuple[tuple[int, ...], torch.dtype]],
+                 fetch: Callable[[str], torch.Tensor]) -> None:
+        self.meta, self.fetch = meta, fetch
 
 
-def _tensor_fetcher(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> Fetch:
-    """name list -> tensors, for one output file: raw common reads, checkpoint-layout slices, or fused layers."""
+def _tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
+    """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
     if rank is None:
-        return lambda names: {name: index.read(index.refs[name]) for name in names}
+        return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),
+                            lambda n: index.read(index.refs[n]))
     if rank.sliced:
-        return lambda names: {name: materialize(index, rank.sliced[name]) for name in names}
-    return FusedLayers(plan, rank, index)
+        return TensorSource(lambda n: (rank.sliced[n].shape, rank.sliced[n].dtype),
+                            lambda n: materialize(index, rank.sliced[n]))
+    layers = FusedLayers(plan, rank, index)
+    return TensorSource(layers.meta, layers.fetch)
 
 
 class FusedLayers:
     """Fused tensors of one rank, loaded one layer at a time (the last layer is kept for the next file).
 
-    Peak memory is one layer plus one output file, whatever the number of layers.
+    Files are written one tensor at a time in sorted order, which keeps each layer's tensors together,
+    so peak memory is about one fused layer, whatever the number of layers or the file size.
     """
 
     def __init__(self, plan: ShardPlan, rank: RankPlan, index: CheckpointIndex) -> None:
@@ -678,12 +688,15 @@ class FusedLayers:
         ledger.check()
         self.cached: tuple[str, FusedExperts] | None = None
 
-    def __call__(self, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in names:
-            prefix, _, field_name = name.rpartition(".")
-            out[name] = self.layer(prefix).tensors[field_name]
-        return out
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of fused tensor `name`, from the plan (nothing is read)."""
+        prefix, _, field_name = name.rpartition(".")
+        return self.plans[prefix].fused.shapes()[field_name]
+
+    def fetch(self, name: str) -> torch.Tensor:
+        """Fused tensor `name` (loads its layer unless it is the cached one)."""
+        prefix, _, field_name = name.rpartition(".")
+        return self.layer(prefix).tensors[field_name]
 
     def layer(self, prefix: str) -> FusedExperts:
         """The fused layer `prefix` (loading it drops the previous one first)."""
@@ -700,34 +713,39 @@ def file_metadata(plan: ShardPlan, rank: str) -> dict[str, str]:
             "rank": rank, "wna16_manifest_schema": str(SCHEMA_VERSION)}
 
 
-def write_safetensors(out: Path, fp: FilePlan, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict[str, Any]:
-    """Write one file atomically (tmp, fsync, rename); its record for the manifest."""
+def write_safetensors(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one file atomically (tmp, fsync, rename), streaming its tensors; its record for the manifest."""
     final = out / fp.folder / fp.name
     tmp = final.with_name(f".{fp.name}.tmp")
-    ordered = {name: tensors[name].detach().cpu().contiguous() for name in sorted(tensors)}
+    metas = {name: source.meta(name) for name in sorted(fp.tensors)}
     with _writing(final, tmp):
         with open(tmp, "wb") as handle:
-            _serialize(handle, ordered, metadata)
+            records = _serialize(handle, metas, source.fetch, metadata)
         _commit(tmp, final)
-    return {"path": fp.path, "sha256": sha256_file(final),
-            "tensors": {name: tensor_record(t) for name, t in ordered.items()}}
+    return {"path": fp.path, "sha256": sha256_file(final), "tensors": records}
 
 
-def _serialize(handle: Any, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write the safetensors format with a sorted, byte-stable header (safetensors' own writer orders
-    metadata keys differently from process to process)."""
+def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Write the safetensors format: a sorted, byte-stable header computed from `metas` (safetensors' own
+    writer orders metadata keys differently from process to process), then each tensor as it is fetched.
+    Returns each tensor's manifest record."""
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + nbytes]}
+    for name, (shape, dtype) in metas.items():
+        nbytes = nbytes_of(tuple(shape), dtype)
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     handle.write(len(text).to_bytes(8, "little") + text)
-    for tensor in tensors.values():
-        handle.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    records = {}
+    for name, (shape, dtype) in metas.items():
+        tensor = fetch(name).detach().cpu().contiguous()
+        assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
+        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        records[name] = tensor_record(tensor)
+    return records
 
 
 def _copy_file(src: Path, dst: Path) -> None:

@@ -164,8 +164,8 @@ def model_config(family: Family, quant_config: dict[str, Any], *, num_experts: i
 
 def _layer_tensors(gen: torch.Generator, spec: QuantSpec, family: Family, prefix: str, sizes: tuple[int, int, int],
                    scale_dtype: torch.dtype, stacked: bool,
-                   refs: dict[tuple[str, int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every expert tensor of one MoE layer; fills `refs`."""
+                   refs: dict[tuple[str, int, str], torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """Every expert tensor of one MoE layer; fills `refs` unless it is None."""
     num_experts, hidden, inter = sizes
     out: dict[str, torch.Tensor] = {}
     per_expert: list[tuple[QuantizedProjection, QuantizedProjection]] = []
@@ -175,8 +175,9 @@ def _layer_tensors(gen: torch.Generator, spec: QuantSpec, family: Family, prefix
         up = random_projection(gen, inter, hidden, spec, scale_dtype, shared)
         down_g = act_order_g_idx(gen, inter, spec.group_size) if spec.act_order else None
         down = random_projection(gen, hidden, inter, spec, scale_dtype, down_g)
-        for name, proj in (("gate", gate), ("up", up), ("down", down)):
-            refs[(prefix, e, name)] = proj.dequantize(spec.group_size)
+        if refs is not None:
+            for name, proj in (("gate", gate), ("up", up), ("down", down)):
+                refs[(prefix, e, name)] = proj.dequantize(spec.group_size)
         per_expert.append((stack_projections([gate, up]), down))
         if not stacked:
             for proj_name, proj in zip(family.proj_names, (gate, up, down)):
@@ -208,11 +209,13 @@ def _other_tensors(gen: torch.Generator, family: Family, layer: int, moe: bool, 
 def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family: str = "qwen3_moe",
                      num_experts: int = 4, hidden: int = 64, intermediate: int = 64, num_layers: int = 1,
                      top_k: int = 2, files: int = 1, stacked: bool = False,
-                     scale_dtype: torch.dtype = torch.float16, seed: int = 0) -> SyntheticCheckpoint:
+                     scale_dtype: torch.dtype = torch.float16, seed: int = 0,
+                     references: bool = True) -> SyntheticCheckpoint:
     """Write a synthetic checkpoint to `folder` and return its references.
 
     Tensors of decoder layer L go to shard L % files; an index file is written
-    when files > 1.
+    when files > 1. `references=False` skips the float32 references (4 bytes per
+    weight), for benchmark-sized checkpoints.
     """
     from .modelconfig import is_moe_layer, text_config
 
@@ -223,7 +226,7 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
     config = model_config(fam, quant_config, num_experts=num_experts, hidden=hidden, intermediate=intermediate,
                           num_layers=num_layers, top_k=top_k)
     gen = torch.Generator().manual_seed(seed)
-    refs: dict[tuple[str, int, str], torch.Tensor] = {}
+    refs: dict[tuple[str, int, str], torch.Tensor] | None = {} if references else None
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
     shards[0]["model.embed_tokens.weight"] = torch.randn(32, hidden, generator=gen).to(torch.float16)
     prefixes = []
@@ -237,7 +240,7 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
             shard.update(_layer_tensors(gen, spec, fam, prefix, (num_experts, hidden, intermediate), scale_dtype,
                                         stacked, refs))
     _save(folder, config, shards)
-    return SyntheticCheckpoint(folder=folder, spec=spec, references=refs, prefixes=tuple(prefixes))
+    return SyntheticCheckpoint(folder=folder, spec=spec, references=refs or {}, prefixes=tuple(prefixes))
 
 
 def _save(folder: Path, config: dict[str, Any], shards: list[dict[str, torch.Tensor]]) -> None:
