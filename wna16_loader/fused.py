@@ -224,6 +224,8 @@ class FusedWriter:
         if as_bytes and value.dtype != target.dtype:
             target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
+        if target.device.type != "cpu" and value.device.type == "cpu":
+            value = value.clone(memory_format=torch.contiguous_format)  # never DMA from a file mapping
         copy_transposing(target, value)
         self.bytes_written += value.numel() * value.element_size()
 
