@@ -75,21 +75,22 @@ def test_index_absolute_entry_refused(tmp_path):
         load_experts(tmp_path, TP1)
 
 
-def test_hub_cache_layout_with_index_loads(tmp_path):
-    """The Hugging Face hub cache stores snapshots/<rev>/<file> as symlinks to ../../blobs/<sha>. The index
-    entries are plain file names inside the folder, so the checkpoint must load, as it does without an index.
-
-    Currently fails: checkpoint._inside resolves symlinks before the containment check and refuses the
-    entries as "points outside the checkpoint folder".
-    """
-    src = tmp_path / "src"
-    sharded(src)
+def hub_snapshot(tmp_path: Path, src: Path) -> Path:
+    """The Hugging Face hub cache layout of `src`: snapshots/<rev>/<file> symlinks to ../../blobs/<sha>."""
     blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
     for i, path in enumerate(sorted(src.iterdir())):
         (blobs / f"sha{i}").write_bytes(path.read_bytes())
         os.symlink(f"../../blobs/sha{i}", snapshot / path.name)
+    return snapshot
+
+
+def test_hub_cache_layout_with_index_loads(tmp_path):
+    """Index entries are plain file names whose symlinks point into the cache's blobs/: allowed."""
+    src = tmp_path / "src"
+    sharded(src)
+    snapshot = hub_snapshot(tmp_path, src)
     want = load_experts(src, TP1)
     got = load_experts(snapshot, TP1)
     assert list(got) == list(want)
@@ -101,13 +102,18 @@ def test_hub_cache_layout_with_index_loads(tmp_path):
 def test_hub_cache_layout_without_index_loads(tmp_path):
     src = tmp_path / "src"
     single(src)
-    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "abc123"
-    blobs.mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for i, path in enumerate(sorted(src.iterdir())):
-        (blobs / f"sha{i}").write_bytes(path.read_bytes())
-        os.symlink(f"../../blobs/sha{i}", snapshot / path.name)
-    assert list(load_experts(snapshot, TP1)) == list(load_experts(src, TP1))
+    assert list(load_experts(hub_snapshot(tmp_path, src), TP1)) == list(load_experts(src, TP1))
+
+
+def test_symlink_outside_the_folder_refused(tmp_path):
+    """A shard that is a symlink to a file outside the folder (not a hub blob) is refused."""
+    src, ckpt = tmp_path / "src", tmp_path / "ckpt"
+    single(src)
+    ckpt.mkdir()
+    for path in src.iterdir():
+        os.symlink(path, ckpt / path.name)
+    with pytest.raises(CheckpointError, match="outside the checkpoint folder"):
+        load_experts(ckpt, TP1)
 
 
 def test_tensor_in_two_files(tmp_path):
