@@ -1,8 +1,9 @@
 """Real multi-process runs: 2 and 4 CPU processes over torch.distributed (gloo).
 
 Each process builds its ParallelConfig from the process group, loads its share
-with `load_experts` and with `load_model_experts`, runs the reference forward on
-the same tokens, and checks that all_reduce(sum) equals the unsharded forward.
+with `load_experts` and with `load_model_experts`, from the original checkpoint and
+from a wna16-shard output of it, runs the reference forward on the same tokens, and
+checks that all_reduce(sum) equals the unsharded forward.
 One spawn per topology; every spawn tests AWQ, GPTQ with act-order and
 compressed-tensors (hidden 64, intermediate 64, 4 experts).
 """
@@ -22,6 +23,7 @@ from torch import nn
 
 from wna16_loader import (Activation, FusedMoEExperts, ParallelConfig, load_experts, load_model_experts,
                           read_moe_config, reference_forward)
+from wna16_loader.preshard import preshard_checkpoint
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
 CONFIGS = {
@@ -57,7 +59,8 @@ def experts_model(folder: str, parallel: ParallelConfig, activation: Activation)
     return root
 
 
-def worker(rank: int, world: int, init_file: str, tp: int, ep: int, cases: list[Case], log_dir: str) -> None:
+def worker(rank: int, world: int, init_file: str, tp: int, ep: int, cases: list[Case], log_dir: str,
+           sharded: dict[str, str]) -> None:
     """One rank: load twice, forward, all_reduce, compare (runs in a spawned process)."""
     torch.set_num_threads(1)
     handler = logging.FileHandler(Path(log_dir) / f"rank{rank}.log")
@@ -71,6 +74,7 @@ def worker(rank: int, world: int, init_file: str, tp: int, ep: int, cases: list[
         assert (parallel.rank, parallel.tp_size, parallel.ep_size) == (rank, tp, ep)
         for case in cases:
             check_case(case, parallel)
+            check_presharded(case, sharded[case.name], parallel)
     finally:
         dist.destroy_process_group()
         handler.close()
@@ -88,6 +92,20 @@ def check_case(case: Case, parallel: ParallelConfig) -> None:
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     torch.testing.assert_close(total, case.expected, rtol=1e-5, atol=1e-5,
                                msg=lambda m: f"{case.name} rank {parallel.rank}: {m}")
+
+
+def check_presharded(case: Case, folder: str, parallel: ParallelConfig) -> None:
+    """The rank's share read back from a wna16-shard output equals the share read from the source."""
+    direct = next(iter(load_experts(case.folder, parallel).values()))
+    sharded = next(iter(load_experts(folder, parallel).values()))
+    for name, tensor in direct.tensors.items():
+        assert torch.equal(sharded.tensors[name], tensor), (case.name, name)
+    model = experts_model(case.folder, parallel, case.activation)
+    load_model_experts(model, folder, parallel)
+    module = next(m for m in model.modules() if isinstance(m, FusedMoEExperts))
+    total = module(case.hidden, case.topk_ids, case.topk_weights)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    torch.testing.assert_close(total, case.expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +128,13 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> list[Case]:
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)], ids=["tp2", "ep2", "tp2xep2"])
 def test_all_reduce_of_ranks_equals_unsharded(cases: list[Case], tmp_path: Path, tp: int, ep: int) -> None:
     world = tp * ep
-    mp.spawn(worker, args=(world, str(tmp_path / "init"), tp, ep, cases, str(tmp_path)), nprocs=world, join=True)
+    sharded = {case.name: str(tmp_path / f"sharded-{case.name}") for case in cases}
+    for case in cases:
+        preshard_checkpoint(case.folder, sharded[case.name], tp_size=tp, ep_size=ep, progress=False)
+    mp.spawn(worker, args=(world, str(tmp_path / "init"), tp, ep, cases, str(tmp_path), sharded), nprocs=world,
+             join=True)
     for rank in range(world):
         lines = (tmp_path / f"rank{rank}.log").read_text().splitlines()
-        summaries = [line for line in lines if "loaded into the model" in line]
+        summaries = [line for line in lines if "loaded into the model:" in line]
         assert len(summaries) == len(cases), lines  # one summary per rank and load
         assert all(line.startswith(f"[rank {rank} tp {rank % tp}/{tp} ep {rank // tp}/{ep}]") for line in summaries)
