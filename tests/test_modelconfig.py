@@ -65,22 +65,17 @@ def test_qwen_mlp_only_layers_alone() -> None:
     assert moe.moe_layers == (1, 3)
 
 
-def test_deepseek_v2() -> None:
-    moe = _resolve({"model_type": "deepseek_v2", "hidden_size": 5120, "intermediate_size": 12288,
-                    "moe_intermediate_size": 1536, "num_hidden_layers": 60, "n_routed_experts": 160,
-                    "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1,
-                    "moe_layer_freq": 1})
-    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size) == (160, 6, 5120, 1536)
-    assert moe.moe_layers == tuple(range(1, 60))
-
-
-def test_deepseek_v3() -> None:
-    moe = _resolve({"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
-                    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "n_routed_experts": 256,
-                    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-                    "moe_layer_freq": 1})
-    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size) == (256, 8, 7168, 2048)
-    assert moe.moe_layers == tuple(range(3, 61))
+@pytest.mark.parametrize("model_type,sizes,first_dense,layers,expected", [
+    ("deepseek_v2", dict(hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536, n_routed_experts=160,
+                         n_shared_experts=2, num_experts_per_tok=6), 1, 60, (160, 6, 5120, 1536)),
+    ("deepseek_v3", dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=256,
+                         n_shared_experts=1, num_experts_per_tok=8), 3, 61, (256, 8, 7168, 2048)),
+])
+def test_deepseek(model_type: str, sizes: dict, first_dense: int, layers: int, expected: tuple) -> None:
+    moe = _resolve({"model_type": model_type, "num_hidden_layers": layers, "first_k_dense_replace": first_dense,
+                    "moe_layer_freq": 1, **sizes})
+    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size) == expected
+    assert moe.moe_layers == tuple(range(first_dense, layers))
 
 
 def test_deepseek_moe_layer_freq() -> None:

@@ -65,7 +65,9 @@ def words_as_bytes(words: torch.Tensor, *, dim: int) -> torch.Tensor:
     """Sequentially packed words along `dim` read as the fused byte packing along `dim`.
 
     A word packing values least-significant first holds, in its little-endian bytes,
-    exactly `pack_bytes` of those values, so no unpacking is needed.
+    exactly `pack_bytes` of those values, so no unpacking is needed. This is the identity
+    the loader's fast path relies on (it copies such words into an int32 view of the
+    fused bytes); the tests pin it here.
 
     | in  | words [..., W, ...] int32   |
     | out | bytes [..., W*4, ...] uint8 |

@@ -92,10 +92,10 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
             _record(ledger, moe, prefix, expert, proj, candidates)
             if candidates:
                 sources[(expert, proj)] = candidates[0]
-    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources))
-    for src in sources.values():
+    for src in sources.values():  # each tensor's own dtype/shape error before any cross-tensor check
         for role, ref in src.tensors.items():
             check_header(ref, moe.quant.layout(role), moe.quant, src, moe.num_experts)
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources))
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
 
 
