@@ -1,27 +1,31 @@
-"""Read one rank's slice of one expert projection into canonical unpacked form.
+"""Read one rank's slice of one projection, for a batch of experts, into canonical form.
 
 Slice first, then convert: only the int32 words, groups and rows that cover the
-rank's columns are read; unpacking and reordering touch nothing else. The
-result is format-free:
+rank's columns are read; unpacking and reordering touch nothing else. Scales,
+zero points and g_idx of every expert in a batch are stacked and converted
+once (`read_params`); each expert's weights are read on their own
+(`read_qweight`), so a batch never holds more than one expert's converted
+weights. The results are format-free:
 
-| qweight| [N_l, K_l/P8] uint8, the fused byte packing along K, or the same |
-|        | bytes as int32 words [N_l, K_l/(4*P8)] (least significant first)  |
-| scales | [N_l, nG]   stored scale dtype                   |
-| zeros  | [N_l, nG]   uint8 true zero points, or None (sym) |
-| g_idx  | [K_l]       int32 checkpoint group per row, or None |
+| qweight | [N_l, K_l/P8] uint8, the fused byte packing along K, or the same     |
+|         | bytes as int32 words [N_l, K_l/(4*P8)] (least significant first)      |
+| scales  | [E_b, N_l, nG]   stored scale dtype                   |
+| zeros   | [E_b, N_l, nG]   uint8 true zero points, or None (sym) |
+| g_idx   | [E_b, K_l]       int32 checkpoint group per row, or None |
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 
-from .checkpoint import CheckpointIndex, TensorRef
+from .checkpoint import TensorRef
 from .errors import FormatError
 from .formats import Dim, QuantSpec, Role, TensorLayout
 from .names import Proj, Source
-from .packing import add_word_bias, pack_bytes, unpack_words
+from .packing import add_word_bias, pack_bytes, transpose_nibble_words, unpack_words
 from .sharding import ProjectionSlice, Span, ceil_div
 
 CANONICAL: dict[Role, tuple[Dim, ...]] = {
@@ -33,11 +37,17 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
 }
 
 
-@dataclass(frozen=True)
-class ProjectionShard:
-    """One rank's slice of one projection, unpacked (see the module table)."""
+class TensorReader(Protocol):
+    """What the readers here need: `read(ref, index)` -> `tensor[index]` on the CPU (a CheckpointIndex,
+    or the hook's store of tensors handed over by an engine)."""
 
-    qweight: torch.Tensor
+    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ProjectionParams:
+    """Scales, zero points and g_idx of one projection's rank slice for E_b experts (module table)."""
+
     scales: torch.Tensor
     zeros: torch.Tensor | None
     g_idx: torch.Tensor | None
@@ -102,26 +112,34 @@ def storage_index(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
     return tuple(index), trims
 
 
-def read_role(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref: TensorRef,
-              spans: dict[Dim, Span], row: int | None) -> torch.Tensor:
-    """Read the part of one role tensor covering `spans`, unpacked, in canonical dim order."""
-    tensor = _read_values(index, spec, layout, ref, spans, row)
-    order = [layout.dims.index(d) for d in CANONICAL[layout.role]]
-    return tensor.permute(order) if len(order) > 1 else tensor
+def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
+              spans: dict[Dim, Span], pick: torch.Tensor | None = None) -> torch.Tensor:
+    """The part of one role tensor of every source covering `spans`, unpacked, stacked over the
+    sources and in canonical dim order (leading E_b). `pick` selects fused groups along GROUP.
+
+    One stack copies every source's slice out of the file mapping; the conversion then runs
+    once for the whole batch.
+    """
+    storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row)[0] for src in sources]
+    raw = torch.stack([reader.read(src.tensors[layout.role], index) for src, index in zip(sources, storage)])
+    tensor = _unpacked(raw, spec, layout, spans, lead=1)
+    if pick is not None and Dim.GROUP in layout.dims:
+        tensor = tensor.index_select(1 + layout.dims.index(Dim.GROUP), pick)  # whole rows of storage order
+    return tensor.permute([0] + [1 + layout.dims.index(d) for d in CANONICAL[layout.role]])
 
 
-def _read_values(index: CheckpointIndex, spec: QuantSpec, layout: TensorLayout, ref: TensorRef,
-                 spans: dict[Dim, Span], row: int | None) -> torch.Tensor:
-    """Read the part of one role tensor covering `spans`, unpacked and trimmed, in storage dim order."""
-    storage, trims = storage_index(layout, spans, spec.pack_factor, row)
-    tensor = index.read(ref, storage)
-    if layout.packed is not None:
-        if spec.zero_word_bias and layout.role is Role.ZEROS:
-            tensor = add_word_bias(tensor, spec.bits)
-        axis = layout.dims.index(layout.packed)
-        tensor = unpack_words(tensor, bits=spec.bits, dim=axis, slot_order=layout.slot_order)
-        tensor = tensor.narrow(axis, trims[layout.packed], len(spans[layout.packed]))
-    return tensor
+def _unpacked(tensor: torch.Tensor, spec: QuantSpec, layout: TensorLayout, spans: dict[Dim, Span], *,
+              lead: int) -> torch.Tensor:
+    """Words unpacked along the layout's packed dim and trimmed to `spans` (storage dim order after
+    `lead` leading dims); unpacked layouts pass through."""
+    if layout.packed is None:
+        return tensor
+    if spec.zero_word_bias and layout.role is Role.ZEROS:
+        tensor = add_word_bias(tensor, spec.bits)
+    axis = lead + layout.dims.index(layout.packed)
+    span = spans[layout.packed]
+    tensor = unpack_words(tensor, bits=spec.bits, dim=axis, slot_order=layout.slot_order)
+    return tensor.narrow(axis, span.start % spec.pack_factor, len(span))
 
 
 def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span], torch.Tensor | None]:
@@ -136,119 +154,152 @@ def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span
     return spans, torch.tensor(cut.groups, dtype=torch.long) - groups.start
 
 
-def pick_groups(tensor: torch.Tensor, pick: torch.Tensor | None) -> torch.Tensor:
-    """The fused groups (dim 1) of a canonical [N, groups read] tensor."""
-    return tensor if pick is None else tensor.index_select(1, pick)
-
-
-def check_dropped_role(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
+def check_dropped_role(reader: TensorReader, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
                        role: Role) -> None:
-    """Validate one optional tensor that `read_projection` checks and drops (symmetric zero points,
+    """Validate one optional tensor that `read_params` checks and drops (symmetric zero points,
     a plain g_idx, a shape record), for a tensor that arrives after its projection was written."""
     spans, pick = rank_spans(src, cut)
-    tensor = read_role(index, spec, spec.layout(role), src.tensors[role], spans, src.expert_row)
+    tensor = read_role(reader, spec, spec.layout(role), [src], spans, pick)
     if role is Role.ZEROS and spec.symmetric:
-        _check_symmetric_zeros(pick_groups(tensor, pick), spec, src.tensors[role])
+        _check_symmetric_zeros(tensor, spec, [src])
     elif role is Role.G_IDX:
-        _checked_g_idx(tensor, spec, src, cut)
+        _checked_g_idx(tensor, spec, [src], cut)
     elif role is Role.SHAPE:
-        _check_shape_tensor(tensor, src)
+        _check_shape_tensor(tensor, [src])
 
 
-def read_projection(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, cut: ProjectionSlice,
-                    *, allow_nonfinite: bool = False) -> ProjectionShard:
-    """Read and validate the rank's slice `cut` of one projection of one expert."""
-    spans, pick = rank_spans(src, cut)
+def read_params(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceTensors], cut: ProjectionSlice,
+                *, allow_nonfinite: bool = False) -> ProjectionParams:
+    """Read and validate the scales, zero points and g_idx of the rank's slice `cut` of one projection,
+    for a batch of experts whose sources share one kind and one set of roles."""
+    assert len({(src.source, frozenset(src.tensors)) for src in sources}) == 1, "a batch mixes sources"
+    spans, pick = rank_spans(sources[0], cut)
 
     def role(r: Role) -> torch.Tensor | None:
-        layout, ref = spec.layout(r), src.tensors.get(r)
-        if layout is None or ref is None:
+        layout = spec.layout(r)
+        if layout is None or r not in sources[0].tensors:
             return None
-        return read_role(index, spec, layout, ref, spans, src.expert_row)
+        return read_role(reader, spec, layout, sources, spans, pick)
 
-    _check_shape_tensor(role(Role.SHAPE), src)
-    scales = pick_groups(role(Role.SCALES), pick)
-    if not allow_nonfinite and not torch.isfinite(scales).all():
-        bad = int((~torch.isfinite(scales)).sum())
-        raise FormatError(f"{src.tensors[Role.SCALES].name}: {bad} NaN/Inf scale values in this rank's slice; "
-                          f"the checkpoint is corrupt (pass allow_nonfinite_scales=True to load it anyway).")
+    _check_shape_tensor(role(Role.SHAPE), sources)
+    scales = role(Role.SCALES)
+    assert scales is not None, "scales are required by every format"
+    if not allow_nonfinite:
+        _check_finite(scales, sources)
     zeros = role(Role.ZEROS)
-    zeros = None if zeros is None else pick_groups(zeros, pick)
     if spec.symmetric and zeros is not None:
-        _check_symmetric_zeros(zeros, spec, src.tensors[Role.ZEROS])
+        _check_symmetric_zeros(zeros, spec, sources)
         zeros = None
-    g_idx = _checked_g_idx(role(Role.G_IDX), spec, src, cut)
-    qweight = _read_qweight(index, spec, src, spans)
-    return ProjectionShard(qweight=qweight, scales=scales, zeros=zeros, g_idx=g_idx)
+    g_idx = _checked_g_idx(role(Role.G_IDX), spec, sources, cut)
+    return ProjectionParams(scales=scales, zeros=zeros, g_idx=g_idx)
 
 
-def _read_qweight(index: CheckpointIndex, spec: QuantSpec, src: SourceTensors, spans: dict[Dim, Span]) -> torch.Tensor:
-    """The rank's weights as fused bytes [N_l, K_l/P8] (or those bytes as int32 words).
+def read_qweight(reader: TensorReader, spec: QuantSpec, src: SourceTensors, spans: dict[Dim, Span]) -> torch.Tensor:
+    """One expert's weights in the fused byte packing [N_l, K_l/P8] uint8, or those bytes as int32
+    words [N_l, K_l/(4*P8)] (often a transposed view; the writer's copy does the transpose).
 
-    Words packed sequentially along K and cut on word boundaries already are the
-    fused byte packing: they are returned as a transposed view of the words read, and
-    the writer's single copy does the transpose. Anything else is unpacked, trimmed
-    and repacked.
+    | words packed along K, cut on word boundaries | already the fused packing: a view of the words read |
+    | 4-bit words packed along N, K cut on 8 rows  | an 8x8 nibble transpose per word block (`packing`)   |
+    | anything else                                | unpacked, trimmed and repacked                       |
     """
     layout, ref = spec.layout(Role.QWEIGHT), src.tensors[Role.QWEIGHT]
-    k, per_word = spans[Dim.K], spec.pack_factor
+    storage, _ = storage_index(layout, spans, spec.pack_factor, src.expert_row)
+    k_axis, n_axis = layout.dims.index(Dim.K), layout.dims.index(Dim.N)
+    k, n, per_word = spans[Dim.K], spans[Dim.N], spec.pack_factor
     if layout.packed is Dim.K and layout.slot_order is None and k.start % per_word == 0 and k.stop % per_word == 0:
-        storage, _ = storage_index(layout, spans, per_word, src.expert_row)
-        words = index.read(ref, storage)
-        axis = layout.dims.index(Dim.K)
-        order = [layout.dims.index(Dim.N), axis]
-        return words.permute(order)  # int32 words whose little-endian bytes are the fused packing
-    values = _read_values(index, spec, layout, ref, spans, src.expert_row)  # storage dim order
-    packed = pack_bytes(values, bits=spec.bits, dim=layout.dims.index(Dim.K))  # pack before transposing
-    return packed.permute([layout.dims.index(Dim.N), layout.dims.index(Dim.K)])
+        return reader.read(ref, storage).permute([n_axis, k_axis])
+    if layout.packed is Dim.N and spec.bits == 4 and k.start % 8 == 0 and k.stop % 8 == 0:
+        words = reader.read(ref, storage).permute([k_axis, n_axis])  # [K_l, N words]
+        out = transpose_nibble_words(words, slot_order=layout.slot_order)  # [N words * 8, K_l / 8]
+        return out.narrow(0, n.start % per_word, len(n))
+    values = _unpacked(reader.read(ref, storage), spec, layout, spans, lead=0)  # storage dim order
+    packed = pack_bytes(values, bits=spec.bits, dim=k_axis)  # pack before transposing
+    return packed.permute([n_axis, k_axis])
 
 
-def _check_shape_tensor(shape: torch.Tensor | None, src: SourceTensors) -> None:
+def _first(bad: torch.Tensor) -> int:
+    """Index of the first expert flagged in a [E_b] bool tensor."""
+    return int(bad.nonzero()[0, 0])
+
+
+def _check_finite(scales: torch.Tensor, sources: Sequence[SourceTensors]) -> None:
+    if bool(torch.isfinite(scales).all()):
+        return
+    bad = (~torch.isfinite(scales)).flatten(1).sum(1)
+    i = _first(bad > 0)
+    raise FormatError(f"{sources[i].tensors[Role.SCALES].name}: {int(bad[i])} NaN/Inf scale values in this rank's "
+                      f"slice; the checkpoint is corrupt (pass allow_nonfinite_scales=True to load it anyway).")
+
+
+def _check_shape_tensor(shape: torch.Tensor | None, sources: Sequence[SourceTensors]) -> None:
+    """Every recorded [N, K] must match the config."""
     if shape is None:
         return
-    found = [int(v) for v in shape.reshape(-1)]
-    if found != [src.n_total, src.k_total]:
-        raise FormatError(f"{src.tensors[Role.SHAPE].name}: records shape {found} but the config implies "
-                          f"[{src.n_total}, {src.k_total}] (N, K).")
+    want = torch.tensor([sources[0].n_total, sources[0].k_total], dtype=shape.dtype)
+    bad = (shape.reshape(len(sources), -1) != want).any(1)
+    if bool(bad.any()):
+        i = _first(bad)
+        raise FormatError(f"{sources[i].tensors[Role.SHAPE].name}: records shape {shape[i].tolist()} but the config "
+                          f"implies {want.tolist()} (N, K).")
 
 
-def _check_symmetric_zeros(zeros: torch.Tensor, spec: QuantSpec, ref: TensorRef) -> None:
+def _check_symmetric_zeros(zeros: torch.Tensor, spec: QuantSpec, sources: Sequence[SourceTensors]) -> None:
     bad = zeros != spec.implicit_zero
-    if bad.any():
-        values = sorted(set(zeros[bad].tolist()))[:8]
-        raise FormatError(f"{ref.name}: the config is symmetric (z = {spec.implicit_zero}) but {int(bad.sum())} "
-                          f"stored zero points decode to other values {values}; refusing to drop them. Set "
-                          f"sym=false in the quantization config if the checkpoint is asymmetric.")
+    if not bool(bad.any()):
+        return
+    i = _first(bad.flatten(1).any(1))
+    values = sorted(set(zeros[i][bad[i]].tolist()))[:8]
+    raise FormatError(f"{sources[i].tensors[Role.ZEROS].name}: the config is symmetric (z = {spec.implicit_zero}) "
+                      f"but {int(bad[i].sum())} stored zero points decode to other values {values}; refusing to "
+                      f"drop them. Set sym=false in the quantization config if the checkpoint is asymmetric.")
 
 
-def _checked_g_idx(g_idx: torch.Tensor | None, spec: QuantSpec, src: SourceTensors,
+def _checked_g_idx(g_idx: torch.Tensor | None, spec: QuantSpec, sources: Sequence[SourceTensors],
                    cut: ProjectionSlice) -> torch.Tensor | None:
-    """g_idx for act-order slices; a plain-grouping g_idx must equal k // G and is dropped."""
+    """g_idx [E_b, K_l] for act-order slices; a plain-grouping g_idx must equal k // G and is dropped."""
     if g_idx is None:
         return None
     g_idx = g_idx.to(torch.int32)
-    name = src.tensors[Role.G_IDX].name
-    groups = group_count(spec, src.k_total)
-    if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
-        raise FormatError(f"{name}: g_idx values span [{int(g_idx.min())}, {int(g_idx.max())}] but K = "
-                          f"{src.k_total} with group size {spec.group_size} has groups 0..{groups - 1}.")
+    groups = group_count(spec, sources[0].k_total)
+    _check_g_idx_range(g_idx, groups, spec, sources)
     if cut.g_idx:
-        if len(cut.k) == src.k_total:
-            _check_group_sizes(g_idx, spec.group_size, groups, name)
+        if len(cut.k) == sources[0].k_total:
+            _check_group_sizes(g_idx, spec.group_size, groups, sources)
         return g_idx
     if spec.group_size != -1:
         plain = torch.arange(cut.k.start, cut.k.stop, dtype=torch.int32) // spec.group_size
-        if not torch.equal(g_idx, plain):
-            raise FormatError(f"{name}: g_idx permutes input rows (act-order) but the quantization config does "
-                              f"not declare act-order (desc_act / actorder=group); refusing to drop it.")
+        bad = (g_idx != plain).any(1)
+        if bool(bad.any()):
+            raise FormatError(f"{sources[_first(bad)].tensors[Role.G_IDX].name}: g_idx permutes input rows "
+                              f"(act-order) but the quantization config does not declare act-order (desc_act / "
+                              f"actorder=group); refusing to drop it.")
     return None
 
 
-def _check_group_sizes(g_idx: torch.Tensor, group_size: int, groups: int, name: str) -> None:
-    """Every act-order group holds G rows (the last one the remainder)."""
-    counts = torch.bincount(g_idx.to(torch.long), minlength=groups).tolist()
-    want = [group_size] * (groups - 1) + [len(g_idx) - group_size * (groups - 1)]
-    wrong = [f"group {g}: {c} rows (expected {w})" for g, (c, w) in enumerate(zip(counts, want)) if c != w]
-    if wrong:
-        raise FormatError(f"{name}: g_idx groups are not of the declared size {group_size}: "
-                          f"{'; '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}.")
+def _check_g_idx_range(g_idx: torch.Tensor, groups: int, spec: QuantSpec, sources: Sequence[SourceTensors]) -> None:
+    if not g_idx.numel():
+        return
+    low, high = g_idx.amin(1), g_idx.amax(1)
+    bad = (low < 0) | (high >= groups)
+    if bool(bad.any()):
+        i = _first(bad)
+        raise FormatError(f"{sources[i].tensors[Role.G_IDX].name}: g_idx values span [{int(low[i])}, {int(high[i])}] "
+                          f"but K = {sources[i].k_total} with group size {spec.group_size} has groups "
+                          f"0..{groups - 1}.")
+
+
+def _check_group_sizes(g_idx: torch.Tensor, group_size: int, groups: int, sources: Sequence[SourceTensors]) -> None:
+    """Every act-order group holds G rows (the last one the remainder), for every expert."""
+    rows = g_idx.shape[1]
+    offsets = torch.arange(len(sources), dtype=torch.long).unsqueeze(1) * groups
+    counts = torch.bincount((g_idx.to(torch.long) + offsets).reshape(-1), minlength=len(sources) * groups)
+    want = torch.full((groups,), group_size, dtype=torch.long)
+    want[-1] = rows - group_size * (groups - 1)
+    bad = (counts.view(len(sources), groups) != want).any(1)
+    if not bool(bad.any()):
+        return
+    i = _first(bad)
+    found = counts.view(len(sources), groups)[i].tolist()
+    wrong = [f"group {g}: {c} rows (expected {w})" for g, (c, w) in enumerate(zip(found, want.tolist())) if c != w]
+    raise FormatError(f"{sources[i].tensors[Role.G_IDX].name}: g_idx groups are not of the declared size "
+                      f"{group_size}: {'; '.join(wrong[:8])}{' ...' if len(wrong) > 8 else ''}.")

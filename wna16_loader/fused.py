@@ -22,11 +22,12 @@ along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from .errors import CompletenessError, FormatError, format_offenders
-from .extract import ProjectionShard
+from .extract import ProjectionParams
 from .formats import QuantSpec, Role
 from .names import Proj
 from .packing import pack_bytes, unpack_bytes
@@ -170,41 +171,61 @@ class FusedWriter:
         self._g_idx_owner: dict[int, str] = {}
         self.bytes_written = 0
 
-    def write(self, expert: int, proj: Proj, shard: ProjectionShard, *, label: str) -> None:
-        """Place `shard` (expert `expert`'s slice of `proj`) in its rows of the fused parameters."""
-        slot = self._slots[expert]
+    def rows(self, proj: Proj) -> tuple[str, slice, slice]:
+        """('w13' or 'w2', weight/scale rows, zero-point rows) of `proj` in its fused parameters."""
         if proj is Proj.DOWN:
-            self._put("w2", slot, slice(None), slice(None), shard)
-            if self.spec.act_order:
-                assert shard.g_idx is not None, f"{label}: act-order layout but no g_idx"
-                self._copy("w2_g_idx", slot, slice(None), shard.g_idx)
-            return
+            return "w2", slice(None), slice(None)
         part, per_byte = self.spec.part, 8 // self.spec.bits
         half = 0 if proj is Proj.GATE else 1
-        rows = slice(half * part, (half + 1) * part)
-        zero_rows = slice(half * part // per_byte, (half + 1) * part // per_byte)
-        self._put("w13", slot, rows, zero_rows, shard)
-        if self.spec.act_order:
-            assert shard.g_idx is not None, f"{label}: act-order layout but no g_idx"
-            self._put_w13_g_idx(expert, slot, shard.g_idx, label)
+        return "w13", slice(half * part, (half + 1) * part), slice(half * part // per_byte, (half + 1) * part // per_byte)
 
-    def _put(self, prefix: str, slot: int, rows: slice, zero_rows: slice, shard: ProjectionShard) -> None:
-        bits = self.spec.bits
-        self._copy(f"{prefix}_qweight", slot, rows, shard.qweight, as_bytes=True)
-        self._copy(f"{prefix}_scales", slot, rows, shard.scales)
+    def slots(self, experts: Sequence[int]) -> slice:
+        """The run of consecutive slots holding `experts` (given in slot order)."""
+        first = self._slots[experts[0]]
+        assert [self._slots[e] for e in experts] == list(range(first, first + len(experts))), \
+            f"{self.prefix}: experts {list(experts)} are not consecutive slots"
+        return slice(first, first + len(experts))
+
+    def write_params(self, experts: Sequence[int], proj: Proj, params: ProjectionParams, *,
+                     labels: Sequence[str]) -> None:
+        """Place the scales, zero points and g_idx of `experts` (consecutive slots; `labels` name
+        each expert's projection in errors) in their rows of the fused parameters."""
+        slots = self.slots(experts)
+        half, rows, zero_rows = self.rows(proj)
+        self._copy(f"{half}_scales", slots, rows, params.scales)
         if self.spec.has_zero_point:
-            assert shard.zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
-            self._copy(f"{prefix}_qzeros", slot, zero_rows, pack_bytes(shard.zeros, bits=bits, dim=0))
+            assert params.zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
+            self._copy(f"{half}_qzeros", slots, zero_rows, pack_bytes(params.zeros, bits=self.spec.bits, dim=1))
+        if not self.spec.act_order:
+            return
+        assert params.g_idx is not None, f"{labels[0]}: act-order layout but no g_idx"
+        if proj is Proj.DOWN:
+            self._copy("w2_g_idx", slots, slice(None), params.g_idx)
+        else:
+            self._put_w13_g_idx(experts, params.g_idx, labels)
 
-    def _put_w13_g_idx(self, expert: int, slot: int, g_idx: torch.Tensor, label: str) -> None:
-        """gate and up share one w13_g_idx row: the first writes it, the second must agree."""
-        first = self._g_idx_owner.get(expert)
-        if first is None:
-            self._copy("w13_g_idx", slot, slice(None), g_idx)
-            self._g_idx_owner[expert] = label
-        elif not torch.equal(self.staging["w13_g_idx"][slot], g_idx):
-            raise FormatError(f"{label}: its g_idx differs from that of {first}; gate and up of one expert share "
-                              f"w13_g_idx and must carry the same act-order permutation.")
+    def write_qweight(self, expert: int, proj: Proj, qweight: torch.Tensor) -> None:
+        """Place one expert's weights (fused bytes [N_l, K_l/P8], or their int32 words) in its rows."""
+        slot = self._slots[expert]
+        half, rows, _ = self.rows(proj)
+        self._copy(f"{half}_qweight", slice(slot, slot + 1), rows, qweight.unsqueeze(0), as_bytes=True)
+
+    def _put_w13_g_idx(self, experts: Sequence[int], g_idx: torch.Tensor, labels: Sequence[str]) -> None:
+        """gate and up share one w13_g_idx row per expert: the first writes it, the second must agree."""
+        owned = [self._g_idx_owner.get(expert) for expert in experts]
+        if all(owner is None for owner in owned):
+            self._copy("w13_g_idx", self.slots(experts), slice(None), g_idx)
+            self._g_idx_owner.update(zip(experts, labels))
+            return
+        if any(owner is None for owner in owned):  # a mixed run: one expert at a time
+            for i, expert in enumerate(experts):
+                self._put_w13_g_idx([expert], g_idx[i:i + 1], labels[i:i + 1])
+            return
+        differs = (self.staging["w13_g_idx"][self.slots(experts)] != g_idx).any(1)
+        if bool(differs.any()):
+            i = int(differs.nonzero()[0, 0])
+            raise FormatError(f"{labels[i]}: its g_idx differs from that of {owned[i]}; gate and up of one expert "
+                              f"share w13_g_idx and must carry the same act-order permutation.")
 
     def put_whole(self, name: str, value: torch.Tensor) -> None:
         """Copy a whole fused parameter (e.g. from a pre-sharded file) into its staging buffer.
@@ -217,10 +238,11 @@ class FusedWriter:
         target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()
 
-    def _copy(self, name: str, slot: int, rows: slice, value: torch.Tensor, *, as_bytes: bool = False) -> None:
-        """Copy `value` into rows of one slot. With `as_bytes`, a value of another dtype (int32 words of
-        packed weights) is taken as the same bytes, so a transposed view is copied in one pass."""
-        target = self.staging[name][slot, rows]
+    def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor, *, as_bytes: bool = False) -> None:
+        """Copy `value` [E_b, rows, ...] into rows of a run of slots. With `as_bytes`, a value of another
+        dtype (int32 words of packed weights) is taken as the same bytes, so a transposed view is
+        copied in one pass."""
+        target = self.staging[name][slots, rows]
         if as_bytes and value.dtype != target.dtype:
             target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
@@ -242,21 +264,22 @@ class FusedWriter:
 
 
 def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
-    """`target.copy_(value)`, tile by tile when `value` is the transpose of a contiguous 2-D tensor.
+    """`target.copy_(value)`, tile by tile when `value`'s last two dims are transposed (unit stride
+    along dim -2), e.g. the [K/P, N] -> [N, K/P] transposes of packed weights or scales.
 
     A tiled copy keeps both the rows read and the rows written in cache (about 1.5x faster than a
-    plain strided copy for the [K/P, N] -> [N, K/P] transposes of packed weights).
+    plain strided copy). Any leading dims (experts) are carried along; the source rows may be
+    strided (a column slice of a file's tensor).
     """
-    if value.dim() != 2 or not value.t().is_contiguous() or value.is_contiguous():
+    n, w = value.shape[-2:] if value.dim() >= 2 else (0, 0)
+    block = next((b for b in (16, 8, 4) if n % b == 0 and w % b == 0), 0) if n > 1 and w > 1 else 0
+    if not block or value.stride(-2) != 1 or value.stride(-1) == 1:
         target.copy_(value)
         return
-    n, w = value.shape
-    block = next((b for b in (16, 8, 4) if n % b == 0 and w % b == 0), 0)
-    if not block or not target.is_contiguous():
-        target.copy_(value)
-        return
-    tiles = value.t().view(w // block, block, n // block, block).permute(2, 3, 0, 1)
-    target.view(n // block, block, w // block, block).copy_(tiles)
+    def tiled(t: torch.Tensor) -> torch.Tensor:  # [..., N, W] -> [..., N/b, b, W/b, b], a view
+        return t.unflatten(-2, (n // block, block)).unflatten(-1, (w // block, block))
+
+    tiled(target).copy_(tiled(value))
 
 
 @dataclass(frozen=True, order=True)

@@ -4,8 +4,8 @@ An engine walks the checkpoint and hands every routed-expert tensor, whole, to
 `weight_loader(param, loaded_weight, weight_name, shard_id, expert_id)` (vLLM's
 calling convention). `ExpertLoadHook` keeps the tensors of one (expert,
 projection) in a `TensorStore` until every role the format requires has
-arrived, then reads the rank's slice through the same `read_projection` as
-`load_experts` and writes it with the same `FusedWriter`. Tensors of non-local
+arrived, then reads the rank's slice through the same `ExpertLoadHook.write` as
+`load_experts` (which passes whole runs of experts at once) and the same `FusedWriter`. Tensors of non-local
 experts are refused before anything is kept or converted.
 
 | shard_id | projection | fused rows                        |
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
-from .extract import SourceTensors, check_dropped_role, check_header, read_projection
+from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweight
 from .formats import Role
 from .fused import FusedWriter, Ledger
 from .modelconfig import MoEConfig
@@ -127,12 +127,6 @@ class ExpertParamMapping:
 def expert_param_mapping(moe: MoEConfig, prefix: str | None = None) -> ExpertParamMapping:
     """The O(1) name mapping for `moe` (only names under experts prefix `prefix`, when given)."""
     return ExpertParamMapping(moe, prefix)
-
-
-class TensorReader(Protocol):
-    """What `read_projection` needs: `read(ref, index)` -> `tensor[index]` (CheckpointIndex, TensorStore)."""
-
-    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
 
 
 class TensorStore:
@@ -285,7 +279,7 @@ class ExpertLoadHook:
             self.store.release(entry.refs[arrival.role])
         entry.refs[arrival.role] = self.store.hold(ref, loaded)
         if self.required <= entry.refs.keys():
-            self.write(self.store, writer, expert, proj, source_tensors(self.moe, entry.source, entry.refs, row))
+            self.write(self.store, writer, (expert,), proj, (source_tensors(self.moe, entry.source, entry.refs, row),))
             for held in entry.refs.values():
                 self.store.release(held)
             self.written[key] = self.pending.pop(key)
@@ -299,13 +293,19 @@ class ExpertLoadHook:
         check_dropped_role(TensorStore.of(ref, loaded), self.moe.quant, src, self.geometry.slice(proj), role)
         done.refs[role] = ref
 
-    def write(self, reader: TensorReader, writer: FusedWriter, expert: int, proj: Proj, src: SourceTensors) -> None:
-        """Read the rank's slice of one projection through `reader` and write it (shared by every load path)."""
-        self._check_scale_dtype(src, writer)
-        shard = read_projection(reader, self.moe.quant, src, self.geometry.slice(proj),  # type: ignore[arg-type]
-                                allow_nonfinite=self.allow_nonfinite)
+    def write(self, reader: TensorReader, writer: FusedWriter, experts: Sequence[int], proj: Proj,
+              sources: Sequence[SourceTensors]) -> None:
+        """Read the rank's slice of `proj` for `experts` (consecutive slots, one source kind) through
+        `reader` and write it: the one write path of every load."""
+        for src in sources:
+            self._check_scale_dtype(src, writer)
+        cut = self.geometry.slice(proj)
+        params = read_params(reader, self.moe.quant, sources, cut, allow_nonfinite=self.allow_nonfinite)
         before = writer.bytes_written
-        writer.write(expert, proj, shard, label=f"{self.prefix}.{expert}.{proj.value}")
+        writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
+        spans, _ = rank_spans(sources[0], cut)
+        for expert, src in zip(experts, sources):
+            writer.write_qweight(expert, proj, read_qweight(reader, self.moe.quant, src, spans))
         self.bytes_written += writer.bytes_written - before
 
     def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:
@@ -317,13 +317,16 @@ class ExpertLoadHook:
                               f"converting would round them. Build the module with scale_dtype={ref.dtype}.")
 
     def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
-        """Read and write every projection of a `plan_layer` plan (the `load_experts` path)."""
-        for (expert, proj), src in sorted(plan.sources.items(), key=lambda kv: (kv[0][0], list(Proj).index(kv[0][1]))):
-            for role, ref in src.tensors.items():
-                self.ledger.record(self.prefix, expert, proj, role, ref.name)
-            self.write(index, writer, expert, proj, src)
-            self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
-            self.tensors += len(src.tensors)
+        """Read and write every projection of a `plan_layer` plan (the `load_experts` path), a run of
+        experts at a time."""
+        for proj in Proj:
+            for experts, sources in plan_runs(plan, proj):
+                for expert, src in zip(experts, sources):
+                    for role, ref in src.tensors.items():
+                        self.ledger.record(self.prefix, expert, proj, role, ref.name)
+                    self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
+                    self.tensors += len(src.tensors)
+                self.write(index, writer, experts, proj, sources)
 
     def missing_names(self, prefix: str) -> list[str]:
         """Checkpoint names (under `prefix`, e.g. 'model.layers.0.mlp.experts.') of the slots still missing."""
@@ -336,3 +339,17 @@ class ExpertLoadHook:
             suffix = self.moe.quant.layout(Role(slot.role)).suffix
             names.add(f"{prefix}{alias}.{suffix}" if stacked else f"{prefix}{slot.expert}.{alias}.{suffix}")
         return sorted(names)
+
+
+def plan_runs(plan: LayerPlan, proj: Proj) -> Iterator[tuple[tuple[int, ...], tuple[SourceTensors, ...]]]:
+    """Maximal runs of the plan's local experts (in slot order) whose `proj` comes from one source
+    kind with one set of roles: each run is read and written as one batch."""
+    run: list[tuple[int, SourceTensors]] = []
+    for expert in plan.fused.experts:
+        src = plan.sources[(expert, proj)]
+        if run and (run[-1][1].source, run[-1][1].tensors.keys()) != (src.source, src.tensors.keys()):
+            yield tuple(e for e, _ in run), tuple(s for _, s in run)
+            run = []
+        run.append((expert, src))
+    if run:
+        yield tuple(e for e, _ in run), tuple(s for _, s in run)
