@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wna16_loader.formats.awq import AWQ_ORDER
-from wna16_loader.packing import (add_word_bias, pack_bytes, pack_words, unpack_bytes, unpack_words, word_bias,
-                                  words_as_bytes)
+from wna16_loader.packing import (add_word_bias, pack_bytes, pack_words, transpose_nibble_words, unpack_bytes,
+                                  unpack_words, word_bias, words_as_bytes)
 
 WORD = 1 << 32
 
@@ -271,6 +271,65 @@ def test_ct_weight_packed_along_k() -> None:
     stored = unpack_words(words, bits=4, dim=1)
     assert stored.shape == (2, 8)
     assert (stored.int() - 8).tolist() == [[-8, -1, 0, 7, 1, 2, -3, 3], [0] * 8]
+
+
+# ---------------------------------------------------------------- nibble transpose (N-packed -> K-packed words)
+
+
+def dense(words: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of `words` (size-1 dims of a transposed view may carry any stride)."""
+    return words.clone(memory_format=torch.contiguous_format)
+
+
+def test_transpose_nibbles_rows_become_fields() -> None:
+    # q[k, n] = k: input row k is 0xkkkkkkkk; every output row n holds q[n, 0..7] = 0..7
+    words = i32(*(0x11111111 * k for k in range(8))).reshape(8, 1)
+    out = transpose_nibble_words(words)
+    assert out.shape == (8, 1)
+    assert dense(out).reshape(-1).tolist() == i32(*[0x76543210] * 8).tolist()
+
+
+def test_transpose_nibbles_fields_become_rows() -> None:
+    # q[k, n] = n: every input row is 0x76543210; output row n is 0xnnnnnnnn
+    out = transpose_nibble_words(i32(*[0x76543210] * 8).reshape(8, 1))
+    assert dense(out).reshape(-1).tolist() == i32(*(0x11111111 * n for n in range(8))).tolist()
+
+
+def test_transpose_nibbles_awq_order() -> None:
+    # AWQ stores columns 0..7 holding 0..7 as 0x75316420; output row n holds q[n, k] = n for every k
+    out = transpose_nibble_words(i32(*[0x75316420] * 8).reshape(8, 1), slot_order=AWQ_ORDER)
+    assert dense(out).reshape(-1).tolist() == i32(*(0x11111111 * n for n in range(8))).tolist()
+
+
+def test_transpose_nibbles_two_blocks_and_words() -> None:
+    # K = 16 (two output words per row), W = 2 (16 output rows); q[k, n] = (k + n) % 16
+    q = (torch.arange(16).unsqueeze(1) + torch.arange(16).unsqueeze(0)) % 16
+    words = pack_words(q, bits=4, dim=1)
+    out = dense(transpose_nibble_words(words))
+    row = lambda n: [sum(((8 * t + i + n) % 16) << (4 * i) for i in range(8)) for t in range(2)]  # noqa: E731
+    assert out.tolist() == [i32(*row(n)).tolist() for n in range(16)]
+
+
+def test_transpose_nibbles_needs_whole_blocks() -> None:
+    with pytest.raises(AssertionError, match="multiple of 8 rows, got 12"):
+        transpose_nibble_words(torch.zeros(12, 1, dtype=torch.int32))
+
+
+@settings(max_examples=80, deadline=None)
+@given(blocks=st.integers(1, 4), width=st.integers(1, 5), lead=st.integers(0, 2), extra=st.integers(0, 2),
+       order=st.one_of(st.none(), st.permutations(range(8)).map(tuple)), seed=st.integers(0, 2**31 - 1))
+def test_transpose_nibbles_equals_unpack_then_pack_along_k(blocks: int, width: int, lead: int, extra: int,
+                                                           order: tuple[int, ...] | None, seed: int) -> None:
+    shape = [2] * lead + [8 * blocks, 8 * (width + extra)]
+    q = torch.randint(0, 16, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    stored = pack_words(q, bits=4, dim=-1, slot_order=order)
+    words = stored.narrow(-1, extra, width)  # a column slice, as a rank reads it from a file
+    before = words.clone()
+    out = transpose_nibble_words(words, slot_order=order)
+    assert out.shape == (*shape[:-2], 8 * width, blocks)
+    expected = pack_bytes(q.narrow(-1, 8 * extra, 8 * width).transpose(-1, -2), bits=4, dim=-1)
+    assert torch.equal(dense(out).view(torch.uint8), expected)
+    assert torch.equal(words, before)
 
 
 # ---------------------------------------------------------------- properties

@@ -3,9 +3,8 @@
 Slice first, then convert: only the int32 words, groups and rows that cover the
 rank's columns are read; unpacking and reordering touch nothing else. Scales,
 zero points and g_idx of every expert in a batch are stacked and converted
-once (`read_params`); each expert's weights are read on their own
-(`read_qweight`), so a batch never holds more than one expert's converted
-weights. The results are format-free:
+once (`read_params`); weights are read a bounded chunk of experts at a time
+(`read_qweights`), so a batch never holds a whole layer's converted weights. The results are format-free:
 
 | qweight | [N_l, K_l/P8] uint8, the fused byte packing along K, or the same     |
 |         | bytes as int32 words [N_l, K_l/(4*P8)] (least significant first)      |
@@ -16,8 +15,9 @@ weights. The results are format-free:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Iterator, Protocol, Sequence
 
 import torch
 
@@ -194,27 +194,72 @@ def read_params(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceT
     return ProjectionParams(scales=scales, zeros=zeros, g_idx=g_idx)
 
 
-def read_qweight(reader: TensorReader, spec: QuantSpec, src: SourceTensors, spans: dict[Dim, Span]) -> torch.Tensor:
-    """One expert's weights in the fused byte packing [N_l, K_l/P8] uint8, or those bytes as int32
-    words [N_l, K_l/(4*P8)] (often a transposed view; the writer's copy does the transpose).
+QWEIGHT_CHUNK_BYTES = 2 << 20  # words converted at once on the host: amortises per-op cost, stays in cache
+UPLOAD_CHUNK_BYTES = 64 << 20  # words staged and sent to a device at once
 
-    | words packed along K, cut on word boundaries | already the fused packing: a view of the words read |
-    | 4-bit words packed along N, K cut on 8 rows  | an 8x8 nibble transpose per word block (`packing`)   |
-    | anything else                                | unpacked, trimmed and repacked                       |
+
+def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceTensors], spans: dict[Dim, Span],
+                  *, upload_to: torch.device | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The weights of a batch of experts in the fused byte packing, a chunk of experts at a time:
+    (which sources, [E_c, N_l, K_l/P8] uint8 or the same bytes as int32 words [E_c, N_l, K_l/(4*P8)]).
+
+    | words packed along K, cut on word boundaries | already the fused packing: a view of the words    |
+    |                                              | (the writer's copy does the transpose)             |
+    | 4-bit words packed along N, K cut on 8 rows  | an 8x8 nibble transpose of every word block        |
+    | anything else                                | unpacked, trimmed and repacked                     |
+
+    On the host, converted chunks hold about QWEIGHT_CHUNK_BYTES of words and views come one
+    expert at a time. With `upload_to` (a GPU), the raw words of UPLOAD_CHUNK_BYTES of experts
+    are copied out of the file mapping into one (pinned) host buffer, sent in one non-blocking
+    copy, and converted there by the same tensor operations.
     """
-    layout, ref = spec.layout(Role.QWEIGHT), src.tensors[Role.QWEIGHT]
-    storage, _ = storage_index(layout, spans, spec.pack_factor, src.expert_row)
-    k_axis, n_axis = layout.dims.index(Dim.K), layout.dims.index(Dim.N)
-    k, n, per_word = spans[Dim.K], spans[Dim.N], spec.pack_factor
-    if layout.packed is Dim.K and layout.slot_order is None and k.start % per_word == 0 and k.stop % per_word == 0:
-        return reader.read(ref, storage).permute([n_axis, k_axis])
+    layout = spec.layout(Role.QWEIGHT)
+    storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row)[0] for src in sources]
+    refs = [src.tensors[Role.QWEIGHT] for src in sources]
+    fused = _words_are_fused(layout, spec, spans)
+    if upload_to is None and fused:
+        for i, (ref, index) in enumerate(zip(refs, storage)):
+            yield slice(i, i + 1), _as_fused(reader.read(ref, index).unsqueeze(0), layout)
+        return
+    words = math.prod(s.stop - s.start for s in storage[0] if isinstance(s, slice))
+    step = max(1, (QWEIGHT_CHUNK_BYTES if upload_to is None else UPLOAD_CHUNK_BYTES) // (4 * words))
+    for start in range(0, len(sources), step):
+        chunk = slice(start, min(start + step, len(sources)))
+        raw = _stacked([reader.read(ref, index) for ref, index in zip(refs[chunk], storage[chunk])], upload_to)
+        yield chunk, _as_fused(raw, layout) if fused else _converted_qweight(raw, spec, layout, spans)
+
+
+def _stacked(slices: list[torch.Tensor], upload_to: torch.device | None) -> torch.Tensor:
+    """Stack file slices into ordinary memory (pinned for a CUDA/HIP target) and send them to `upload_to`."""
+    pin = upload_to is not None and upload_to.type == "cuda" and torch.cuda.is_available()
+    host = torch.empty((len(slices), *slices[0].shape), dtype=slices[0].dtype, pin_memory=pin)
+    torch.stack(slices, out=host)  # the one copy out of the mapping: never DMA from a safetensors mmap
+    return host if upload_to is None else host.to(upload_to, non_blocking=True)
+
+
+def _as_fused(words: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """[E_c, storage dims] words packed along K -> a [E_c, N_l, K_l/(4*P8)] view."""
+    return words.permute([0, 1 + layout.dims.index(Dim.N), 1 + layout.dims.index(Dim.K)])
+
+
+def _words_are_fused(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> bool:
+    """Words packed sequentially along K and cut on word boundaries hold the fused bytes as they are."""
+    k, per_word = spans[Dim.K], spec.pack_factor
+    return layout.packed is Dim.K and layout.slot_order is None and k.start % per_word == 0 and \
+        k.stop % per_word == 0
+
+
+def _converted_qweight(raw: torch.Tensor, spec: QuantSpec, layout: TensorLayout,
+                       spans: dict[Dim, Span]) -> torch.Tensor:
+    """[E_c, storage dims] words -> [E_c, N_l, K_l/P8] fused bytes (or their int32 words)."""
+    k_axis, n_axis = 1 + layout.dims.index(Dim.K), 1 + layout.dims.index(Dim.N)
+    k, n = spans[Dim.K], spans[Dim.N]
     if layout.packed is Dim.N and spec.bits == 4 and k.start % 8 == 0 and k.stop % 8 == 0:
-        words = reader.read(ref, storage).permute([k_axis, n_axis])  # [K_l, N words]
-        out = transpose_nibble_words(words, slot_order=layout.slot_order)  # [N words * 8, K_l / 8]
-        return out.narrow(0, n.start % per_word, len(n))
-    values = _unpacked(reader.read(ref, storage), spec, layout, spans, lead=0)  # storage dim order
+        words = transpose_nibble_words(raw.permute([0, k_axis, n_axis]), slot_order=layout.slot_order)
+        return words.narrow(1, n.start % spec.pack_factor, len(n))  # [E_c, N words * 8 -> N_l, K_l/8]
+    values = _unpacked(raw, spec, layout, spans, lead=1)  # storage dim order
     packed = pack_bytes(values, bits=spec.bits, dim=k_axis)  # pack before transposing
-    return packed.permute([n_axis, k_axis])
+    return packed.permute([0, n_axis, k_axis])
 
 
 def _first(bad: torch.Tensor) -> int:
@@ -223,7 +268,8 @@ def _first(bad: torch.Tensor) -> int:
 
 
 def _check_finite(scales: torch.Tensor, sources: Sequence[SourceTensors]) -> None:
-    if bool(torch.isfinite(scales).all()):
+    """One min/max pass (NaN and +-Inf propagate into it); the per-expert count only on failure."""
+    if bool(torch.isfinite(torch.stack(torch.aminmax(scales))).all()):
         return
     bad = (~torch.isfinite(scales)).flatten(1).sum(1)
     i = _first(bad > 0)

@@ -22,7 +22,7 @@ along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -149,23 +149,25 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
 class FusedWriter:
     """Writes projection shards into one layer's fused parameters.
 
-    Shards go into host staging buffers (pinned when the target is a GPU); `finish`
-    moves each parameter to the device in one non-blocking copy. On CPU the staging
-    buffers are the parameters.
+    On the CPU the staging buffers are the parameters. For a GPU target, weights are
+    converted on the device by default (`upload_to`: raw words go up in large pinned
+    chunks, and the qweight parameters are allocated there); every other parameter is
+    staged in pinned host memory and `finish` moves each in one non-blocking copy. With
+    `convert_on_device=False` the weights too are converted and staged on the host.
     """
 
     def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str, *,
-                 staging: dict[str, torch.Tensor] | None = None) -> None:
+                 staging: dict[str, torch.Tensor] | None = None, convert_on_device: bool = True) -> None:
         """`staging`: existing tensors to write into directly (e.g. a module's parameters, on any
         device), one per name of `spec.shapes()`; `finish` is then not needed."""
         self.prefix, self.spec, self.device = prefix, spec, torch.device(device)
         if staging is None:
-            pin = self.device.type == "cuda" and torch.cuda.is_available()
-            staging = {name: torch.empty(shape, dtype=dtype, pin_memory=pin)
-                       for name, (shape, dtype) in spec.shapes().items()}
+            staging = staging_buffers(spec, self.device, convert_on_device=convert_on_device)
         assert {n: tuple(t.shape) for n, t in staging.items()} == {n: s for n, (s, _) in spec.shapes().items()}, \
             f"{prefix}: staging tensors do not match the layout {spec.shapes()}"
         self.staging = staging
+        weights = staging["w13_qweight"].device
+        self.upload_to = weights if convert_on_device and weights.type != "cpu" else None
         self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
         self._slots = {expert: i for i, expert in enumerate(spec.experts)}
         self._g_idx_owner: dict[int, str] = {}
@@ -204,11 +206,11 @@ class FusedWriter:
         else:
             self._put_w13_g_idx(experts, params.g_idx, labels)
 
-    def write_qweight(self, expert: int, proj: Proj, qweight: torch.Tensor) -> None:
-        """Place one expert's weights (fused bytes [N_l, K_l/P8], or their int32 words) in its rows."""
-        slot = self._slots[expert]
+    def write_qweight(self, experts: Sequence[int], proj: Proj, qweight: torch.Tensor) -> None:
+        """Place the weights of `experts` (consecutive slots; fused bytes [E_c, N_l, K_l/P8], or their
+        int32 words) in their rows."""
         half, rows, _ = self.rows(proj)
-        self._copy(f"{half}_qweight", slice(slot, slot + 1), rows, qweight.unsqueeze(0), as_bytes=True)
+        self._copy(f"{half}_qweight", self.slots(experts), rows, qweight, as_bytes=True)
 
     def _put_w13_g_idx(self, experts: Sequence[int], g_idx: torch.Tensor, labels: Sequence[str]) -> None:
         """gate and up share one w13_g_idx row per expert: the first writes it, the second must agree."""
@@ -252,15 +254,26 @@ class FusedWriter:
         self.bytes_written += value.numel() * value.element_size()
 
     def finish(self) -> FusedExperts:
-        """Move the staged parameters to the device (one copy each) and return the layer."""
+        """Move the parameters staged on the host to the device (one copy each) and return the layer."""
         if self.device.type == "cpu":
             return FusedExperts(self.prefix, self.spec, self.staging)
-        moved = {name: torch.empty_like(buf, device=self.device) for name, buf in self.staging.items()}
-        for name, buf in self.staging.items():
-            moved[name].copy_(buf, non_blocking=True)
+        moved = {name: buf if buf.device.type != "cpu" else buf.to(self.device, non_blocking=True)
+                 for name, buf in self.staging.items()}
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return FusedExperts(self.prefix, self.spec, moved)
+
+
+def staging_buffers(spec: FusedSpec, device: torch.device, *, convert_on_device: bool) -> dict[str, torch.Tensor]:
+    """Empty tensors for every fused parameter: on the CPU for a CPU target; for a GPU target the
+    weights on the device (when converted there) and the rest in pinned host memory."""
+    pin = device.type == "cuda" and torch.cuda.is_available()
+    out = {}
+    for name, (shape, dtype) in spec.shapes().items():
+        on_device = device.type != "cpu" and convert_on_device and name.endswith("_qweight")
+        out[name] = torch.empty(shape, dtype=dtype, device=device) if on_device else \
+            torch.empty(shape, dtype=dtype, pin_memory=pin)
+    return out
 
 
 def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -282,9 +295,9 @@ def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
     tiled(target).copy_(tiled(value))
 
 
-@dataclass(frozen=True, order=True)
-class Slot:
-    """One (layer, expert, projection, role) cell of the fused layout."""
+class Slot(NamedTuple):
+    """One (layer, expert, projection, role) cell of the fused layout (a named tuple: every load
+    records thousands, so hashing and ordering run as tuple operations in C)."""
 
     prefix: str
     expert: int
@@ -323,7 +336,7 @@ class Ledger:
         """Every missing, duplicated or unexpected entry, in a stable order."""
         missing = [f"missing: {slot}" for slot in self.missing()]
         dups = [f"written {len(names)} times: {slot} from {names}"
-                for slot, names in sorted(self.written.items()) if len(names) > 1]
+                for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
 
     def check(self) -> None:

@@ -28,7 +28,7 @@ import torch
 
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
-from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweight
+from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweights
 from .formats import Role
 from .fused import FusedWriter, Ledger
 from .modelconfig import MoEConfig
@@ -304,8 +304,8 @@ class ExpertLoadHook:
         before = writer.bytes_written
         writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
         spans, _ = rank_spans(sources[0], cut)
-        for expert, src in zip(experts, sources):
-            writer.write_qweight(expert, proj, read_qweight(reader, self.moe.quant, src, spans))
+        for chunk, qweight in read_qweights(reader, self.moe.quant, sources, spans, upload_to=writer.upload_to):
+            writer.write_qweight(experts[chunk], proj, qweight)
         self.bytes_written += writer.bytes_written - before
 
     def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:

@@ -52,12 +52,14 @@ def read_moe_config(path: str | Path) -> MoEConfig:
 
 
 def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
-                 allow_nonfinite_scales: bool = False) -> LoadedExperts:
+                 allow_nonfinite_scales: bool = False, convert_on_device: bool = True) -> LoadedExperts:
     """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
 
     Tensors of non-local experts are never read; each local projection is read as
     the slice covering the rank's columns, converted, and written once into the
-    fused layout on `device`. Raises a WNA16Error subclass on any bad input.
+    fused layout on `device`. On a GPU the weights' raw words go up in large pinned chunks
+    and are converted there (`convert_on_device=False`: converted on the host, then copied).
+    Raises a WNA16Error subclass on any bad input.
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
     """
@@ -74,7 +76,8 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:
-            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite_scales)
+            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite_scales,
+                                              convert_on_device=convert_on_device)
             result[plan.prefix] = layer
             tensors += count
             written += nbytes
@@ -99,9 +102,9 @@ def _is_shard_output(path: str | Path) -> bool:
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
-                allow_nonfinite: bool) -> tuple[FusedExperts, int, int]:
+               allow_nonfinite: bool, *, convert_on_device: bool = True) -> tuple[FusedExperts, int, int]:
     """Read, convert and write every local projection of one layer (the hook's own write path)."""
-    writer = FusedWriter(plan.prefix, plan.fused, device)
+    writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
     hook = ExpertLoadHook(plan.prefix, moe, plan.geometry, Ledger(), allow_nonfinite=allow_nonfinite)
     hook.load_plan(index, writer, plan)
     return writer.finish(), hook.tensors, writer.bytes_written

@@ -87,27 +87,28 @@ def transpose_nibble_words(words: torch.Tensor, *, slot_order: tuple[int, ...] |
     Each block of 8 rows x 1 word is an 8x8 matrix of 4-bit fields; three masked swap
     stages on whole tensors transpose every block at once, so no value is ever unpacked.
     Output word (n, t) holds q[n, 8t .. 8t+7], least significant first: its little-endian
-    bytes are the fused byte packing along K. `slot_order` as in `unpack_words`.
+    bytes are the fused byte packing along K. `slot_order` as in `unpack_words`. Leading
+    dims (experts) are carried along.
 
-    | in  | words [K, W] int32, K a multiple of 8 (a view is fine; it is not modified) |
-    | out | words [W*8, K/8] int32 (a transposed view of a [K/8, W*8] tensor)           |
+    | in  | words [..., K, W] int32, K a multiple of 8 (a view is fine; it is not modified) |
+    | out | words [..., W*8, K/8] int32 (a transposed view of a [..., K/8, W*8] tensor)      |
     """
-    rows, width = words.shape
+    *lead, rows, width = words.shape
     if rows % 8:
         raise AssertionError(f"the nibble transpose needs a multiple of 8 rows, got {rows}")
-    block = words.reshape(rows // 8, 8, width).clone(memory_format=torch.contiguous_format)
+    block = words.reshape(-1, rows // 8, 8, width).clone(memory_format=torch.contiguous_format)
     for stage, (shift, mask) in enumerate(_NIBBLE_STAGES):
-        pairs = block.view(rows // 8, 2 ** stage, 2, 8 // 2 ** (stage + 1), width)
-        low, high = pairs[:, :, 0], pairs[:, :, 1]
+        pairs = block.view(block.shape[0], rows // 8, 2 ** stage, 2, 8 // 2 ** (stage + 1), width)
+        low, high = pairs[:, :, :, 0], pairs[:, :, :, 1]
         swap = torch.bitwise_and(torch.bitwise_xor(torch.bitwise_right_shift(low, shift), high), mask)
         low.bitwise_xor_(torch.bitwise_left_shift(swap, shift))
         high.bitwise_xor_(swap)
-    by_word = block.permute(0, 2, 1)  # [K/8, W, 8 slots]: slot s of word w holds k = 8t .. 8t+7
+    by_word = block.permute(0, 1, 3, 2)  # [B, K/8, W, 8 slots]: slot s of word w holds k = 8t .. 8t+7
     if slot_order is not None:
-        by_word = by_word.index_select(2, torch.tensor(_inverse(slot_order, 8), device=words.device))
+        by_word = by_word.index_select(3, torch.tensor(_inverse(slot_order, 8), device=words.device))
     else:
         by_word = by_word.contiguous()
-    return by_word.reshape(rows // 8, width * 8).t()
+    return by_word.reshape(*lead, rows // 8, width * 8).transpose(-1, -2)
 
 
 def _word_bytes(words: torch.Tensor) -> torch.Tensor:
