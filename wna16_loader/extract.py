@@ -124,7 +124,8 @@ def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sourc
     raw = torch.stack([reader.read(src.tensors[layout.role], index) for src, index in zip(sources, storage)])
     tensor = _unpacked(raw, spec, layout, spans, lead=1)
     if pick is not None and Dim.GROUP in layout.dims:
-        tensor = tensor.index_select(1 + layout.dims.index(Dim.GROUP), pick)  # whole rows of storage order
+        axis = 1 + layout.dims.index(Dim.GROUP)  # selected next to the expert dim: rows, not a last-dim gather
+        tensor = tensor.movedim(axis, 1).index_select(1, pick).movedim(1, axis)
     return tensor.permute([0] + [1 + layout.dims.index(d) for d in CANONICAL[layout.role]])
 
 
