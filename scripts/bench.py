@@ -420,11 +420,13 @@ def measure_preshard(path: Path, reps: int) -> dict[str, Any]:
 
 
 def preshard_load(folder: Path, reps: int) -> dict[str, Any]:
-    """TP=4 rank 1 loading the pre-sharded output (load_experts detects it) vs reading its files."""
+    """TP=4 rank 1 loading the pre-sharded output (load_experts detects it) vs reading its files,
+    alternated, with at least 9 repetitions (each takes tens of milliseconds)."""
     files = sorted((folder / "rank-00001-of-00004").glob("*.safetensors"))
-    load = [_timed(lambda: load_experts(folder, ParallelConfig(4, 1))) for _ in range(reps)]
-    read = [_timed(lambda: [f.read_bytes() for f in files]) for _ in range(reps)]
-    return {"load": stats(load), "read files": stats(read), "ratio": statistics.median(load) / statistics.median(read)}
+    times = time_alternating({"load": lambda: load_experts(folder, ParallelConfig(4, 1)),
+                              "read files": lambda: [f.read_bytes() for f in files]}, max(reps, 9))
+    return {"load": stats(times["load"]), "read files": stats(times["read files"]),
+            "ratio": statistics.median(times["load"]) / statistics.median(times["read files"])}
 
 
 def presharded_pages(folder: Path) -> dict[str, Any]:

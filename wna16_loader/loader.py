@@ -11,9 +11,10 @@ import torch
 from .checkpoint import CheckpointIndex
 from .errors import CheckpointError
 from .fused import FusedExperts, FusedWriter, Ledger
-from .hook import ExpertLoadHook
+from .hook import ExpertLoadHook, plan_runs
 from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
+from .names import Proj
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, LayerPlan, plan_layers
 
@@ -106,5 +107,9 @@ def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: 
     """Read, convert and write every local projection of one layer (the hook's own write path)."""
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
     hook = ExpertLoadHook(plan.prefix, moe, plan.geometry, Ledger(), allow_nonfinite=allow_nonfinite)
-    hook.load_plan(index, writer, plan)
-    return writer.finish(), hook.tensors, writer.bytes_written
+    tensors = 0
+    for proj in Proj:  # the plan's ledger already holds every slot: write each run, record nothing twice
+        for experts, sources in plan_runs(plan, proj):
+            hook.write(index, writer, experts, proj, sources)
+            tensors += sum(len(src.tensors) for src in sources)
+    return writer.finish(), tensors, writer.bytes_written
