@@ -3,8 +3,11 @@
 
 Usage: python scripts/bench.py --workdir /tmp/wna16-bench --size small --reps 5 --json out.json --png out.png
 
-Contenders (page cache warm, alternated within every repetition):
+Contenders (page cache warm, alternated within every repetition, freed heap returned to the OS
+before each run so that no contender reuses pages an earlier run faulted in):
   floor      safetensors get_tensor of every expert tensor + a copy touching every byte
+  floor + transpose  (checkpoints storing qweight [K/P, N]) the floor, with each qweight copied
+             transposed into a fresh [N, K/P] tensor: the least a load to the fused layout must do
   ours       wna16_loader.load_experts, TP=1 and each rank alone at TP=2,4,8
   whole      a whole-tensor loader per rank: an honest re-implementation of what engines do
              today (read each expert tensor whole, convert it whole to the fused layout, narrow)
@@ -38,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.checkpoint import CheckpointIndex
 from wna16_loader.extract import CANONICAL
-from wna16_loader.formats import Role
-from wna16_loader.fused import Ledger
+from wna16_loader.formats import Dim, Role
+from wna16_loader.fused import Ledger, copy_transposing
 from wna16_loader.modelconfig import read_config_files
 from wna16_loader.names import Proj
 from wna16_loader.packing import add_word_bias, pack_bytes, unpack_words
@@ -51,6 +54,8 @@ SIZES: dict[str, dict[str, int]] = {
     "small": {"num_experts": 16, "hidden": 1024, "intermediate": 704, "num_layers": 2, "files": 2},
     "full": {"num_experts": 64, "hidden": 2048, "intermediate": 1408, "num_layers": 4, "files": 4},
     "full8": {"num_experts": 64, "hidden": 2048, "intermediate": 1408, "num_layers": 8, "files": 8},
+    # Mixtral-8x7B-shaped experts (2 of its 32 layers): about as many bytes as "full" in 1/21 of the tensors
+    "mixtral": {"num_experts": 8, "hidden": 4096, "intermediate": 14336, "num_layers": 2, "files": 4},
 }
 FORMAT_NAMES = {"gptq": "gptq", "awq": "awq", "ct": "compressed-tensors"}
 TP_SIZES = (2, 4, 8)
@@ -117,6 +122,23 @@ def run_floor(path: Path) -> list[torch.Tensor]:
         with safe_open(str(path / file), framework="pt") as handle:
             for name in names:
                 out.append(handle.get_tensor(name).clone())
+    return out
+
+
+def run_floor_transposed(path: Path) -> list[torch.Tensor]:
+    """The floor, except that every 2-D qweight is copied transposed ([K/P, N] words -> [N, K/P], the
+    package's tiled copy) into a fresh tensor: the least a GPTQ load to the fused layout must do."""
+    out = []
+    for file, names in expert_tensors(path).items():
+        with safe_open(str(path / file), framework="pt") as handle:
+            for name in names:
+                tensor = handle.get_tensor(name)
+                if name.endswith(".qweight") and tensor.dim() == 2:
+                    fresh = torch.empty(tensor.shape[1], tensor.shape[0], dtype=tensor.dtype)
+                    copy_transposing(fresh, tensor.t())
+                    out.append(fresh)
+                else:
+                    out.append(tensor.clone())
     return out
 
 
@@ -203,6 +225,9 @@ def contenders(path: Path) -> dict[str, Callable[[], Any]]:
     """label -> zero-argument callable, for one checkpoint."""
     tasks: dict[str, Callable[[], Any]] = {"floor": lambda: run_floor(path),
                                            "ours tp1": lambda: run_ours(path, ParallelConfig(1, 0))}
+    qweight = read_config_files(path).quant.layout(Role.QWEIGHT)
+    if qweight.dims == (Dim.K, Dim.N) and qweight.packed is Dim.K:  # stored [K/P, N]: the layout needs a transpose
+        tasks["floor + transpose"] = lambda: run_floor_transposed(path)
     for tp in valid_tps(path):
         for rank in range(tp):
             cfg = ParallelConfig(tp, rank)

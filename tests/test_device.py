@@ -17,7 +17,9 @@ from wna16_loader.checkpoint import CheckpointIndex
 from wna16_loader.extract import rank_spans, read_qweights
 from wna16_loader.fused import FusedWriter, Ledger
 from wna16_loader.modelconfig import read_config_files
+from wna16_loader.formats import Dim
 from wna16_loader.names import Proj
+from wna16_loader.sharding import Span
 from wna16_loader.plan import LayerPlan, plan_layers
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
@@ -72,8 +74,9 @@ def test_upload_path_equals_host_path(tmp_path: Path, monkeypatch: pytest.Monkey
             spans, _ = rank_spans(sources[0], plan.geometry.slice(proj))
             host = list(read_qweights(index, moe.quant, sources, spans))
             uploaded = list(read_qweights(index, moe.quant, sources, spans, upload_to=torch.device("cpu")))
-            assert [c for c, _ in uploaded] == [slice(i, i + 1) for i in range(len(sources))]
-            assert torch.equal(torch.cat([t for _, t in host]), torch.cat([t for _, t in uploaded])), proj
+            assert [p.experts for p in uploaded] == [slice(i, i + 1) for i in range(len(sources))]
+            assert {p.n for p in host + uploaded} == {Span(0, len(spans[Dim.N]))}
+            assert torch.equal(torch.cat([p.tensor for p in host]), torch.cat([p.tensor for p in uploaded])), proj
 
 
 def test_cpu_writer_converts_on_the_host(folder: Path) -> None:

@@ -20,7 +20,7 @@ from conftest import rewrite
 from wna16_loader import FormatError, ParallelConfig
 from wna16_loader import extract
 from wna16_loader.checkpoint import CheckpointIndex, TensorRef
-from wna16_loader.extract import SourceTensors, rank_spans, read_params, read_qweights
+from wna16_loader.extract import QweightPiece, SourceTensors, rank_spans, read_params, read_qweights
 from wna16_loader.formats import Dim, QuantSpec, Role, TensorLayout
 from wna16_loader.formats.spec import FLOAT_DTYPES
 from wna16_loader.fused import Ledger
@@ -263,9 +263,18 @@ def expected_qweight(folder: Path, spec: QuantSpec, plan: LayerPlan, proj: Proj)
     return torch.stack(out)
 
 
-def as_bytes(chunks: list[tuple[slice, torch.Tensor]]) -> torch.Tensor:
-    """Concatenated chunks as uint8 [E, N_l, K_l*b/8] (int32 words read as their little-endian bytes)."""
-    return torch.cat([t.contiguous().view(torch.uint8) for _, t in chunks])
+def as_bytes(pieces: list[QweightPiece]) -> torch.Tensor:
+    """The pieces placed at their experts and N rows, as uint8 [E, N_l, K_l*b/8] (int32 words read as
+    their little-endian bytes); every row must be covered exactly once."""
+    experts, rows = max(p.experts.stop for p in pieces), max(p.n.stop for p in pieces)
+    k_bytes = pieces[0].tensor.shape[2] * pieces[0].tensor.element_size()
+    out = torch.zeros(experts, rows, k_bytes, dtype=torch.uint8)
+    covered = torch.zeros(experts, rows, dtype=torch.int32)
+    for p in pieces:
+        out[p.experts, p.n.start:p.n.stop] = p.tensor.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+        covered[p.experts, p.n.start:p.n.stop] += 1
+    assert bool((covered == 1).all()), "pieces overlap or leave gaps"
+    return out
 
 
 @pytest.fixture
@@ -317,8 +326,8 @@ def test_read_qweights_paths(tmp_path: Path, conversions: list[str], fmt: str, b
             chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(proj))[0]))
             assert sorted(set(conversions)) == PATH_CALLS[paths[proj]], proj
             if paths[proj] == "view":
-                assert [c for c, _ in chunks] == [slice(e, e + 1) for e in range(len(sources))]
-            assert [e for c, _ in chunks for e in range(len(sources))[c]] == list(range(len(sources)))
+                assert [c.experts for c in chunks] == [slice(e, e + 1) for e in range(len(sources))]
+            assert [e for c in chunks for e in range(len(sources))[c.experts]] == list(range(len(sources)))
             got, want = as_bytes(chunks), expected_qweight(tmp_path, spec, plan, proj)
             assert got.shape == want.shape, proj
             assert torch.equal(got, want), proj
@@ -366,22 +375,39 @@ def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         chunks = list(read_qweights(index, spec, sources, spans))
     assert len(whole) == 1 and len(sources) == 7
     assert len(chunks) == -(-7 // experts_per_chunk) > 1
-    assert [e for c, _ in chunks for e in range(7)[c]] == list(range(7))
-    assert all(c.step in (None, 1) and 1 <= c.stop - c.start <= max(1, small // per_expert) for c, _ in chunks)
-    assert all(t.shape[0] == c.stop - c.start for c, t in chunks)
+    assert [e for c in chunks for e in range(7)[c.experts]] == list(range(7))
+    assert all(c.experts.step in (None, 1) and 1 <= c.experts.stop - c.experts.start <= max(1, small // per_expert)
+               for c in chunks)
+    assert all(c.tensor.shape[0] == c.experts.stop - c.experts.start for c in chunks)
     assert torch.equal(as_bytes(chunks), as_bytes(whole))
     assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, proj))
 
 
 def test_read_qweights_chunk_smaller_than_one_expert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chunk budget below one expert still moves one expert per chunk."""
+    """A budget below one expert: the nibble path converts each expert in slabs of one N word (8 rows)."""
     write(tmp_path, "awq", hidden=64, inter=64, num_experts=3)
     monkeypatch.setattr(extract, "QWEIGHT_CHUNK_BYTES", 1)
     with planned(tmp_path) as (index, spec, plan):
         sources = batch(plan, Proj.DOWN)
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.DOWN))[0]))
-        assert [c for c, _ in chunks] == [slice(0, 1), slice(1, 2), slice(2, 3)]
+        assert [(c.experts, c.n) for c in chunks] == [(slice(e, e + 1), Span(n, n + 8)) for e in range(3)
+                                                      for n in range(0, 64, 8)]
         assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, Proj.DOWN))
+
+
+@pytest.mark.parametrize("tp,rank,slabs", [(1, 0, [(0, 16), (16, 32), (32, 48), (48, 64)]),
+                                           (2, 1, [(0, 12), (12, 28), (28, 36)])])
+def test_read_qweights_large_expert_slabs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int,
+                                          slabs: list[tuple[int, int]]) -> None:
+    """Slabs hold whole words of about QWEIGHT_CHUNK_BYTES; an N span starting inside a word (I = 72,
+    tp 2: gate rows [36, 72)) gets a short first slab, then word-aligned ones."""
+    write(tmp_path, "awq", hidden=64, inter=64 if tp == 1 else 72, group=-1 if tp == 2 else 32, num_experts=2)
+    monkeypatch.setattr(extract, "QWEIGHT_CHUNK_BYTES", 64 * 4 * 2 + 100)  # K = H = 64 rows: 2 words per slab
+    with planned(tmp_path, tp, rank) as (index, spec, plan):
+        sources = batch(plan, Proj.GATE)
+        chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))
+        assert [(c.n.start, c.n.stop) for c in chunks] == slabs * 2
+        assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, Proj.GATE))
 
 
 # --- 4. rank_spans ---------------------------------------------------------------------------------------------

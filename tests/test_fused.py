@@ -19,7 +19,7 @@ from wna16_loader.extract import ProjectionParams
 from wna16_loader.formats import Role, resolve_quant_spec
 from wna16_loader.fused import FusedSpec, FusedWriter, Ledger, copy_transposing, dequantize
 from wna16_loader.names import Proj
-from wna16_loader.sharding import LayerGeometry
+from wna16_loader.sharding import LayerGeometry, Span
 from wna16_loader.synthetic import quant_config
 
 P = "model.layers.0.mlp.experts"
@@ -208,6 +208,21 @@ def test_write_qweight_lands_in_its_slots_and_rows() -> None:
     assert torch.equal(s["w13_qweight"][2:4, PART:], up_words.contiguous().view(torch.uint8))
     assert torch.equal(s["w2_qweight"][2:4], down)
     assert (s["w13_qweight"][:2] == 0xEE).all() and (s["w2_qweight"][:2] == 0xEE).all()
+
+
+@pytest.mark.parametrize("proj", [Proj.UP, Proj.DOWN])
+def test_write_qweight_n_slabs_land_at_their_rows(proj: Proj) -> None:
+    """Two slabs of rows ([0, 8) as int32 words, then [8, N_l)) fill the same bytes as one write."""
+    rows = HID if proj is Proj.DOWN else PART
+    cols = (PART if proj is Proj.DOWN else HID) // 2
+    whole = random((2, rows, cols), torch.uint8, seed=11)
+    sliced, once = sentinel_writer(spec()), sentinel_writer(spec())
+    once.write_qweight((6, 7), proj, whole)
+    sliced.write_qweight((6, 7), proj, whole[:, 8:], n=Span(8, rows))
+    sliced.write_qweight((6, 7), proj, whole[:, :8].view(torch.int32), n=Span(0, 8))
+    name = "w2_qweight" if proj is Proj.DOWN else "w13_qweight"
+    assert torch.equal(sliced.staging[name], once.staging[name])
+    assert (sliced.staging[name][:2] == 0xEE).all()
 
 
 @pytest.mark.parametrize("run", [(4, 6), (6, 5), (5, 5)])

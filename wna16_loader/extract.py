@@ -197,37 +197,76 @@ def read_params(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceT
 
 QWEIGHT_CHUNK_BYTES = 2 << 20  # words converted at once on the host: amortises per-op cost, stays in cache
 UPLOAD_CHUNK_BYTES = 64 << 20  # words staged and sent to a device at once
+PAGE_BYTES = 4096  # rows a multiple of this apart all fall into the same cache sets (see fused.copy_transposing)
+
+
+@dataclass(frozen=True)
+class QweightPiece:
+    """Weights of `sources[experts]` for the rows `n` of the rank's N slice (0-based inside it), in the
+    fused byte packing [E_c, len(n), K_l/P8] uint8, or the same bytes as int32 words."""
+
+    experts: slice
+    n: Span
+    tensor: torch.Tensor
 
 
 def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceTensors], spans: dict[Dim, Span],
-                  *, upload_to: torch.device | None = None) -> Iterator[tuple[slice, torch.Tensor]]:
-    """The weights of a batch of experts in the fused byte packing, a chunk of experts at a time:
-    (which sources, [E_c, N_l, K_l/P8] uint8 or the same bytes as int32 words [E_c, N_l, K_l/(4*P8)]).
+                  *, upload_to: torch.device | None = None) -> Iterator[QweightPiece]:
+    """The weights of a batch of experts in the fused byte packing, piece by piece.
 
     | words packed along K, cut on word boundaries | already the fused packing: a view of the words    |
     |                                              | (the writer's copy does the transpose)             |
     | 4-bit words packed along N, K cut on 8 rows  | an 8x8 nibble transpose of every word block        |
     | anything else                                | unpacked, trimmed and repacked                     |
 
-    On the host, converted chunks hold about QWEIGHT_CHUNK_BYTES of words and views come one
-    expert at a time. With `upload_to` (a GPU), the raw words of UPLOAD_CHUNK_BYTES of experts
-    are copied out of the file mapping into one (pinned) host buffer, sent in one non-blocking
-    copy, and converted there by the same tensor operations.
+    On the host, views come one expert at a time and conversions work on about QWEIGHT_CHUNK_BYTES
+    of words (several experts, or slabs of N words of one large expert). With `upload_to` (a GPU), the
+    raw words of UPLOAD_CHUNK_BYTES of experts are copied out of the file mapping into one (pinned)
+    host buffer, sent in one non-blocking copy, and converted there by the same tensor operations.
     """
     layout = spec.layout(Role.QWEIGHT)
-    storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row)[0] for src in sources]
-    refs = [src.tensors[Role.QWEIGHT] for src in sources]
-    fused = _words_are_fused(layout, spec, spans)
+    fused, whole = _words_are_fused(layout, spec, spans), Span(0, len(spans[Dim.N]))
     if upload_to is None and fused:
-        for i, (ref, index) in enumerate(zip(refs, storage)):
-            yield slice(i, i + 1), _as_fused(reader.read(ref, index).unsqueeze(0), layout)
+        for i, src in enumerate(sources):
+            words = reader.read(src.tensors[Role.QWEIGHT], storage_index(layout, spans, spec.pack_factor,
+                                                                         src.expert_row)[0])
+            yield QweightPiece(slice(i, i + 1), whole, _as_fused(words.unsqueeze(0), layout))
         return
-    words = math.prod(s.stop - s.start for s in storage[0] if isinstance(s, slice))
+    words = _words_per_expert(layout, spec, spans)
+    if upload_to is None and _nibble_path(layout, spec, spans) and 4 * words > QWEIGHT_CHUNK_BYTES:
+        yield from _nibble_slabs(reader, spec, layout, sources, spans)
+        return
     step = max(1, (QWEIGHT_CHUNK_BYTES if upload_to is None else UPLOAD_CHUNK_BYTES) // (4 * words))
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
-        raw = _stacked([reader.read(ref, index) for ref, index in zip(refs[chunk], storage[chunk])], upload_to)
-        yield chunk, _as_fused(raw, layout) if fused else _converted_qweight(raw, spec, layout, spans)
+        raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], storage_index(
+            layout, spans, spec.pack_factor, src.expert_row)[0]) for src in sources[chunk]], upload_to)
+        yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
+                           _converted_qweight(raw, spec, layout, spans))
+
+
+def _words_per_expert(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> int:
+    """int32 words of one expert's storage slice covering `spans`."""
+    index, _ = storage_index(layout, spans, spec.pack_factor, None)
+    return math.prod(s.stop - s.start for s in index if isinstance(s, slice))
+
+
+def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
+                  spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
+    """The nibble path for experts larger than a chunk: one expert at a time, in slabs of N words
+    (all K rows) holding about QWEIGHT_CHUNK_BYTES each; a slab fills a block of output rows."""
+    n, per_word = spans[Dim.N], spec.pack_factor
+    words = max(1, QWEIGHT_CHUNK_BYTES // (4 * len(spans[Dim.K])))
+    words -= words > 1 and 4 * per_word * words % PAGE_BYTES == 0  # converted rows must not alias
+    width = per_word * words  # N values per slab
+    cuts = [n.start] + list(range(n.start // per_word * per_word + width, n.stop, width)) + [n.stop]
+    for i, src in enumerate(sources):
+        for start, stop in zip(cuts, cuts[1:]):
+            part = {**spans, Dim.N: Span(start, stop)}
+            index, _ = storage_index(layout, part, per_word, src.expert_row)
+            raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], index)], None)
+            yield QweightPiece(slice(i, i + 1), Span(start - n.start, stop - n.start),
+                               _converted_qweight(raw, spec, layout, part))
 
 
 def _stacked(slices: list[torch.Tensor], upload_to: torch.device | None) -> torch.Tensor:
@@ -250,12 +289,18 @@ def _words_are_fused(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Spa
         k.stop % per_word == 0
 
 
+def _nibble_path(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> bool:
+    """4-bit words packed along N, with K cut on whole 8-row blocks: the nibble transpose applies."""
+    k = spans[Dim.K]
+    return layout.packed is Dim.N and spec.bits == 4 and k.start % 8 == 0 and k.stop % 8 == 0
+
+
 def _converted_qweight(raw: torch.Tensor, spec: QuantSpec, layout: TensorLayout,
                        spans: dict[Dim, Span]) -> torch.Tensor:
     """[E_c, storage dims] words -> [E_c, N_l, K_l/P8] fused bytes (or their int32 words)."""
     k_axis, n_axis = 1 + layout.dims.index(Dim.K), 1 + layout.dims.index(Dim.N)
-    k, n = spans[Dim.K], spans[Dim.N]
-    if layout.packed is Dim.N and spec.bits == 4 and k.start % 8 == 0 and k.stop % 8 == 0:
+    n = spans[Dim.N]
+    if _nibble_path(layout, spec, spans):
         words = transpose_nibble_words(raw.permute([0, k_axis, n_axis]), slot_order=layout.slot_order)
         return words.narrow(1, n.start % spec.pack_factor, len(n))  # [E_c, N words * 8 -> N_l, K_l/8]
     values = _unpacked(raw, spec, layout, spans, lead=1)  # storage dim order

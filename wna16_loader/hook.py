@@ -304,8 +304,8 @@ class ExpertLoadHook:
         before = writer.bytes_written
         writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
         spans, _ = rank_spans(sources[0], cut)
-        for chunk, qweight in read_qweights(reader, self.moe.quant, sources, spans, upload_to=writer.upload_to):
-            writer.write_qweight(experts[chunk], proj, qweight)
+        for piece in read_qweights(reader, self.moe.quant, sources, spans, upload_to=writer.upload_to):
+            writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
         self.bytes_written += writer.bytes_written - before
 
     def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:
