@@ -227,10 +227,7 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     layout = spec.layout(Role.QWEIGHT)
     fused, whole = _words_are_fused(layout, spec, spans), Span(0, len(spans[Dim.N]))
     if upload_to is None and fused:
-        for i, src in enumerate(sources):
-            words = reader.read(src.tensors[Role.QWEIGHT], storage_index(layout, spans, spec.pack_factor,
-                                                                         src.expert_row)[0])
-            yield QweightPiece(slice(i, i + 1), whole, _as_fused(words.unsqueeze(0), layout))
+        yield from _fused_views(reader, spec, layout, sources, spans)
         return
     words = _words_per_expert(layout, spec, spans)
     if upload_to is None and _nibble_path(layout, spec, spans) and 4 * words > QWEIGHT_CHUNK_BYTES:
@@ -243,6 +240,15 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
             layout, spans, spec.pack_factor, src.expert_row)[0]) for src in sources[chunk]], upload_to)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
+
+
+def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
+                 spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
+    """Words that already hold the fused bytes: one view of each expert's slice (no copy here)."""
+    for i, src in enumerate(sources):
+        index, _ = storage_index(layout, spans, spec.pack_factor, src.expert_row)
+        words = reader.read(src.tensors[Role.QWEIGHT], index)
+        yield QweightPiece(slice(i, i + 1), Span(0, len(spans[Dim.N])), _as_fused(words.unsqueeze(0), layout))
 
 
 def _words_per_expert(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> int:
