@@ -39,7 +39,7 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from wna16_loader import ParallelConfig, load_experts
-from wna16_loader.checkpoint import CheckpointIndex
+from wna16_loader.checkpoint import CheckpointIndex, nbytes_of
 from wna16_loader.extract import CANONICAL
 from wna16_loader.formats import Dim, Role
 from wna16_loader.fused import Ledger, copy_transposing
@@ -109,27 +109,28 @@ def fused_bytes(path: Path, parallel: ParallelConfig) -> int:
     total = 0
     for plan in plans:
         for shape, dtype in plan.fused.shapes().values():
-            total += torch.Size(shape).numel() * dtype.itemsize
+            total += nbytes_of(shape, dtype)
     return total
 
 
 # ---------------------------------------------------------------- contenders
 
-def run_floor(path: Path) -> list[torch.Tensor]:
-    """Read every expert tensor with get_tensor, then copy it (touches every byte)."""
+def run_floor(path: Path, tensors: dict[str, list[str]]) -> list[torch.Tensor]:
+    """Read every expert tensor (`tensors`: file -> names, from `expert_tensors`, computed outside the timing)
+    with get_tensor, then copy it (touches every byte)."""
     out = []
-    for file, names in expert_tensors(path).items():
+    for file, names in tensors.items():
         with safe_open(str(path / file), framework="pt") as handle:
             for name in names:
                 out.append(handle.get_tensor(name).clone())
     return out
 
 
-def run_floor_transposed(path: Path) -> list[torch.Tensor]:
+def run_floor_transposed(path: Path, tensors: dict[str, list[str]]) -> list[torch.Tensor]:
     """The floor, except that every 2-D qweight is copied transposed ([K/P, N] words -> [N, K/P], the
     package's tiled copy) into a fresh tensor: the least a GPTQ load to the fused layout must do."""
     out = []
-    for file, names in expert_tensors(path).items():
+    for file, names in tensors.items():
         with safe_open(str(path / file), framework="pt") as handle:
             for name in names:
                 tensor = handle.get_tensor(name)
@@ -223,11 +224,12 @@ def valid_tps(path: Path) -> list[int]:
 
 def contenders(path: Path) -> dict[str, Callable[[], Any]]:
     """label -> zero-argument callable, for one checkpoint."""
-    tasks: dict[str, Callable[[], Any]] = {"floor": lambda: run_floor(path),
+    names = expert_tensors(path)
+    tasks: dict[str, Callable[[], Any]] = {"floor": lambda: run_floor(path, names),
                                            "ours tp1": lambda: run_ours(path, ParallelConfig(1, 0))}
     qweight = read_config_files(path).quant.layout(Role.QWEIGHT)
     if qweight.dims == (Dim.K, Dim.N) and qweight.packed is Dim.K:  # stored [K/P, N]: the layout needs a transpose
-        tasks["floor + transpose"] = lambda: run_floor_transposed(path)
+        tasks["floor + transpose"] = lambda: run_floor_transposed(path, names)
     for tp in valid_tps(path):
         for rank in range(tp):
             cfg = ParallelConfig(tp, rank)
@@ -320,7 +322,7 @@ def child_task(mode: str, path: str, tp: int, rank: int, ep: int, ep_rank: int) 
     """What a measuring subprocess runs."""
     cfg = ParallelConfig(tp_size=tp, tp_rank=rank, ep_size=ep, ep_rank=ep_rank)
     if mode == "floor":
-        return run_floor(Path(path))
+        return run_floor(Path(path), expert_tensors(Path(path)))  # RSS only: planning adds no memory to speak of
     if mode == "whole":
         return run_whole(Path(path), cfg)
     if mode == "preshard":
@@ -568,7 +570,7 @@ def bench_format(workdir: Path, fmt: str, size: str, reps: int, do_profile: bool
     """Everything for one format."""
     path = build_checkpoint(workdir, fmt, size)
     run_ours(path, ParallelConfig(1, 0))  # warm the page cache and the imports
-    run_floor(path)
+    run_floor(path, expert_tensors(path))
     timing = summarise(time_alternating(contenders(path), reps))
     rss, pages = measure_rss(path), measure_pages(path)
     result = {"checkpoint": str(path), "timing": timing, "rss": rss, "pages": pages,

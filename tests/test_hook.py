@@ -8,6 +8,8 @@ every TP x EP rank, against the unsharded forward.
 from __future__ import annotations
 
 import logging
+import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -24,6 +26,7 @@ from wna16_loader import (FUSED_NAMES, Activation, CompletenessError, FormatErro
                           expert_param_mapping, install_load_hook, load_experts, load_model_experts, read_moe_config,
                           reference_forward)
 from wna16_loader.formats import Role
+from wna16_loader.formats.spec import ModuleFilter
 from wna16_loader.synthetic import (FAMILIES, QuantizedProjection, SyntheticCheckpoint, encode_role, quant_config,
                                     write_checkpoint)
 
@@ -286,6 +289,22 @@ def test_weight_loader_rejects_inconsistent_arguments(checkpoints: Callable[...,
         with pytest.raises(FormatError, match=message):
             module.weight_loader(module.w13_qweight, *args)
     assert module.weight_loader(module.w13_qweight, tensors[name], "qweight", ShardId.W1, 1)  # bare suffix + ids
+
+
+def test_weight_loader_refuses_a_module_the_config_excludes(checkpoints: Callable[..., Path]) -> None:
+    """The hook applies the planner's rules: a tensor of an ignored module is refused, not written."""
+    folder = checkpoints("awq")
+    moe = read_moe_config(folder)
+    prefix = moe.experts_prefixes[0]
+    ignored = replace(moe, quant=replace(moe.quant, modules=ModuleFilter(ignore=(f"{prefix}.1.gate_proj",))))
+    module = FusedMoEExperts(ignored, prefix, ParallelConfig(1, 0))
+    tensors = dict(checkpoint_tensors(folder))
+    name = f"{prefix}.1.gate_proj.qweight"
+    with pytest.raises(FormatError, match=rf"{re.escape(name)}: its module is excluded by the quantization config"):
+        module.weight_loader(module.w13_qweight, tensors[name], name, "w1", 1)
+    assert module.map_checkpoint_name(name) == ()
+    up = f"{prefix}.1.up_proj.qweight"
+    assert module.weight_loader(module.w13_qweight, tensors[up], up, "w3", 1)
 
 
 def test_late_optional_role_is_checked(checkpoints: Callable[..., Path]) -> None:

@@ -54,6 +54,8 @@ def assert_unfinished(out: Path) -> None:
     assert not list(out.rglob(".*.tmp"))
     with pytest.raises(CheckpointError, match="no manifest"):
         preshard.read_manifest(out)
+    with pytest.raises(CheckpointError, match=r"unfinished wna16-shard output.*--resume"):
+        preshard.is_presharded(out)  # what load_experts and load_model_experts ask first
 
 
 def test_disk_full_then_resume(clean: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

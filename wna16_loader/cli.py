@@ -10,7 +10,8 @@ import re
 import sys
 
 from .errors import WNA16Error
-from .preshard import describe_plan, preshard_checkpoint, verify_output
+from .parallel import ExpertPlacement
+from .preshard import LAYOUTS, describe_plan, preshard_checkpoint, verify_output
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
@@ -60,12 +61,12 @@ def shard_parser() -> argparse.ArgumentParser:
                                               "parameters)")
     p.add_argument("--tp", type=int, required=True, metavar="N", help="tensor-parallel size, e.g. --tp 4")
     p.add_argument("--ep", type=int, default=1, metavar="M", help="expert-parallel size (default 1), e.g. --ep 2")
-    p.add_argument("--placement", choices=["linear", "round_robin"], default="linear",
+    p.add_argument("--placement", choices=[p.value for p in ExpertPlacement], default="linear",
                    help="how experts are dealt to EP ranks: linear = consecutive blocks, round_robin = id %% ep "
                         "(default linear)")
     p.add_argument("--max-file-size", type=parse_size, default=4 * 2**30, metavar="SIZE",
                    help="largest output file, split by tensor, e.g. 4GB (default), 512MB, 1000000")
-    p.add_argument("--layout", choices=["fused", "checkpoint"], default="fused",
+    p.add_argument("--layout", choices=list(LAYOUTS), default="fused",
                    help="output layout: fused (default; load_experts reads it) or checkpoint (every source expert "
                         "tensor keeps its name, dtype and format, sliced for the rank; only when the cuts fall on "
                         "int32-word and group boundaries)")

@@ -4,10 +4,11 @@ Slice first, then convert: only the int32 words, groups and rows that cover the
 rank's columns are read; unpacking and reordering touch nothing else. Scales,
 zero points and g_idx of every expert in a batch are stacked and converted
 once (`read_params`); weights are read a bounded chunk of experts at a time
-(`read_qweights`), so a batch never holds a whole layer's converted weights. The results are format-free:
+(`read_qweights`), so a batch never holds a whole layer's converted weights.
+The results are format-free:
 
-| qweight | [N_l, K_l/P8] uint8, the fused byte packing along K, or the same     |
-|         | bytes as int32 words [N_l, K_l/(4*P8)] (least significant first)      |
+| qweight | [E_c, N_c, K_l/P8] uint8 pieces (a chunk of experts, a block of rows), |
+|         | the fused byte packing along K, or the same bytes as int32 words       |
 | scales  | [E_b, N_l, nG]   stored scale dtype                   |
 | zeros   | [E_b, N_l, nG]   uint8 true zero points, or None (sym) |
 | g_idx   | [E_b, K_l]       int32 checkpoint group per row, or None |
@@ -98,18 +99,16 @@ def check_header(ref: TensorRef, layout: TensorLayout, spec: QuantSpec, src: Sou
 
 
 def storage_index(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
-                   row: int | None) -> tuple[tuple[slice | int, ...], dict[Dim, int]]:
-    """Storage slices covering `spans`, and the offset to trim from each unpacked dim."""
+                  row: int | None) -> tuple[slice | int, ...]:
+    """Storage slices covering `spans` (whole words along the packed dim; unpacking trims
+    `span.start % per_word` values from its front)."""
     index: list[slice | int] = [] if row is None else [row]
-    trims: dict[Dim, int] = {}
     for dim in layout.dims:
         span = spans[dim]
-        if dim is layout.packed:
-            index.append(slice(span.start // per_word, ceil_div(span.stop, per_word)))
-            trims[dim] = span.start % per_word
-        else:
-            index.append(slice(span.start, span.stop))
-    return tuple(index), trims
+        packed = dim is layout.packed
+        index.append(slice(span.start // per_word, ceil_div(span.stop, per_word)) if packed else
+                      slice(span.start, span.stop))
+    return tuple(index)
 
 
 def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
@@ -120,7 +119,7 @@ def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sourc
     One stack copies every source's slice out of the file mapping; the conversion then runs
     once for the whole batch.
     """
-    storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row)[0] for src in sources]
+    storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row) for src in sources]
     raw = torch.stack([reader.read(src.tensors[layout.role], index) for src, index in zip(sources, storage)])
     tensor = _unpacked(raw, spec, layout, spans, lead=1)
     if pick is not None and Dim.GROUP in layout.dims:
@@ -237,7 +236,7 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
         raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], storage_index(
-            layout, spans, spec.pack_factor, src.expert_row)[0]) for src in sources[chunk]], upload_to)
+            layout, spans, spec.pack_factor, src.expert_row)) for src in sources[chunk]], upload_to)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
 
@@ -246,14 +245,14 @@ def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, so
                  spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
     """Words that already hold the fused bytes: one view of each expert's slice (no copy here)."""
     for i, src in enumerate(sources):
-        index, _ = storage_index(layout, spans, spec.pack_factor, src.expert_row)
+        index = storage_index(layout, spans, spec.pack_factor, src.expert_row)
         words = reader.read(src.tensors[Role.QWEIGHT], index)
         yield QweightPiece(slice(i, i + 1), Span(0, len(spans[Dim.N])), _as_fused(words.unsqueeze(0), layout))
 
 
 def _words_per_expert(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> int:
     """int32 words of one expert's storage slice covering `spans`."""
-    index, _ = storage_index(layout, spans, spec.pack_factor, None)
+    index = storage_index(layout, spans, spec.pack_factor, None)
     return math.prod(s.stop - s.start for s in index if isinstance(s, slice))
 
 
@@ -269,7 +268,7 @@ def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, s
     for i, src in enumerate(sources):
         for start, stop in zip(cuts, cuts[1:]):
             part = {**spans, Dim.N: Span(start, stop)}
-            index, _ = storage_index(layout, part, per_word, src.expert_row)
+            index = storage_index(layout, part, per_word, src.expert_row)
             raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], index)], None)
             yield QweightPiece(slice(i, i + 1), Span(start - n.start, stop - n.start),
                                _converted_qweight(raw, spec, layout, part))

@@ -293,18 +293,20 @@ def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
     apart (N a multiple of 1024 int32 words: most real hidden sizes) defeat the tiles, since every
     row of a tile maps to the same cache sets; such sources go through a padded buffer first.
     """
-    n, w = value.shape[-2:] if value.dim() >= 2 else (0, 0)
-    block = next((b for b in (16, 8, 4) if n % b == 0 and w % b == 0), 0) if n > 1 and w > 1 else 0
-    if value.dim() < 2 or value.stride(-2) != 1 or value.stride(-1) == 1 or n < 2:
-        target.copy_(value)
-    elif value.device.type == "cpu" and value.stride(-1) * value.element_size() % PAGE_BYTES == 0 \
+    if value.dim() < 2 or value.shape[-2] < 2 or value.stride(-2) != 1 or value.stride(-1) == 1:
+        target.copy_(value)  # not a transpose
+        return
+    n, w = value.shape[-2:]
+    if value.device.type == "cpu" and value.stride(-1) * value.element_size() % PAGE_BYTES == 0 \
             and w >= 2 * STAGED_ROWS:
         _copy_through_padded_rows(target, value)
-    elif block:
-        tiled = lambda t: t.unflatten(-2, (n // block, block)).unflatten(-1, (w // block, block))  # noqa: E731
-        tiled(target).copy_(tiled(value))
-    else:
+        return
+    block = next((b for b in (16, 8, 4) if n % b == 0 and w % b == 0), 0)
+    if not block:
         target.copy_(value)
+        return
+    tiled = lambda t: t.unflatten(-2, (n // block, block)).unflatten(-1, (w // block, block))  # noqa: E731
+    tiled(target).copy_(tiled(value))
 
 
 def _copy_through_padded_rows(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -346,7 +348,16 @@ class Ledger:
 
     def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
         """Note that tensor `name` fills a slot."""
-        self.written.setdefault(Slot(prefix, expert, proj.value, role.value), []).append(name)
+        self.record_slot(Slot(prefix, expert, proj.value, role.value), name)
+
+    def record_slot(self, slot: Slot, name: str) -> None:
+        """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
+        self.written.setdefault(slot, []).append(name)
+
+    def clear_records(self) -> None:
+        """Forget every write and rejection (the expected slots stay)."""
+        self.written.clear()
+        self.unexpected.clear()
 
     def reject(self, name: str, why: str) -> None:
         """Note a tensor that has no slot."""

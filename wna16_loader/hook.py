@@ -33,7 +33,7 @@ from .formats import Role
 from .fused import FusedWriter, Ledger
 from .modelconfig import MoEConfig
 from .names import PROJ_ALIASES, Proj, Source, parse_expert_name
-from .plan import STACKED_SOURCES, LayerPlan, source_tensors
+from .plan import STACKED_SOURCES, LayerPlan, expert_key_problem, source_tensors
 from .sharding import LayerGeometry
 
 MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
@@ -99,7 +99,6 @@ class ExpertParamMapping:
 
     def __init__(self, moe: MoEConfig, prefix: str | None = None) -> None:
         self.moe, self.prefix = moe, prefix
-        self._layouts = {layout.suffix: layout for layout in moe.quant.layouts}
         stored = {Role.QWEIGHT, Role.SCALES} | ({Role.G_IDX} if moe.quant.act_order else set())
         stored |= set() if moe.quant.symmetric else {Role.ZEROS}
         self._fused = {(proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}"
@@ -109,14 +108,11 @@ class ExpertParamMapping:
     def __call__(self, name: str) -> tuple[ParamTarget, ...]:
         """The targets of checkpoint tensor `name`: two for gate_up_proj, one otherwise, () if none."""
         key = parse_expert_name(name)
-        layout = None if key is None else self._layouts.get(key.suffix)
-        if layout is None or (self.prefix is not None and key.experts_prefix != self.prefix):
+        if key is None or (self.prefix is not None and key.experts_prefix != self.prefix) or \
+                expert_key_problem(self.moe, key) is not None:
             return ()
-        if key.expert is None and key.source not in STACKED_SOURCES:
-            return ()
-        if (key.expert is not None and key.expert >= self.moe.num_experts) or \
-                not self.moe.quant.modules.covers(key.module_name):
-            return ()
+        layout = self.moe.quant.layout_for_suffix(key.suffix)
+        assert layout is not None, "expert_key_problem checks the suffix"
         return tuple(ParamTarget(f"{key.experts_prefix}.{self._fused[(proj, layout.role)]}",
                                  self._fused[(proj, layout.role)], ShardId.of_proj(proj), key.expert)
                      for proj in key.source.projs)
@@ -138,7 +134,6 @@ class TensorStore:
     def __init__(self) -> None:
         self._tensors: dict[str, torch.Tensor] = {}
         self._holds: dict[str, int] = {}
-        self.bytes_read = 0
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -159,7 +154,6 @@ class TensorStore:
         """`tensor[index]` (basic slices and ints), on the CPU."""
         tensor = self._tensors[ref.name]
         out = (tensor[index] if index else tensor).to("cpu")
-        self.bytes_read += out.numel() * out.element_size()
         return out
 
     @classmethod
@@ -201,7 +195,6 @@ class ExpertLoadHook:
                  allow_nonfinite: bool = False) -> None:
         self.prefix, self.moe, self.geometry, self.ledger = prefix, moe, geometry, ledger
         self.allow_nonfinite = allow_nonfinite
-        self.layouts = {layout.suffix: layout for layout in moe.quant.layouts}
         self.required = frozenset(lay.role for lay in moe.quant.layouts if moe.quant.required(lay))
         self.local = frozenset(geometry.experts)
         self.store = TensorStore()
@@ -216,7 +209,7 @@ class ExpertLoadHook:
         """Take one whole checkpoint tensor; False (nothing kept or converted) when no local expert needs it."""
         proj = ShardId.parse(shard_id, weight_name).proj
         arrival = self._resolve(weight_name, proj, expert_id)
-        experts = tuple(sorted(self.local)) if arrival.expert is None else \
+        experts = self.geometry.experts if arrival.expert is None else \
             ((arrival.expert,) if arrival.expert in self.local else ())
         if not experts:
             return False
@@ -242,12 +235,15 @@ class ExpertLoadHook:
             if expert_id is not None and expert_id != key.expert:
                 raise FormatError(f"{weight_name}: expert_id={expert_id} but the name says expert {key.expert} "
                                   f"(None: stacked over experts); pass the id the name carries.")
-        layout = self.layouts.get(suffix)
+        layout = self.moe.quant.layout_for_suffix(suffix)
         if layout is None:
             raise FormatError(f"{weight_name}: suffix {suffix!r} is not a {self.moe.quant.format_name} expert "
-                              f"tensor; expected one of {sorted(self.layouts)}. Pass the checkpoint tensor's own "
-                              f"name as weight_name.")
+                              f"tensor; expected one of {sorted(lay.suffix for lay in self.moe.quant.layouts)}. "
+                              f"Pass the checkpoint tensor's own name as weight_name.")
         self._check_ids(weight_name, proj, source, expert)
+        problem = None if key is None else expert_key_problem(self.moe, key)
+        if problem is not None:
+            raise FormatError(f"{weight_name}: {problem}; no fused parameter takes it.")
         return Arrival(source, layout.role, expert, alias or default_alias(proj))
 
     def _check_ids(self, weight_name: str, proj: Proj, source: Source, expert: int | None) -> None:
@@ -320,7 +316,7 @@ class ExpertLoadHook:
         """Read and write every projection of a `plan_layer` plan (the `load_experts` path), a run of
         experts at a time."""
         for proj in Proj:
-            for experts, sources in plan_runs(plan, proj):
+            for experts, sources in _plan_runs(plan, proj):
                 for expert, src in zip(experts, sources):
                     for role, ref in src.tensors.items():
                         self.ledger.record(self.prefix, expert, proj, role, ref.name)
@@ -341,7 +337,7 @@ class ExpertLoadHook:
         return sorted(names)
 
 
-def plan_runs(plan: LayerPlan, proj: Proj) -> Iterator[tuple[tuple[int, ...], tuple[SourceTensors, ...]]]:
+def _plan_runs(plan: LayerPlan, proj: Proj) -> Iterator[tuple[tuple[int, ...], tuple[SourceTensors, ...]]]:
     """Maximal runs of the plan's local experts (in slot order) whose `proj` comes from one source
     kind with one set of roles: each run is read and written as one batch."""
     run: list[tuple[int, SourceTensors]] = []

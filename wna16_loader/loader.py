@@ -9,12 +9,10 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointIndex
-from .errors import CheckpointError
 from .fused import FusedExperts, FusedWriter, Ledger
-from .hook import ExpertLoadHook, plan_runs
+from .hook import ExpertLoadHook
 from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
-from .names import Proj
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, LayerPlan, plan_layers
 
@@ -64,8 +62,9 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
     """
-    if _is_shard_output(path):
-        from .preshard import load_presharded  # local import: preshard builds on this module
+    from .preshard import is_presharded, load_presharded  # local import: preshard builds on this module
+
+    if is_presharded(path):
         return load_presharded(path, parallel, device=device)
     start = time.perf_counter()
     moe = read_config_files(path)
@@ -91,25 +90,10 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     return result
 
 
-def _is_shard_output(path: str | Path) -> bool:
-    """True for a finished wna16-shard output; an unfinished one is refused."""
-    if (Path(path) / "wna16_manifest.json").is_file():
-        return True
-    if (Path(path) / ".wna16-plan.json").is_file():
-        raise CheckpointError(f"{path}: an unfinished wna16-shard output (.wna16-plan.json but no "
-                              f"wna16_manifest.json); finish it with wna16-shard SRC {path} ... --resume, "
-                              f"or load the source checkpoint.")
-    return False
-
-
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
                allow_nonfinite: bool, *, convert_on_device: bool = True) -> tuple[FusedExperts, int, int]:
     """Read, convert and write every local projection of one layer (the hook's own write path)."""
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
     hook = ExpertLoadHook(plan.prefix, moe, plan.geometry, Ledger(), allow_nonfinite=allow_nonfinite)
-    tensors = 0
-    for proj in Proj:  # the plan's ledger already holds every slot: write each run, record nothing twice
-        for experts, sources in plan_runs(plan, proj):
-            hook.write(index, writer, experts, proj, sources)
-            tensors += sum(len(src.tensors) for src in sources)
-    return writer.finish(), tensors, writer.bytes_written
+    hook.load_plan(index, writer, plan)
+    return writer.finish(), hook.tensors, writer.bytes_written

@@ -18,7 +18,7 @@ import enum
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, MutableMapping
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +173,7 @@ class FusedMoEExperts(nn.Module):
             for name, tensor in fused.tensors.items():
                 getattr(self, name).copy_(tensor)
         for slot in self.ledger.missing():
-            self.ledger.written.setdefault(slot, []).append(f"{source}:{self.prefix}")
+            self.ledger.record_slot(slot, f"{source}:{self.prefix}")
 
     def ledger_report(self) -> list[str]:
         """Every missing, duplicated or unexpected slot so far (empty when complete)."""
@@ -185,8 +185,7 @@ class FusedMoEExperts(nn.Module):
 
     def reset_load(self) -> None:
         """Forget what was loaded (ledger, pending tensors) before loading the weights again."""
-        for slot_names in (self.ledger.written, self.ledger.unexpected):
-            slot_names.clear()
+        self.ledger.clear_records()
         self.hook = ExpertLoadHook(self.prefix, self.moe, self.geometry, self.ledger,
                                    allow_nonfinite=self.hook.allow_nonfinite)
         self._writer = None

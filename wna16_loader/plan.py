@@ -130,18 +130,28 @@ def _group_entries(index: CheckpointIndex, moe: MoEConfig, keys: list[ExpertTens
     """(expert or None, source) -> {role: ref}, for local experts and stacked tensors only."""
     entries: dict[EntryKey, dict] = defaultdict(dict)
     for key in keys:
-        layout = moe.quant.layout_for_suffix(key.suffix)
-        if layout is None:
-            ledger.reject(key.name, f"suffix {key.suffix!r} is not a {moe.quant.format_name} expert tensor")
-        elif key.expert is None and key.source not in STACKED_SOURCES:
-            ledger.reject(key.name, f"a stacked {key.source.value} tensor; only gate_up_proj and down_proj stack")
-        elif key.expert is not None and key.expert >= moe.num_experts:
-            ledger.reject(key.name, f"expert id {key.expert} >= expert count {moe.num_experts}")
-        elif not moe.quant.modules.covers(key.module_name):
-            ledger.reject(key.name, "its module is excluded by the quantization config (targets/ignore)")
+        problem = expert_key_problem(moe, key)
+        if problem is not None:
+            ledger.reject(key.name, problem)
         elif key.expert is None or key.expert in local:
+            layout = moe.quant.layout_for_suffix(key.suffix)
+            assert layout is not None, "expert_key_problem checks the suffix"
             entries[(key.expert, key.source)][layout.role] = index.refs[key.name]
     return entries
+
+
+def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
+    """Why routed-expert tensor `key` feeds no fused slot under `moe` (None when it does): the one rule
+    shared by the planner, the engine hook and the name mapping."""
+    if moe.quant.layout_for_suffix(key.suffix) is None:
+        return f"suffix {key.suffix!r} is not a {moe.quant.format_name} expert tensor"
+    if key.expert is None and key.source not in STACKED_SOURCES:
+        return f"a stacked {key.source.value} tensor; only gate_up_proj and down_proj stack"
+    if key.expert is not None and key.expert >= moe.num_experts:
+        return f"expert id {key.expert} >= expert count {moe.num_experts}"
+    if not moe.quant.modules.covers(key.module_name):
+        return "its module is excluded by the quantization config (targets/ignore)"
+    return None
 
 
 SOURCES_OF: dict[Proj, tuple[Source, ...]] = {proj: tuple(s for s in Source if proj in s.projs) for proj in Proj}

@@ -27,6 +27,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import dataclasses
 import signal
 import sys
 import time
@@ -45,7 +46,7 @@ from .fused import FusedExperts, FusedSpec, FusedWriter, Ledger
 from .loader import LoadedExperts, LoadReport, load_layer, load_experts
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
-from .plan import CheckpointScan, plan_layers
+from .plan import CheckpointScan, LayerPlan, plan_layers
 from .presliced import SlicedTensor, materialize, slice_layer
 
 SCHEMA_VERSION = 1
@@ -87,13 +88,18 @@ class FilePlan:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One rank's parallel config, fused layer specs and output files (and, for --layout checkpoint,
+    """One rank's parallel config, layer plans and output files (and, for --layout checkpoint,
     the sliced source tensors of every file, by name)."""
 
     parallel: ParallelConfig
-    layers: dict[str, FusedSpec]
+    plans: dict[str, LayerPlan]
     files: tuple[FilePlan, ...]
     sliced: dict[str, SlicedTensor] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> dict[str, FusedSpec]:
+        """experts prefix -> the rank's fused layout of that layer."""
+        return {prefix: plan.fused for prefix, plan in self.plans.items()}
 
     @property
     def folder(self) -> str:
@@ -106,6 +112,7 @@ class ShardPlan:
     """Everything a pre-shard run will write, computed from headers only."""
 
     source: Path
+    moe: MoEConfig
     params: dict[str, Any]
     fingerprint: dict[str, Any]
     quant: dict[str, Any]
@@ -140,25 +147,25 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
     moe = read_config_files(src)
     with CheckpointIndex(src) as index:
         scan = CheckpointScan.of(index)
-        ranks, expert_sources = _plan_ranks(index, moe, (tp_size, ep_size, placement), max_file_size, layout)
+        ranks, expert_sources = _plan_ranks(index, moe, scan, (tp_size, ep_size, placement), max_file_size, layout)
         common_sizes = {name: index.refs[name].nbytes for name in scan.others}
         _check_account(index, scan, expert_sources)
         fingerprint = source_fingerprint(src, index.files)
     params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
               "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION}
-    return ShardPlan(source=src, params=params, fingerprint=fingerprint, quant=_quant_summary(moe, ranks),
+    return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=_quant_summary(moe, ranks),
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src))
 
 
-def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, grid: tuple[int, int, str], max_file_size: int,
-                layout: str) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
+def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, grid: tuple[int, int, str],
+                max_file_size: int, layout: str) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
     """Plan every rank with plan_layers; note which source tensors feed which ranks."""
     ranks, feeds = [], {}
     tp, ep, placement = grid
     for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep, expert_placement=placement):
         ledger = Ledger()
-        plans = plan_layers(index, moe, parallel, ledger)
+        plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
         sizes: dict[str, int] = {}
         sliced: dict[str, SlicedTensor] = {}
@@ -166,23 +173,16 @@ def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, grid: tuple[int, int, st
             if layout == "checkpoint":
                 sliced.update(slice_layer(moe.quant, plan))
             else:
-                sizes.update({f"{plan.prefix}.{name}": _numel(shape) * dtype.itemsize
+                sizes.update({f"{plan.prefix}.{name}": nbytes_of(shape, dtype)
                               for name, (shape, dtype) in plan.fused.shapes().items()})
             for src in plan.sources.values():
                 for ref in src.tensors.values():
                     feeds.setdefault(ref.name, set()).add(parallel.rank)
         sizes.update({name: t.nbytes for name, t in sliced.items()})
         folder = rank_folder(parallel.rank, parallel.world_size)
-        ranks.append(RankPlan(parallel, {p.prefix: p.fused for p in plans},
+        ranks.append(RankPlan(parallel, {p.prefix: p for p in plans},
                               split_files(folder, sizes, max_file_size), sliced))
     return tuple(ranks), {name: tuple(sorted(r)) for name, r in sorted(feeds.items())}
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
 
 
 def _check_account(index: CheckpointIndex, scan: CheckpointScan, expert_sources: dict[str, Any]) -> None:
@@ -549,7 +549,8 @@ def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
     path = out / JOURNAL_NAME
     planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
     kept: dict[str, dict[str, Any]] = {}
-    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    records = [_journal_record(line) for line in path.read_text(encoding="utf-8").splitlines()] \
+        if path.is_file() else []
     if (out / MANIFEST_NAME).is_file():  # a finished run: its manifest records every file
         manifest = _read_json(out / MANIFEST_NAME)
         try:
@@ -557,17 +558,24 @@ def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
         except (KeyError, TypeError):
             raise PreshardError(f"{out / MANIFEST_NAME}: corrupt (no common/ranks file lists); delete {out} and run "
                                 f"wna16-shard again without --resume.") from None
-        lines += [json.dumps(rec) for rec in files]
-    for line in lines:
+        records += files
+    for rec in records:
         try:
-            rec = json.loads(line)
             path, tensors, digest = rec["path"], sorted(rec["tensors"]), rec["sha256"]
-        except (json.JSONDecodeError, KeyError, TypeError):  # a line cut short by a kill: redo that file
+        except (KeyError, TypeError):  # a line cut short by a kill, or a corrupt record: redo that file
             continue
         file = out / path
         if planned.get(path) == tensors and file.is_file() and sha256_file(file) == digest:
             kept[path] = rec
     return kept
+
+
+def _journal_record(line: str) -> Any:
+    """One journal line as JSON; None for a line cut short by a kill."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def _append_journal(out: Path, record: dict[str, Any]) -> None:
@@ -682,10 +690,7 @@ class FusedLayers:
     """
 
     def __init__(self, plan: ShardPlan, rank: RankPlan, index: CheckpointIndex) -> None:
-        self.index, self.moe = index, read_config_files(plan.source)
-        ledger = Ledger()
-        self.plans = {p.prefix: p for p in plan_layers(index, self.moe, rank.parallel, ledger)}
-        ledger.check()
+        self.index, self.moe, self.plans = index, plan.moe, rank.plans
         self.cached: tuple[str, FusedExperts] | None = None
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -720,16 +725,16 @@ def write_safetensors(out: Path, fp: FilePlan, source: TensorSource, metadata: d
     metas = {name: source.meta(name) for name in sorted(fp.tensors)}
     with _writing(final, tmp):
         with open(tmp, "wb") as handle:
-            records = _serialize(handle, metas, source.fetch, metadata)
+            records, digest = _serialize(handle, metas, source.fetch, metadata)
         _commit(tmp, final)
-    return {"path": fp.path, "sha256": sha256_file(final), "tensors": records}
+    return {"path": fp.path, "sha256": digest, "tensors": records}
 
 
 def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
-               fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> dict[str, dict[str, Any]]:
+               fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
     """Write the safetensors format: a sorted, byte-stable header computed from `metas` (safetensors' own
     writer orders metadata keys differently from process to process), then each tensor as it is fetched.
-    Returns each tensor's manifest record."""
+    Returns each tensor's manifest record and the sha256 of the bytes written."""
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     for name, (shape, dtype) in metas.items():
@@ -738,14 +743,19 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    handle.write(len(text).to_bytes(8, "little") + text)
+    digest = hashlib.sha256()
+    for chunk in (len(text).to_bytes(8, "little"), text):
+        handle.write(chunk)
+        digest.update(chunk)
     records = {}
     for name, (shape, dtype) in metas.items():
         tensor = fetch(name).detach().cpu().contiguous()
         assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
-        handle.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        handle.write(data)
+        digest.update(data)
         records[name] = tensor_record(tensor)
-    return records
+    return records, digest.hexdigest()
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -757,10 +767,8 @@ def _copy_file(src: Path, dst: Path) -> None:
 
 def spec_record(spec: FusedSpec) -> dict[str, Any]:
     """A FusedSpec as JSON."""
-    return {"experts": list(spec.experts), "hidden": spec.hidden, "part": spec.part,
-            "intermediate": spec.intermediate, "bits": spec.bits, "group_size": spec.group_size,
-            "w13_groups": spec.w13_groups, "w2_groups": spec.w2_groups, "has_zero_point": spec.has_zero_point,
-            "act_order": spec.act_order, "scale_dtype": str(spec.scale_dtype).removeprefix("torch.")}
+    return {**dataclasses.asdict(spec), "experts": list(spec.experts),
+            "scale_dtype": str(spec.scale_dtype).removeprefix("torch.")}
 
 
 def spec_from_record(rec: dict[str, Any]) -> FusedSpec:
@@ -797,8 +805,14 @@ def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[
 # ---------------------------------------------------------------- loading back
 
 def is_presharded(path: str | Path) -> bool:
-    """Whether `path` is a pre-shard output folder (it holds wna16_manifest.json)."""
-    return (Path(path) / MANIFEST_NAME).is_file()
+    """Whether `path` is a finished pre-shard output folder (it holds wna16_manifest.json); an
+    unfinished one (a plan but no manifest) is refused with the command that finishes it."""
+    if (Path(path) / MANIFEST_NAME).is_file():
+        return True
+    if (Path(path) / PLAN_NAME).is_file():
+        raise CheckpointError(f"{path}: an unfinished wna16-shard output ({PLAN_NAME} but no {MANIFEST_NAME}); "
+                              f"finish it with wna16-shard SRC {path} ... --resume, or load the source checkpoint.")
+    return False
 
 
 def read_manifest(out: str | Path) -> dict[str, Any]:

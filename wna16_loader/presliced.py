@@ -61,7 +61,7 @@ def slice_layer(quant: QuantSpec, plan: LayerPlan) -> dict[str, SlicedTensor]:
         _check_aligned(quant, plan.geometry, src, cut, spans)
         for role, ref in src.tensors.items():
             layouts[ref.name] = quant.layout(role)
-            storage, _ = storage_index(layouts[ref.name], spans, quant.pack_factor, src.expert_row)
+            storage = storage_index(layouts[ref.name], spans, quant.pack_factor, src.expert_row)
             per_row = rows.setdefault(ref.name, {}).setdefault(src.expert_row, {})
             per_row.setdefault(proj, (Piece(ref, storage), (len(spans[Dim.N]), len(spans[Dim.K]))))
     return {name: _sliced(layouts[name], name, by_row) for name, by_row in rows.items()}
