@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -27,6 +29,14 @@ class LoadReport:
     bytes_written: int
     seconds: float
     ignored: int = 0  # tensors that are not routed experts (routers, attention, shared experts, dense MLPs)
+
+    @classmethod
+    def of(cls, plans: list[LayerPlan], scan: CheckpointScan, *, tensors: int, bytes_read: int, bytes_written: int,
+           start: float) -> "LoadReport":
+        """The report of a load of `plans` that began at perf_counter() time `start`."""
+        return cls(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans), tensors=tensors,
+                   bytes_read=bytes_read, bytes_written=bytes_written, seconds=time.perf_counter() - start,
+                   ignored=len(scan.others))
 
     def __str__(self) -> str:
         return (f"{self.layers} layers, {self.experts} local experts, {self.tensors} tensors, "
@@ -67,12 +77,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     if is_presharded(path):
         return load_presharded(path, parallel, device=device)
     start = time.perf_counter()
-    moe = read_config_files(path)
-    ledger = Ledger()
-    with CheckpointIndex(path) as index:
-        scan = CheckpointScan.of(index)
-        plans = plan_layers(index, moe, parallel, ledger, scan)
-        ledger.check()
+    with planned(path, parallel) as (moe, index, scan, plans):
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:
@@ -82,12 +87,24 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
             tensors += count
             written += nbytes
         bytes_read = index.bytes_read
-    result.report = LoadReport(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans),
-                               tensors=tensors, bytes_read=bytes_read, bytes_written=written,
-                               seconds=time.perf_counter() - start, ignored=len(scan.others))
+    result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=bytes_read, bytes_written=written,
+                                  start=start)
     result.ignored = scan.others
     rank_logger(parallel).info("loaded: %s", result.report)
     return result
+
+
+@contextmanager
+def planned(path: str | Path, parallel: ParallelConfig) -> Iterator[
+        tuple[MoEConfig, CheckpointIndex, CheckpointScan, list[LayerPlan]]]:
+    """The checkpoint's resolved config, its open index, its name scan and `parallel`'s layer plans,
+    with the ledger checked (missing, duplicated or unexpected tensors raise before any read)."""
+    moe, ledger = read_config_files(path), Ledger()
+    with CheckpointIndex(path) as index:
+        scan = CheckpointScan.of(index)
+        plans = plan_layers(index, moe, parallel, ledger, scan)
+        ledger.check()
+        yield moe, index, scan, plans
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,

@@ -28,13 +28,13 @@ from .checkpoint import CheckpointIndex
 from .errors import CompletenessError, FormatError, LayoutMismatchError, format_offenders
 from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
 from .hook import ExpertLoadHook, ExpertParamMapping, ParamTarget, ShardId
-from .loader import LoadReport, load_experts
+from .loader import LoadReport, load_experts, planned
 from .preshard import is_presharded
 from .logs import rank_logger
-from .modelconfig import MoEConfig, read_config_files
+from .modelconfig import MoEConfig
 from .names import Proj
 from .parallel import ParallelConfig
-from .plan import CheckpointScan, LayerPlan, expect_projection, layer_geometry, plan_layers
+from .plan import LayerPlan, expect_projection, layer_geometry
 
 
 
@@ -334,11 +334,7 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     _check_parallel(modules, parallel)
     if is_presharded(checkpoint_folder):
         return _load_presharded_into(modules, checkpoint_folder, parallel)
-    moe, ledger = read_config_files(checkpoint_folder), Ledger()
-    with CheckpointIndex(checkpoint_folder) as index:
-        scan = CheckpointScan.of(index)
-        plans = plan_layers(index, moe, parallel, ledger, scan)
-        ledger.check()
+    with planned(checkpoint_folder, parallel) as (_, index, scan, plans):
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
         for plan in plans:
@@ -346,10 +342,9 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
         bytes_read = index.bytes_read
     for module in modules.values():
         module.check_complete()
-    report = LoadReport(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans),
-                        tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()), bytes_read=bytes_read,
-                        bytes_written=sum(m.hook.bytes_written - before[p][1] for p, m in modules.items()),
-                        seconds=time.perf_counter() - start, ignored=len(scan.others))
+    report = LoadReport.of(plans, scan, tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()),
+                           bytes_read=bytes_read, start=start,
+                           bytes_written=sum(m.hook.bytes_written - before[p][1] for p, m in modules.items()))
     rank_logger(parallel).info("loaded into the model: %s", report)
     return report
 
