@@ -74,8 +74,8 @@ def test_in_process_codes(source: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert "--layout checkpoint cannot slice at tp=4" in capsys.readouterr().err and not out.exists()
     assert main([str(source), str(out), "--tp", "2", "--dry-run"]) == 0
     assert "G_eff" in capsys.readouterr().out and not out.exists()
-    assert main([str(source), str(out), "--tp", "3"]) == 2
-    assert "tp_size=3" in capsys.readouterr().err
+    assert main([str(source), str(out), "--tp", "1", "--ep", "8"]) == 2  # 4 experts
+    assert "ep_size=8 is larger than the expert count 4" in capsys.readouterr().err and not out.exists()
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ""

@@ -70,11 +70,15 @@ def test_every_combination_round_trips_or_raises(tmp_path_factory: pytest.TempPa
         assert tensors["expert_ids"].tolist() == sorted(tensors["expert_ids"].tolist())
         for slot, expert in enumerate(tensors["expert_ids"].tolist()):
             layer = load_experts(folder, parallel)[prefix]
-            part = layer.spec.part
+            part = layer.intermediate_size_per_partition
+            real = part - layer.padding  # checkpoint columns; padding (zeros) follows them
             dq = layer.dequantize()
             lo = parallel.tp_rank * part
-            assert torch.equal(dq.w13[slot, :part], ckpt.references[(prefix, expert, "gate")][lo:lo + part])
-            assert torch.equal(dq.w2[slot], ckpt.references[(prefix, expert, "down")][:, lo:lo + part])
+            assert torch.equal(dq.w13[slot, :real], ckpt.references[(prefix, expert, "gate")][lo:lo + real])
+            assert torch.equal(dq.w13[slot, part:part + real], ckpt.references[(prefix, expert, "up")][lo:lo + real])
+            assert torch.equal(dq.w2[slot, :, :real], ckpt.references[(prefix, expert, "down")][:, lo:lo + real])
+            assert not dq.w13[slot, real:part].any() and not dq.w13[slot, part + real:].any()
+            assert not dq.w2[slot, :, real:].any()
 
 
 def _header_span(path: Path) -> tuple[int, int]:

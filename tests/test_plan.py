@@ -331,18 +331,20 @@ def test_plain_g_idx_without_act_order_loads(tmp_path):
 
 # --- parallel sizes -------------------------------------------------------------------------------------------
 
-def test_tp_not_dividing_intermediate(tmp_path):
-    good(tmp_path)
-    with pytest.raises(ShardingError, match=r"tp_size=3 does not divide the expert intermediate size I=128\. "
-                                            r"TP sizes that work for this layer: \[1, 2, 4, 8\]\."):
-        load_experts(tmp_path, ParallelConfig(tp_size=3, tp_rank=0))
+def test_tp_not_dividing_intermediate_pads(tmp_path):
+    ckpt = good(tmp_path, num_experts=2)  # I = 128, tp = 3: I' = 144, I_p' = 48, rank 2 holds 32 real columns
+    layer = load_experts(tmp_path, ParallelConfig(tp_size=3, tp_rank=2))[P]
+    assert (layer.intermediate_size, layer.intermediate_size_per_partition, layer.padding) == (128, 48, 16)
+    weights, _ = reassemble(tmp_path, 3, 1)
+    assert_exact(weights, ckpt.references)
 
 
-def test_tp_leaving_groups_too_small(tmp_path):
-    good(tmp_path)
-    with pytest.raises(ShardingError, match=r"tp_size=16 leaves I/tp = 128/16 = 8 columns per rank.*TP sizes that "
-                                            r"work for this layer: \[1, 2, 4, 8\]\."):
-        load_experts(tmp_path, ParallelConfig(tp_size=16, tp_rank=0))
+def test_layer_no_tp_size_can_byte_pack(tmp_path):
+    write_checkpoint(tmp_path, quant_config("compressed-tensors", group_size=32), hidden=64, intermediate=65)
+    with pytest.raises(ShardingError, match=r"4-bit bytes hold 2 values, but H = 64 and I = 65 must both be "
+                                            r"multiples of 2 at any TP size \(a rank's columns must end on a byte\)\. "
+                                            r"No TP size works for this layer\."):
+        load_experts(tmp_path, ParallelConfig(tp_size=2, tp_rank=0))
 
 
 def test_ep_larger_than_expert_count(tmp_path):

@@ -10,7 +10,7 @@ from wna16_loader.errors import ShardingError
 from wna16_loader.names import Proj
 from wna16_loader.parallel import ParallelConfig
 from wna16_loader.sharding import (LayerGeometry, Span, ceil_div, effective_group_size, layout_problem,
-                                   local_experts, valid_tp_sizes)
+                                   local_experts, unpadded_problem, valid_tp_sizes)
 
 # Gemma 4 26B-A4B: H = 2816, I = 704 (= 5.5 groups of 128), 128 experts
 H, I, G, E = 2816, 704, 128, 128
@@ -136,28 +136,73 @@ def test_gemma4_tp4() -> None:
     assert down.groups == (4, 4, 4, 4, 4, 4, 4, 5, 5, 5, 5)
 
 
-def test_gemma4_tp8_raises_and_lists_valid_tp_sizes() -> None:
-    assert valid_tp_sizes(H, I, 4, G, False) == [1, 2, 4, 11, 22, 44]
-    with pytest.raises(ShardingError, match=r"tp_size=8 leaves I/tp = 704/8 = 88 columns per rank.*no divisor of "
-                                            r"group size 128 that is >= 16 divides 88.*TP sizes that work for this "
-                                            r"layer: \[1, 2, 4, 11, 22, 44\]"):
-        geometry(tp=8)
+def test_gemma4_unpadded_tp_sizes_are_the_old_rule_and_padding_takes_every_other() -> None:
+    assert valid_tp_sizes(H, I, 4, G, False, allow_padding=False) == [1, 2, 4, 11, 22, 44]
+    assert valid_tp_sizes(H, I, 4, G, False) == list(range(1, 65))
+    assert "no divisor of group size 128 that is >= 16 divides 88" in layout_problem(H, I, 4, G, False, 8,
+                                                                                      allow_padding=False)
+    assert "does not divide the expert intermediate size I=704" in unpadded_problem(H, I, 4, G, False, 3)
 
 
-@pytest.mark.parametrize("tp", [3, 5, 6, 7])
-def test_tp_not_dividing_intermediate(tp: int) -> None:
-    with pytest.raises(ShardingError, match=rf"tp_size={tp} does not divide the expert intermediate size I=704\. "
-                                            r"TP sizes that work for this layer: \[1, 2, 4, 11, 22, 44\]"):
-        geometry(tp=tp)
+def test_gemma4_tp8_pads_to_768() -> None:
+    # I_p = 88 leaves no group size >= 16: I' = 768 (smallest multiple of 8*16 >= 704), I_p' = 96, G_eff = 32
+    ranks = [geometry(tp=8, rank=r) for r in range(8)]
+    assert {(g.part, g.padded_intermediate, g.group_eff, g.w2_groups) for g in ranks} == {(96, 768, 32, 3)}
+    assert [g.real for g in ranks] == [Span(96 * r, 96 * r + 96) for r in range(7)] + [Span(672, 704)]
+    assert [g.padding for g in ranks] == [0] * 7 + [64]
+    last = ranks[7]
+    assert last.slice(Proj.DOWN).k == Span(672, 704) and last.slice(Proj.DOWN).groups == (5,)
+    assert last.slice(Proj.GATE).n == last.slice(Proj.UP).n == Span(672, 704)
+    assert ranks[1].slice(Proj.DOWN).groups == (0, 1, 1)  # columns 96..191 in groups of 32
 
 
-def test_odd_part_for_4_bit_bytes() -> None:
-    # I = 66, tp = 2: I/tp = 33 values cannot be byte-packed at 4 bits
-    assert "must both be multiples of 2" in layout_problem(64, 66, 4, -1, False, 2)
-    with pytest.raises(ShardingError, match=r"4-bit bytes hold 2 values, but I/tp = 66/2 = 33 and H = 64 must both "
-                                            r"be multiples of 2"):
-        geometry(tp=2, hidden=64, intermediate=66, group_size=-1)
+def test_gemma4_tp16_last_rank_is_all_padding() -> None:
+    ranks = [geometry(tp=16, rank=r) for r in range(16)]
+    assert {(g.part, g.padded_intermediate, g.group_eff) for g in ranks} == {(48, 768, 16)}
+    assert ranks[14].real == Span(672, 704) and ranks[14].padding == 16
+    assert ranks[15].real == Span(704, 704) and ranks[15].padding == 48
+    assert ranks[15].slice(Proj.DOWN).groups == () and ranks[15].w2_groups == 3
+
+
+@pytest.mark.parametrize("tp,padded,part,g_eff", [(3, 720, 240, 16), (5, 720, 144, 16), (6, 768, 128, 128),
+                                                  (7, 784, 112, 16)])
+def test_tp_not_dividing_intermediate_pads(tp: int, padded: int, part: int, g_eff: int) -> None:
+    g = geometry(tp=tp, rank=tp - 1)
+    assert (g.padded_intermediate, g.part, g.group_eff) == (padded, part, g_eff)
+    assert g.real == Span(min((tp - 1) * part, I), I) and g.padding == padded - I
+
+
+@pytest.mark.parametrize("intermediate,tp,padded,part,g_eff", [(1408, 3, 1440, 480, 32), (1408, 5, 1440, 288, 32),
+                                                               (1408, 6, 1440, 240, 16), (1408, 8, 1408, 176, 16)])
+def test_intermediate_1408(intermediate: int, tp: int, padded: int, part: int, g_eff: int) -> None:
+    g = geometry(tp=tp, rank=0, intermediate=intermediate)
+    assert (g.padded_intermediate, g.part, g.group_eff) == (padded, part, g_eff)
+
+
+def test_odd_part_for_4_bit_bytes_pads() -> None:
+    # I = 66, tp = 2: I/tp = 33 values cannot be byte-packed at 4 bits, so I pads to 96
+    assert "must both be multiples of 2" in layout_problem(64, 66, 4, -1, False, 2, allow_padding=False)
+    g = geometry(tp=2, rank=1, hidden=64, intermediate=66, group_size=-1)
+    assert (g.part, g.real, g.padding, g.group_eff) == (48, Span(48, 66), 30, -1)
     assert layout_problem(64, 66, 8, -1, False, 2) == ""
+    assert geometry(tp=2, hidden=64, intermediate=66, group_size=-1, bits=8).padded_intermediate == 66
+
+
+def test_truly_impossible_layouts_name_the_sizes_that_work() -> None:
+    # I = 65 at 4 bits: no rank's columns could end on a byte
+    with pytest.raises(ShardingError, match=r"4-bit bytes hold 2 values, but H = 64 and I = 65 must both be multiples "
+                                            r"of 2 at any TP size \(a rank's columns must end on a byte\)\. No TP size "
+                                            r"works for this layer\."):
+        geometry(tp=2, hidden=64, intermediate=65, group_size=-1)
+    # G = 24: I'/tp = 112/7 = 16 and gcd(24, 16) = 8 < 16; tp = 2 (I_p = 48, G_eff = 24) works unpadded,
+    # and tp = 4 too (I_p = 24 = G); tp = 3 would pad to I' = 96, I_p' = 32 and gcd(24, 32) = 8
+    with pytest.raises(ShardingError, match=r"tp_size=7: padding I=96 to I'=112 gives I'/tp = 112/7 = 16 columns per rank, and "
+                                            r"the largest divisor of group size 24 dividing 16 is 8 < 16 \(G=24 is not "
+                                            r"a multiple of 16 and cannot be re-expressed\)\. TP sizes that work for "
+                                            r"this layer: \[1, 2, 4\]\."):
+        geometry(tp=7, hidden=64, intermediate=96, group_size=24)
+    with pytest.raises(ShardingError, match=r"H = 63 and I = 96 must both be multiples of 2"):
+        geometry(tp=3, hidden=63, intermediate=96, group_size=-1)
 
 
 def test_act_order_keeps_g_and_all_groups() -> None:
@@ -205,14 +250,14 @@ def test_geometry_is_validated_for_tp1_even_with_partial_group() -> None:
        group_size=st.sampled_from([16, 32, 64, 128, -1]), tp=st.integers(1, 8), bits=st.sampled_from([4, 8]))
 def test_rank_spans_tile_and_fused_groups_map_through_columns(hidden: int, intermediate: int, group_size: int,
                                                                tp: int, bits: int) -> None:
-    problem = layout_problem(hidden, intermediate, bits, group_size, False, tp)
+    problem = layout_problem(hidden, intermediate, bits, group_size, False, tp, allow_padding=False)
     assume(problem == "")
     part = intermediate // tp
     down_cover, gate_cover = [], []
     for rank in range(tp):
         g = geometry(tp=tp, rank=rank, hidden=hidden, intermediate=intermediate, group_size=group_size, bits=bits,
                      num_experts=4)
-        assert g.part == part
+        assert g.part == part and g.padded_intermediate == intermediate and g.padding == 0
         g_eff = g.group_eff
         down, gate, up = g.slice(Proj.DOWN), g.slice(Proj.GATE), g.slice(Proj.UP)
         assert down.n == Span(0, hidden) and gate.k == Span(0, hidden) and up.k == Span(0, hidden)
@@ -258,3 +303,58 @@ def test_layout_problem_agrees_with_geometry(hidden: int, intermediate: int, gro
     else:
         geometry(tp=tp, rank=tp - 1, hidden=hidden, intermediate=intermediate, group_size=group_size,
                  act_order=act_order, num_experts=4)
+
+
+def _largest_divisor_dividing(group_size: int, part: int) -> int:
+    return max(d for d in range(1, group_size + 1) if group_size % d == 0 and part % d == 0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(units=st.integers(1, 1600), group_size=st.sampled_from([16, 32, 48, 64, 128, -1]), tp=st.integers(1, 16),
+       bits=st.sampled_from([4, 8]), act_order=st.booleans())
+def test_padding_rule(units: int, group_size: int, tp: int, bits: int, act_order: bool) -> None:
+    """Every TP size 1..16 works; unpadded layouts are the old rule's; padded ones are uniform, cover every
+    real column once, keep G_eff >= 16 and never let a fused group straddle two checkpoint groups."""
+    intermediate = units * (8 // bits)  # any multiple of the values per byte
+    act_order = act_order and group_size != -1
+    hidden = 64
+    ranks = [geometry(tp=tp, rank=r, hidden=hidden, intermediate=intermediate, group_size=group_size, bits=bits,
+                      act_order=act_order, num_experts=4) for r in range(tp)]
+    first = ranks[0]
+    if not unpadded_problem(hidden, intermediate, bits, group_size, act_order, tp):  # the old rule, unchanged
+        assert (first.part, first.padded_intermediate) == (intermediate // tp, intermediate)
+        assert first.group_eff == effective_group_size(group_size, intermediate // tp, tp_size=tp,
+                                                       act_order=act_order)
+    else:
+        unit = 16 * tp
+        assert first.padded_intermediate == -(-intermediate // unit) * unit
+        assert first.part == first.padded_intermediate // tp
+        if group_size != -1 and not act_order:
+            assert first.group_eff == _largest_divisor_dividing(group_size, first.part)
+    assert len({(g.part, g.padded_intermediate, g.group_eff, g.w2_groups) for g in ranks}) == 1  # uniform shapes
+    covered = []
+    for rank, g in enumerate(ranks):
+        real = g.real
+        assert len(real) + g.padding == g.part and g.padding >= 0
+        assert len(real) % (8 // bits) == 0
+        if len(real):
+            assert real.start == rank * g.part
+        covered.extend(range(real.start, real.stop))
+        down, gate = g.slice(Proj.DOWN), g.slice(Proj.GATE)
+        assert down.k == gate.n == g.slice(Proj.UP).n == real
+        if group_size == -1:
+            assert g.group_eff == -1
+            continue
+        if act_order:
+            assert g.group_eff == group_size and down.groups == tuple(range(ceil_div(intermediate, group_size)))
+            continue
+        g_eff = g.group_eff
+        assert g_eff >= 16 and group_size % g_eff == 0
+        if tp > 1:
+            assert g.part % g_eff == 0
+        assert len(down.groups) == ceil_div(len(real), g_eff) <= g.w2_groups
+        for j, grp in enumerate(down.groups):
+            lo = rank * g.part + j * g_eff
+            hi = min(lo + g_eff, real.stop) - 1
+            assert lo // group_size == hi // group_size == grp, "fused group straddles checkpoint groups"
+    assert covered == list(range(intermediate)), "real columns covered exactly once, in order"

@@ -147,7 +147,7 @@ def rank_spans(src: SourceTensors, cut: ProjectionSlice) -> tuple[dict[Dim, Span
     (None when the fused groups are exactly the groups read, in order)."""
     offset = src.n_offset(cut.proj)
     n = Span(cut.n.start + offset, cut.n.stop + offset)
-    groups = Span(min(cut.groups), max(cut.groups) + 1)
+    groups = Span(min(cut.groups), max(cut.groups) + 1) if cut.groups else Span(0, 0)  # () on an all-padding rank
     spans = {Dim.N: n, Dim.K: cut.k, Dim.GROUP: groups, Dim.PAIR: Span(0, 2)}
     if cut.groups == tuple(range(groups.start, groups.stop)):
         return spans, None
@@ -223,6 +223,8 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     raw words of UPLOAD_CHUNK_BYTES of experts are copied out of the file mapping into one (pinned)
     host buffer, sent in one non-blocking copy, and converted there by the same tensor operations.
     """
+    if not len(spans[Dim.N]) or not len(spans[Dim.K]):
+        return  # a rank whose slice is all padding reads no weights
     layout = spec.layout(Role.QWEIGHT)
     fused, whole = _words_are_fused(layout, spec, spans), Span(0, len(spans[Dim.N]))
     if upload_to is None and fused:
@@ -320,7 +322,7 @@ def _first(bad: torch.Tensor) -> int:
 
 def _check_finite(scales: torch.Tensor, sources: Sequence[SourceTensors]) -> None:
     """One min/max pass (NaN and +-Inf propagate into it); the per-expert count only on failure."""
-    if bool(torch.isfinite(torch.stack(torch.aminmax(scales))).all()):
+    if not scales.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(scales))).all()):
         return
     bad = (~torch.isfinite(scales)).flatten(1).sum(1)
     i = _first(bad > 0)

@@ -17,6 +17,13 @@ P8 = 8 / b values per byte):
 
 Weights pack along K (4-bit byte j = q[2j] + 16*q[2j+1]); zero points pack
 along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
+
+Padding (see sharding.Partition): the last `padding` of a rank's I_p columns are
+not in the checkpoint. They dequantise to exactly 0: their weights equal their
+zero point (0 with asymmetric zero points, 2^(b-1) symmetric), groups made only of
+padding get scale 1.0 and zero point 0, padded w2_g_idx rows point at group 0.
+A fused group holding both real and padded columns keeps its checkpoint scale and
+zero point, and its padded weights take that zero point.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class FusedSpec:
     has_zero_point: bool
     act_order: bool
     scale_dtype: torch.dtype
+    padding: int = 0  # columns at the end of this rank's I_p that are padding (not in the checkpoint)
 
     @classmethod
     def of(cls, geometry: LayerGeometry, quant: QuantSpec, scale_dtype: torch.dtype) -> "FusedSpec":
@@ -61,7 +69,26 @@ class FusedSpec:
         return cls(experts=geometry.experts, hidden=geometry.hidden, part=geometry.part,
                    intermediate=geometry.intermediate, bits=quant.bits, group_size=geometry.group_eff,
                    w13_groups=w13_groups, w2_groups=geometry.w2_groups, has_zero_point=not quant.symmetric,
-                   act_order=geometry.act_order, scale_dtype=scale_dtype)
+                   act_order=geometry.act_order, scale_dtype=scale_dtype, padding=geometry.padding)
+
+    intermediate_size = property(lambda self: self.intermediate, doc="I: the model's expert intermediate size.")
+    intermediate_size_per_partition = property(lambda self: self.part, doc="I_p (I'/tp when padded).")
+
+    @property
+    def real(self) -> int:
+        """Columns of this rank's I_p taken from the checkpoint (the first ones)."""
+        return self.part - self.padding
+
+    def real_groups(self, half: str) -> int:
+        """Scale groups of 'w13' or 'w2' that hold checkpoint columns (the first ones; the rest are padding)."""
+        if half == "w13" or self.act_order:
+            return self.w13_groups if half == "w13" else self.w2_groups
+        return 1 if self.group_size == -1 else -(-self.real // self.group_size)
+
+    @property
+    def pad_value(self) -> int:
+        """The weight of a padded column in a group of padding only: its zero point."""
+        return 0 if self.has_zero_point else 1 << (self.bits - 1)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
@@ -84,7 +111,8 @@ class FusedSpec:
 
 @dataclass(frozen=True)
 class DequantizedExperts:
-    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H], w2 [E_l, H, I_p]."""
+    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H], w2 [E_l, H, I_p] (padding included: its
+    rows of w13 and columns of w2 are exactly 0)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
@@ -108,6 +136,9 @@ class FusedExperts:
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
+    intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
+    padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
@@ -181,6 +212,50 @@ class FusedWriter:
         half = 0 if proj is Proj.GATE else 1
         return "w13", slice(half * part, (half + 1) * part), slice(half * part // per_byte, (half + 1) * part // per_byte)
 
+    def real_rows(self, proj: Proj) -> tuple[str, slice, slice]:
+        """`rows(proj)` narrowed to the checkpoint's rows of w13 (padding rows follow them); w2 is unchanged
+        (its padding is along K)."""
+        half, rows, zero_rows = self.rows(proj)
+        if half == "w2" or not self.spec.padding:
+            return half, rows, zero_rows
+        per_byte = 8 // self.spec.bits
+        return half, slice(rows.start, rows.start + self.spec.real), \
+            slice(zero_rows.start, zero_rows.start + self.spec.real // per_byte)
+
+    def _write_padding(self, slots: slice, proj: Proj, zeros: torch.Tensor | None) -> None:
+        """Fill the padded rows of gate/up (w13) or columns of down (w2) of a run of slots so that they
+        dequantise to 0 (see the module docstring). `zeros`: the real zero points just written [E_b, N_l, nG]."""
+        spec, per_byte = self.spec, 8 // self.spec.bits
+        half, rows, zero_rows = self.rows(proj)
+        if half == "w13":
+            pad = slice(rows.start + spec.real, rows.stop)
+            self.staging["w13_scales"][slots, pad].fill_(1)
+            if spec.has_zero_point:
+                self.staging["w13_qzeros"][slots, zero_rows.start + spec.real // per_byte:zero_rows.stop].fill_(0)
+            self.staging["w13_qweight"][slots, pad].fill_(_byte_of(spec.pad_value, spec.bits))
+            return
+        real_groups = spec.real_groups("w2")
+        self.staging["w2_scales"][slots, :, real_groups:].fill_(1)
+        if spec.has_zero_point:
+            self.staging["w2_qzeros"][slots, :, real_groups:].fill_(0)
+        if spec.act_order:
+            self.staging["w2_g_idx"][slots, spec.real:].fill_(0)
+        self._copy("w2_qweight", slots, slice(None), pack_bytes(self._padded_w2_values(slots, zeros), bits=spec.bits,
+                                                                 dim=2), cols=slice(spec.real // per_byte, None))
+
+    def _padded_w2_values(self, slots: slice, zeros: torch.Tensor | None) -> torch.Tensor:
+        """[E_b, H, padding] uint8: the zero point of the group of every padded w2 column."""
+        spec = self.spec
+        e = slots.stop - slots.start
+        if not spec.has_zero_point:
+            return torch.full((e, spec.hidden, spec.padding), spec.pad_value, dtype=torch.uint8)
+        assert zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
+        every = torch.zeros((e, spec.hidden, spec.w2_groups), dtype=torch.uint8)
+        every[:, :, :zeros.shape[2]] = zeros
+        cols = torch.arange(spec.real, spec.part)
+        groups = cols * 0 if spec.act_order or spec.group_size == -1 else cols // spec.group_size
+        return every[:, :, groups]
+
     def slots(self, experts: Sequence[int]) -> slice:
         """The run of consecutive slots holding `experts` (given in slot order)."""
         first = self._slots[experts[0]]
@@ -193,28 +268,32 @@ class FusedWriter:
         """Place the scales, zero points and g_idx of `experts` (consecutive slots; `labels` name
         each expert's projection in errors) in their rows of the fused parameters."""
         slots = self.slots(experts)
-        half, rows, zero_rows = self.rows(proj)
-        self._copy(f"{half}_scales", slots, rows, params.scales)
+        half, rows, zero_rows = self.real_rows(proj)
+        groups = slice(0, self.spec.real_groups(half))
+        self._copy(f"{half}_scales", slots, rows, params.scales, cols=groups)
         if self.spec.has_zero_point:
             assert params.zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
-            self._copy(f"{half}_qzeros", slots, zero_rows, pack_bytes(params.zeros, bits=self.spec.bits, dim=1))
-        if not self.spec.act_order:
-            return
-        assert params.g_idx is not None, f"{labels[0]}: act-order layout but no g_idx"
-        if proj is Proj.DOWN:
-            self._copy("w2_g_idx", slots, slice(None), params.g_idx)
-        else:
-            self._put_w13_g_idx(experts, params.g_idx, labels)
+            self._copy(f"{half}_qzeros", slots, zero_rows, pack_bytes(params.zeros, bits=self.spec.bits, dim=1),
+                       cols=groups)
+        if self.spec.act_order:
+            assert params.g_idx is not None, f"{labels[0]}: act-order layout but no g_idx"
+            if proj is Proj.DOWN:
+                self._copy("w2_g_idx", slots, slice(0, self.spec.real), params.g_idx)
+            else:
+                self._put_w13_g_idx(experts, params.g_idx, labels)
+        if self.spec.padding:
+            self._write_padding(slots, proj, params.zeros)
 
     def write_qweight(self, experts: Sequence[int], proj: Proj, qweight: torch.Tensor, *,
                       n: Span | None = None) -> None:
         """Place the weights of `experts` (consecutive slots; fused bytes [E_c, len(n), K_l/P8], or their
         int32 words) in the rows `n` of the rank's slice of `proj` (default: all of them)."""
-        half, rows, _ = self.rows(proj)
+        half, rows, _ = self.real_rows(proj)
         if n is not None:
             first = rows.start or 0
             rows = slice(first + n.start, first + n.stop)
-        self._copy(f"{half}_qweight", self.slots(experts), rows, qweight, as_bytes=True)
+        cols = slice(0, self.spec.real // (8 // self.spec.bits)) if half == "w2" else slice(None)
+        self._copy(f"{half}_qweight", self.slots(experts), rows, qweight, as_bytes=True, cols=cols)
 
     def _put_w13_g_idx(self, experts: Sequence[int], g_idx: torch.Tensor, labels: Sequence[str]) -> None:
         """gate and up share one w13_g_idx row per expert: the first writes it, the second must agree."""
@@ -244,11 +323,12 @@ class FusedWriter:
         target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()
 
-    def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor, *, as_bytes: bool = False) -> None:
-        """Copy `value` [E_b, rows, ...] into rows of a run of slots. With `as_bytes`, a value of another
-        dtype (int32 words of packed weights) is taken as the same bytes, so a transposed view is
-        copied in one pass."""
-        target = self.staging[name][slots, rows]
+    def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor, *, as_bytes: bool = False,
+              cols: slice = slice(None)) -> None:
+        """Copy `value` [E_b, rows, cols] into rows (and columns) of a run of slots. With `as_bytes`, a value
+        of another dtype (int32 words of packed weights) is taken as the same bytes, so a transposed view
+        is copied in one pass."""
+        target = self.staging[name][slots, rows] if cols == slice(None) else self.staging[name][slots, rows, cols]
         if as_bytes and value.dtype != target.dtype:
             target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
@@ -278,6 +358,11 @@ def staging_buffers(spec: FusedSpec, device: torch.device, *, convert_on_device:
         out[name] = torch.empty(shape, dtype=dtype, device=device) if on_device else \
             torch.empty(shape, dtype=dtype, pin_memory=pin)
     return out
+
+
+def _byte_of(value: int, bits: int) -> int:
+    """The byte holding `value` in every one of its 8 / bits fields."""
+    return sum(value << shift for shift in range(0, 8, bits))
 
 
 STAGED_ROWS = 64  # source rows moved per block through a buffer whose rows are not a page apart

@@ -116,7 +116,7 @@ def checkpoint_tp_sizes(geometry: LayerGeometry, quant: QuantSpec, limit: int = 
     """TP sizes whose cuts fall on word and group boundaries for this layer."""
     good = []
     for tp in valid_tp_sizes(geometry.hidden, geometry.intermediate, geometry.bits, geometry.group_size,
-                             geometry.act_order, limit=limit):
+                             geometry.act_order, limit=limit, allow_padding=False):
         part = geometry.intermediate // tp
         whole = tp == 1  # one rank keeps whole rows: a partial last word or group is the source's own
         if whole or part % quant.pack_factor == 0 and (quant.group_size == -1 or quant.act_order
