@@ -18,12 +18,9 @@ P8 = 8 / b values per byte):
 Weights pack along K (4-bit byte j = q[2j] + 16*q[2j+1]); zero points pack
 along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
 
-Padding (see sharding.Partition): the last `padding` of a rank's I_p columns are
-not in the checkpoint. They dequantise to exactly 0: their weights equal their
-zero point (0 with asymmetric zero points, 2^(b-1) symmetric), groups made only of
-padding get scale 1.0 and zero point 0, padded w2_g_idx rows point at group 0.
-A fused group holding both real and padded columns keeps its checkpoint scale and
-zero point, and its padded weights take that zero point.
+Padding (see sharding.Partition): the last `padding` of a rank's I_p columns
+(rows of gate and up, columns of down) are not in the checkpoint; `padfill` writes
+them so that they dequantise to exactly 0.
 """
 
 from __future__ import annotations
@@ -38,6 +35,7 @@ from .extract import PAGE_BYTES, ProjectionParams
 from .formats import QuantSpec, Role
 from .names import Proj
 from .packing import pack_bytes, unpack_bytes
+from .padfill import fill_padding
 from .sharding import LayerGeometry, Span
 
 FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
@@ -84,11 +82,6 @@ class FusedSpec:
         if half == "w13" or self.act_order:
             return self.w13_groups if half == "w13" else self.w2_groups
         return 1 if self.group_size == -1 else -(-self.real // self.group_size)
-
-    @property
-    def pad_value(self) -> int:
-        """The weight of a padded column in a group of padding only: its zero point."""
-        return 0 if self.has_zero_point else 1 << (self.bits - 1)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
@@ -222,40 +215,6 @@ class FusedWriter:
         return half, slice(rows.start, rows.start + self.spec.real), \
             slice(zero_rows.start, zero_rows.start + self.spec.real // per_byte)
 
-    def _write_padding(self, slots: slice, proj: Proj, zeros: torch.Tensor | None) -> None:
-        """Fill the padded rows of gate/up (w13) or columns of down (w2) of a run of slots so that they
-        dequantise to 0 (see the module docstring). `zeros`: the real zero points just written [E_b, N_l, nG]."""
-        spec, per_byte = self.spec, 8 // self.spec.bits
-        half, rows, zero_rows = self.rows(proj)
-        if half == "w13":
-            pad = slice(rows.start + spec.real, rows.stop)
-            self.staging["w13_scales"][slots, pad].fill_(1)
-            if spec.has_zero_point:
-                self.staging["w13_qzeros"][slots, zero_rows.start + spec.real // per_byte:zero_rows.stop].fill_(0)
-            self.staging["w13_qweight"][slots, pad].fill_(_byte_of(spec.pad_value, spec.bits))
-            return
-        real_groups = spec.real_groups("w2")
-        self.staging["w2_scales"][slots, :, real_groups:].fill_(1)
-        if spec.has_zero_point:
-            self.staging["w2_qzeros"][slots, :, real_groups:].fill_(0)
-        if spec.act_order:
-            self.staging["w2_g_idx"][slots, spec.real:].fill_(0)
-        self._copy("w2_qweight", slots, slice(None), pack_bytes(self._padded_w2_values(slots, zeros), bits=spec.bits,
-                                                                 dim=2), cols=slice(spec.real // per_byte, None))
-
-    def _padded_w2_values(self, slots: slice, zeros: torch.Tensor | None) -> torch.Tensor:
-        """[E_b, H, padding] uint8: the zero point of the group of every padded w2 column."""
-        spec = self.spec
-        e = slots.stop - slots.start
-        if not spec.has_zero_point:
-            return torch.full((e, spec.hidden, spec.padding), spec.pad_value, dtype=torch.uint8)
-        assert zeros is not None, f"{self.prefix}: asymmetric layout but no zero points"
-        every = torch.zeros((e, spec.hidden, spec.w2_groups), dtype=torch.uint8)
-        every[:, :, :zeros.shape[2]] = zeros
-        cols = torch.arange(spec.real, spec.part)
-        groups = cols * 0 if spec.act_order or spec.group_size == -1 else cols // spec.group_size
-        return every[:, :, groups]
-
     def slots(self, experts: Sequence[int]) -> slice:
         """The run of consecutive slots holding `experts` (given in slot order)."""
         first = self._slots[experts[0]]
@@ -282,7 +241,7 @@ class FusedWriter:
             else:
                 self._put_w13_g_idx(experts, params.g_idx, labels)
         if self.spec.padding:
-            self._write_padding(slots, proj, params.zeros)
+            fill_padding(self.staging, self.spec, slots, self.rows(proj), params.zeros)
 
     def write_qweight(self, experts: Sequence[int], proj: Proj, qweight: torch.Tensor, *,
                       n: Span | None = None) -> None:
@@ -358,11 +317,6 @@ def staging_buffers(spec: FusedSpec, device: torch.device, *, convert_on_device:
         out[name] = torch.empty(shape, dtype=dtype, device=device) if on_device else \
             torch.empty(shape, dtype=dtype, pin_memory=pin)
     return out
-
-
-def _byte_of(value: int, bits: int) -> int:
-    """The byte holding `value` in every one of its 8 / bits fields."""
-    return sum(value << shift for shift in range(0, 8, bits))
 
 
 STAGED_ROWS = 64  # source rows moved per block through a buffer whose rows are not a page apart

@@ -1,0 +1,77 @@
+"""What the padded part of a rank's fused slice holds, so that it dequantises to exactly 0.0.
+
+A padded layout (sharding.Partition) gives every rank I_p columns of the intermediate
+dim, the last `padding` of which are not in the checkpoint: rows of gate and up (w13),
+columns of down (w2). Since W = (q - z) * s, they hold q = z with finite scales:
+
+| padded part                          | q              | z         | s         | g_idx     |
+|--------------------------------------|----------------|-----------|-----------|-----------|
+| w13 rows                             | z_pad          | 0 (asym)  | 1.0       | unchanged |
+| w2 groups of padding only            | z_pad          | 0 (asym)  | 1.0       | -         |
+| w2 columns in a group with real ones | that group's z | its own   | its own   | -         |
+| w2 columns, act-order                | z of group 0   | its own   | its own   | 0         |
+
+z_pad is 0 with stored zero points and 2^(b-1) (the implicit zero) when symmetric.
+Channelwise w2 has one group, which holds real columns.
+Scale 1.0 (not a neighbour's) keeps padding independent of the checkpoint's values and
+exact in every scale dtype; a group holding real columns keeps its checkpoint scale and
+zero point, so only its padded weights are chosen.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .packing import pack_bytes
+
+if TYPE_CHECKING:
+    from .fused import FusedSpec
+
+
+def pad_value(bits: int, has_zero_point: bool) -> int:
+    """The weight (and zero point) of padding in a group of padding only."""
+    return 0 if has_zero_point else 1 << (bits - 1)
+
+
+def pad_byte(value: int, bits: int) -> int:
+    """The byte holding `value` in every one of its 8 / bits fields."""
+    return sum(value << shift for shift in range(0, 8, bits))
+
+
+def fill_padding(staging: dict[str, torch.Tensor], spec: FusedSpec, slots: slice,
+                 rows: tuple[str, slice, slice], zeros: torch.Tensor | None) -> None:
+    """Write the padding of one projection for a run of slots into `staging` (the fused tensors).
+
+    `rows`: FusedWriter.rows of the projection ('w13' or 'w2', weight/scale rows, zero-point rows);
+    `zeros`: the real zero points just written, [E_b, N_l, nG] (None when symmetric).
+    """
+    half, weight_rows, zero_rows = rows
+    per_byte, value = 8 // spec.bits, pad_value(spec.bits, spec.has_zero_point)
+    if half == "w13":
+        staging["w13_scales"][slots, weight_rows.start + spec.real:weight_rows.stop].fill_(1)
+        if spec.has_zero_point:
+            staging["w13_qzeros"][slots, zero_rows.start + spec.real // per_byte:zero_rows.stop].fill_(0)
+        staging["w13_qweight"][slots, weight_rows.start + spec.real:weight_rows.stop].fill_(pad_byte(value, spec.bits))
+        return
+    real_groups = spec.real_groups("w2")
+    staging["w2_scales"][slots, :, real_groups:].fill_(1)
+    if spec.has_zero_point:
+        staging["w2_qzeros"][slots, :, real_groups:].fill_(0)
+    if spec.act_order:
+        staging["w2_g_idx"][slots, spec.real:].fill_(0)
+    weights = padded_w2_weights(spec, slots.stop - slots.start, zeros)
+    staging["w2_qweight"][slots, :, spec.real // per_byte:].copy_(pack_bytes(weights, bits=spec.bits, dim=2))
+
+
+def padded_w2_weights(spec: FusedSpec, experts: int, zeros: torch.Tensor | None) -> torch.Tensor:
+    """[E_b, H, padding] uint8: the zero point of the group of every padded w2 column."""
+    if not spec.has_zero_point:
+        return torch.full((experts, spec.hidden, spec.padding), pad_value(spec.bits, False), dtype=torch.uint8)
+    assert zeros is not None, "asymmetric layout but no zero points"
+    every = torch.zeros((experts, spec.hidden, spec.w2_groups), dtype=torch.uint8)
+    every[:, :, :zeros.shape[2]] = zeros
+    cols = torch.arange(spec.real, spec.part)
+    groups = cols * 0 if spec.act_order or spec.group_size == -1 else cols // spec.group_size
+    return every[:, :, groups]
