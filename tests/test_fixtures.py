@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FIXTURES, assert_owners, reassemble
-from wna16_loader import load_experts, read_moe_config, ParallelConfig
+from conftest import FIXTURES, assert_owners, load_all_ranks, reassemble
+from wna16_loader import Activation, load_experts, read_moe_config, reference_forward, ParallelConfig
 
 NAMES = ("gptq_w4_g32_actorder_asym", "awq_w4_g32", "ct_w4_g32_asym", "ct_w8_channel_sym", "gptq_w4_g32_zero_edge")
 PREFIX = "model.layers.0.mlp.experts"
@@ -19,6 +19,7 @@ PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 NUM_EXPERTS = 4
 SPLITS = [(tp, ep, placement) for tp in (1, 2, 4)
           for ep, placement in ((1, "linear"), (2, "linear"), (2, "round_robin"))]
+SPLITS += [(3, 1, "linear"), (6, 2, "round_robin")]  # padded: I = 128 -> I' = 144 (I_p' = 48) and 192 (I_p' = 32)
 
 
 def checkpoint(name: str):
@@ -116,3 +117,19 @@ def test_zero_edge_fixture_has_zero_points_at_both_edges():
           for k, v in tensors.items() if k.startswith(PREFIX) and k.endswith(".qzeros")]
     values = torch.cat([z.reshape(-1) for z in zs])
     assert (values == 0).any() and (values == 15).any()
+
+
+@pytest.mark.parametrize("tp", [3, 5])
+@pytest.mark.parametrize("name", NAMES)
+def test_fixture_padded_forward_sums_to_unsharded(name, tp):
+    """I = 128 at TP 3 / 5 pads to I' = 144 / 160: the ranks' reference forwards add up to the unsharded one."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 128, generator=gen) / 8
+    weights, ids = torch.rand(12, NUM_EXPERTS, generator=gen).softmax(-1).topk(2)
+    whole = load_experts(checkpoint(name), ParallelConfig(1, 0))[PREFIX]
+    expected = reference_forward(whole.dequantize(), whole.spec.experts, x, ids, weights, Activation.SILU)
+    layers = [loaded[PREFIX] for loaded in load_all_ranks(checkpoint(name), tp, 1).values()]
+    assert [layer.padding for layer in layers] == {3: [0, 0, 16], 5: [0, 0, 0, 0, 32]}[tp]  # last rank: 128 -> end
+    total = sum(reference_forward(layer.dequantize(), layer.spec.experts, x, ids, weights, Activation.SILU)
+                for layer in layers)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))

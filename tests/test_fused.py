@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from wna16_loader import CompletenessError, FormatError, ParallelConfig
 from wna16_loader.extract import ProjectionParams
 from wna16_loader.formats import Role, resolve_quant_spec
-from wna16_loader.fused import FusedSpec, FusedWriter, Ledger, copy_transposing, dequantize
+from wna16_loader.fused import FusedExperts, FusedSpec, FusedWriter, Ledger, copy_transposing, dequantize
 from wna16_loader.names import Proj
 from wna16_loader.sharding import LayerGeometry, Span
 from wna16_loader.synthetic import quant_config
@@ -332,6 +332,25 @@ def test_shapes_act_order() -> None:
         "w2_g_idx": ((2, 96), torch.int32),
         "expert_ids": ((2,), torch.int32),
     }
+
+
+def test_padded_spec_gemma4_tp8_shapes_are_uniform_and_report_padding() -> None:
+    """I = 704, G = 128 at TP 8 pads to I' = 768: every rank I_p' = 96 columns, G_eff = 32; rank 7 holds
+    checkpoint columns 672..703 and 64 of padding."""
+    quant = resolve_quant_spec(quant_config("gptq", group_size=128))
+    specs = [FusedSpec.of(LayerGeometry(hidden=128, intermediate=704, num_experts=4, bits=4, group_size=128,
+                                        act_order=False, parallel=ParallelConfig(tp_size=8, tp_rank=r)),
+                          quant, torch.float16) for r in range(8)]
+    assert all(spec.shapes() == specs[0].shapes() for spec in specs)
+    assert specs[0].shapes()["w2_scales"] == ((4, 128, 3), torch.float16)  # 96 / 32
+    assert specs[0].shapes()["w13_qweight"] == ((4, 192, 64), torch.uint8)
+    assert [spec.padding for spec in specs] == [0] * 7 + [64]
+    last = specs[7]
+    assert (last.intermediate_size, last.intermediate_size_per_partition, last.real) == (704, 96, 32)
+    assert (last.real_groups("w2"), specs[0].real_groups("w2")) == (1, 3)
+    tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in last.shapes().items()}
+    layer = FusedExperts(P, last, tensors)
+    assert (layer.intermediate_size, layer.intermediate_size_per_partition, layer.padding) == (704, 96, 64)
 
 
 # --- dequantize ---------------------------------------------------------------------------------------------------
