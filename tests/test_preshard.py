@@ -177,3 +177,32 @@ def test_load_with_other_layout_raises(tmp_path: Path) -> None:
         load_experts(out, ParallelConfig(tp_size=4, tp_rank=0))
     with pytest.raises(LayoutMismatchError, match="round_robin"):
         load_experts(out, ParallelConfig(2, 0, 2, 0, expert_placement="round_robin"))
+
+
+def test_padded_layout_round_trip_manifest_and_verify(tmp_path: Path) -> None:
+    """I = 128 at tp 3 pads to I' = 144 (I_p' = 48; tp rank 2 holds 32 real columns and 16 of padding): the output
+    loads back with the same specs and tensors, the manifest records I, I' and each rank's padding, and verify
+    reassembles the real columns and checks that the padding is exactly 0."""
+    from wna16_loader.preshard.verify import _compare_stitched
+
+    src = make_source(tmp_path / "src", "awq")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=3, ep_size=2, progress=False)
+    loads = {pc.rank: load_experts(out, pc) for pc in ParallelConfig.all_ranks(tp_size=3, ep_size=2)}
+    for pc in ParallelConfig.all_ranks(tp_size=3, ep_size=2):
+        for prefix, layer in load_experts(src, pc).items():
+            assert loads[pc.rank][prefix].spec == layer.spec
+            assert all(torch.equal(loads[pc.rank][prefix].tensors[n], t) for n, t in layer.tensors.items())
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    for rank in manifest["ranks"]:
+        for rec in rank["layers"].values():
+            assert (rec["intermediate"], rec["padded_intermediate"], rec["part"]) == (128, 144, 48)
+            assert rec["padding"] == (16 if rank["tp_rank"] == 2 else 0)
+    assert verify_output(out, source=src) == []
+    prefix = next(iter(loads[0]))
+    reference = load_experts(src, ParallelConfig(1, 0))[prefix]
+    layers = [loads[t][prefix] for t in range(3)]
+    assert _compare_stitched(prefix, 0, layers, reference, reference.dequantize()) == []
+    layers[2].tensors["w13_qweight"][0, 40] = 0x11  # a padded gate row of tp rank 2 (rows 32..47)
+    assert _compare_stitched(prefix, 0, layers, reference, reference.dequantize()) == [
+        f"{prefix}: ep rank 0 tp rank 2: the 16 padding columns do not dequantise to exactly 0; re-shard the source"]

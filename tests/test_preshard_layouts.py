@@ -165,7 +165,7 @@ def test_misaligned_checkpoint_layout_refused_before_writing(tmp_path: Path) -> 
     src = tmp_path / "src"
     write_checkpoint(src, quant_config("gptq", group_size=64), hidden=64, intermediate=128, num_layers=1)
     out = tmp_path / "out"
-    with pytest.raises(PreshardError, match=r"cannot slice at tp=4 .*I/tp=32.*G=64.*down_proj.qweight: the rank's K range \[0, 32\) does not fall "
+    with pytest.raises(PreshardError, match=r"cannot slice at tp=4 .*I/tp = 128/4 = 32.*G=64.*down_proj.qweight: the rank's K range \[0, 32\) does not fall "
                                             r"on group boundaries.*--layout fused.*\[1, 2\]") as exc:
         preshard_checkpoint(src, out, tp_size=4, progress=False, layout="checkpoint")
     assert "nothing was written" in str(exc.value)
@@ -177,7 +177,23 @@ def test_misaligned_checkpoint_layout_refused_before_writing(tmp_path: Path) -> 
 def test_checkpoint_layout_off_word_boundary_refused(tmp_path: Path) -> None:
     src = tmp_path / "src"
     write_checkpoint(src, quant_config("gptq", group_size=-1), hidden=64, intermediate=72, num_layers=1)
-    with pytest.raises(PreshardError, match=r"tp=2 .*I/tp=36.*qzeros: the rank's N range \[0, 36\) does not fall on "
+    with pytest.raises(PreshardError, match=r"tp=2 .*I/tp = 72/2 = 36.*qzeros: the rank's N range \[0, 36\) does not fall on "
                                             r"8-value int32 word boundaries.*aligned: \[1, 3, 9\]"):
         preshard_checkpoint(src, tmp_path / "out", tp_size=2, progress=False, layout="checkpoint")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tp", [3, 6])
+def test_padded_tp_refused_for_checkpoint_layout_even_on_aligned_cuts(tmp_path: Path, tp: int) -> None:
+    """I = 128, G = 16 at tp 3 / 6: I' = 144 / 192, I_p' = 48 / 32 fall on word and group boundaries, but the ranks
+    would hold different column counts: only the fused layout can carry padding."""
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", group_size=16), hidden=64, intermediate=128, num_layers=1)
+    with pytest.raises(PreshardError, match=rf"cannot slice at tp={tp} \(I=128, I/tp = 128/{tp} is not whole, 4-bit, "
+                                            rf"G=16\): tp={tp} needs I padded to I'={ {3: 144, 6: 192}[tp]} "
+                                            rf"\(I_p'={ {3: 48, 6: 32}[tp]}\), and a checkpoint-layout output cannot "
+                                            rf"carry padding; nothing was written\. Use --layout fused \(it pads I "
+                                            rf"where a cut would break groups and loads at every TP size\), or a TP "
+                                            rf"size that keeps the cuts aligned: \[1, 2, 4, 8\]\."):
+        preshard_checkpoint(src, tmp_path / "out", tp_size=tp, progress=False, layout="checkpoint")
     assert not (tmp_path / "out").exists()

@@ -76,9 +76,13 @@ class FusedMoEExperts(nn.Module):
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
+    intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
+    padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
 
     def extra_repr(self) -> str:
-        return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I_p={self.spec.part}, bits={self.bits}, "
+        return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I={self.spec.intermediate}, "
+                f"I_p={self.spec.part}, padding={self.spec.padding}, bits={self.bits}, "
                 f"group_size={self.group_size}, zero_point={self.has_zero_point}, act_order={self.act_order}, "
                 f"activation={self.activation.value}")
 

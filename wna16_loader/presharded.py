@@ -122,6 +122,9 @@ def spec_record(spec: FusedSpec) -> dict[str, Any]:
 
 
 def spec_from_record(rec: dict[str, Any]) -> FusedSpec:
-    """The FusedSpec written by spec_record."""
-    fields = {**rec, "experts": tuple(rec["experts"]), "scale_dtype": getattr(torch, rec["scale_dtype"])}
+    """The FusedSpec written by spec_record (keys that are not FusedSpec fields, e.g. the manifest's
+    `padded_intermediate`, are records for readers, not part of the spec)."""
+    names = {f.name for f in dataclasses.fields(FusedSpec)}
+    fields = {**{k: v for k, v in rec.items() if k in names}, "experts": tuple(rec["experts"]),
+              "scale_dtype": getattr(torch, rec["scale_dtype"])}
     return FusedSpec(**fields)

@@ -53,6 +53,10 @@ class SlicedTensor:
 
 def slice_layer(quant: QuantSpec, plan: LayerPlan) -> dict[str, SlicedTensor]:
     """Every output tensor of one layer on the plan's rank (raises PreshardError when misaligned)."""
+    if plan.geometry.partition.is_padded:
+        _refuse(plan.geometry, quant, f"tp={plan.geometry.parallel.tp_size} needs I padded to "
+                                      f"I'={plan.geometry.padded_intermediate} (I_p'={plan.geometry.part}), and a "
+                                      f"checkpoint-layout output cannot carry padding")
     rows: dict[str, dict[int | None, dict[Proj, tuple[Piece, tuple[int, int]]]]] = {}
     layouts: dict[str, TensorLayout] = {}
     for (expert, proj), src in sorted(plan.sources.items(), key=lambda kv: (kv[0][0], list(Proj).index(kv[0][1]))):
@@ -126,10 +130,13 @@ def checkpoint_tp_sizes(geometry: LayerGeometry, quant: QuantSpec, limit: int = 
 
 
 def _refuse(geometry: LayerGeometry, quant: QuantSpec, why: str) -> None:
-    raise PreshardError(f"--layout checkpoint cannot slice at tp={geometry.parallel.tp_size} (I={geometry.intermediate}, "
-                        f"I/tp={geometry.part}, {quant.bits}-bit, G={quant.group_size}): {why}; nothing was written. "
-                        f"Use --layout fused, or a TP size that keeps the cuts aligned: "
-                        f"{checkpoint_tp_sizes(geometry, quant)}.")
+    tp = geometry.parallel.tp_size
+    share = f"{geometry.intermediate}/{tp}" + (f" = {geometry.intermediate // tp}" if not
+                                                geometry.intermediate % tp else " is not whole")
+    raise PreshardError(f"--layout checkpoint cannot slice at tp={tp} (I={geometry.intermediate}, I/tp = {share}, "
+                        f"{quant.bits}-bit, G={quant.group_size}): {why}; nothing was "
+                        f"written. Use --layout fused (it pads I where a cut would break groups and loads at every "
+                        f"TP size), or a TP size that keeps the cuts aligned: {checkpoint_tp_sizes(geometry, quant)}.")
 
 
 def materialize(index: CheckpointIndex, tensor: SlicedTensor) -> torch.Tensor:

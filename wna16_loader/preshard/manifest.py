@@ -21,10 +21,11 @@ def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:
-    """Fused specs per layer; for --layout checkpoint only the local experts (the tensors keep the source format)."""
+    """Fused specs per layer (I as `intermediate`, I_p as `part`, the rank's `padding`, plus I' as
+    `padded_intermediate`); for --layout checkpoint only the local experts (the tensors keep the source format)."""
     if plan.params["layout"] == "checkpoint":
         return {p: {"experts": list(s.experts)} for p, s in rank.layers.items()}
-    return {p: spec_record(s) for p, s in rank.layers.items()}
+    return {p: {**spec_record(s), "padded_intermediate": s.part * plan.params["tp"]} for p, s in rank.layers.items()}
 
 
 def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[str, Any]:

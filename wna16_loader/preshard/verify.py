@@ -101,13 +101,17 @@ def _verify_experts(out: Path, manifest: dict[str, Any], source: Path) -> list[s
 
 def _compare_stitched(prefix: str, ep_rank: int, layers: list[FusedExperts], ref_layer: FusedExperts,
                       ref: Any) -> list[str]:
+    """The real columns of the TP ranks stitched together equal the reference; padding is exactly 0."""
     deq = [layer.dequantize() for layer in layers]
     part = layers[0].spec.part
-    gate = torch.cat([d.w13[:, :part] for d in deq], dim=1)
-    up = torch.cat([d.w13[:, part:] for d in deq], dim=1)
-    w2 = torch.cat([d.w2 for d in deq], dim=2)
+    real = [layer.spec.real for layer in layers]
+    gate = torch.cat([d.w13[:, :r] for d, r in zip(deq, real)], dim=1)
+    up = torch.cat([d.w13[:, part:part + r] for d, r in zip(deq, real)], dim=1)
+    w2 = torch.cat([d.w2[:, :, :r] for d, r in zip(deq, real)], dim=2)
     index = [list(ref_layer.spec.experts).index(e) for e in layers[0].spec.experts]
-    problems = []
+    problems = [f"{prefix}: ep rank {ep_rank} tp rank {t}: the {layer.padding} padding columns do not dequantise to "
+                f"exactly 0; re-shard the source" for t, (layer, d, r) in enumerate(zip(layers, deq, real))
+                if d.w13[:, r:part].any() or d.w13[:, part + r:].any() or d.w2[:, :, r:].any()]
     if not torch.equal(torch.cat([gate, up], dim=1), ref.w13[index]):
         problems.append(f"{prefix}: ep rank {ep_rank}: w13 does not reassemble to the source's dequantised weights")
     if not torch.equal(w2, ref.w2[index]):
