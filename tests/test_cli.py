@@ -35,7 +35,7 @@ def source(tmp_path: Path) -> Path:
 def test_help_explains_every_option() -> None:
     run = cli("--help", script=True)
     assert run.returncode == 0
-    for option in ("--tp", "--ep", "--placement", "--max-file-size", "--resume", "--verify", "--dry-run",
+    for option in ("--tp", "--ep", "--placement", "--max-file-size", "--resume", "--verify", "--dry-run", "--plan",
                    "--quiet", "--layout", "--workers", "examples:", "wna16-shard verify"):
         assert option in run.stdout, option
 
@@ -101,3 +101,31 @@ def test_checkpoint_layout_with_workers(source: Path, tmp_path: Path, capsys: py
     assert main(["verify", str(out), "--source", str(source)]) == 0
     assert main([str(source), str(tmp_path / "o2"), "--tp", "2", "--workers", "0"]) == 2
     assert "workers=0: must be at least 1" in capsys.readouterr().err
+
+
+def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Gemma-4 shape (I = 704, G = 128; H = 64, 2 experts): TP 8 pads to I' = 768, rank 7 holds 64 padding columns.
+    Bytes at TP 8, by hand: w13_qweight 2*192*32 + w2_qweight 2*64*48 + w13_scales 2*192*2*2 + w2_scales 2*64*3*2
+    + w13_qzeros 2*96*2 + w2_qzeros 2*32*3 + expert_ids 8 = 21320; padding of rank 7 per expert: w13 rows
+    2*64*(32 + 2*2) + zero rows 64*2, w2 columns 64*32 + 2 groups of scales 64*2*2 and zeros 32*2 -> 2 * 7104."""
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", group_size=128), hidden=64, intermediate=704, num_experts=2)
+    assert main([str(src), "--plan", "--tp", "3"]) == 0
+    out = capsys.readouterr().out
+    rows = {}  # tp -> (marked as requested, fields)
+    for line in out.splitlines():
+        fields = line.replace("*", " ").split()
+        if fields and fields[0].isdigit():
+            rows[int(fields[0])] = (line.startswith("*"), fields)
+    assert sorted(rows) == [1, 2, 3, 4, 8, 16]
+    assert rows[8] == (False, ["8", "1", "768", "96", "32", "21320", "14208", "0", "x7,", "64"])
+    assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "0", "x2,", "16"])
+    assert rows[4][1][2:8] == ["704", "176", "16", "44360", "0", "0"]  # unpadded: the old rule
+    assert rows[16][1][-3:] == ["x14,", "16,", "48"]
+    assert main([str(src), "--dry-run"]) == 0 and "padding columns per TP rank" in capsys.readouterr().out
+    assert main([str(src), "--plan", "--ep", "4"]) == 0
+    assert "impossible: ep_size=4 is larger than the expert count 2" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exc:
+        main([str(src), "--tp", "2"])
+    assert exc.value.code == 2 and "OUT and --tp are required" in capsys.readouterr().err

@@ -21,7 +21,7 @@ from wna16_loader.extract import ProjectionParams
 from wna16_loader.fused import FusedSpec, FusedWriter
 from wna16_loader.names import Proj
 from wna16_loader.packing import unpack_bytes
-from wna16_loader.padfill import pad_byte, pad_value
+from wna16_loader.padfill import fill_padding, pad_byte, pad_value, padding_bytes
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
 P = "model.layers.0.mlp.experts"
@@ -125,6 +125,28 @@ def test_all_padding_rank_reads_nothing_and_dequantises_to_zero(tmp_path: Path) 
     assert deq.w13.shape == (2, 96, 128) and deq.w2.shape == (2, 128, 48)
     assert not deq.w13.any() and not deq.w2.any()
     assert loaded.report.bytes_read == 0
+
+
+@pytest.mark.parametrize("real,zero,act_order,groups", [(8, True, False, 3), (0, True, False, 3),
+                                                        (8, False, False, 3), (8, True, True, 4), (40, True, False, 3)])
+def test_padding_bytes_counts_what_fill_padding_writes(real: int, zero: bool, act_order: bool, groups: int) -> None:
+    """Every byte `fill_padding` writes, found by filling from two different sentinels, is counted once."""
+    spec = padded_spec(real, zero=zero, act_order=act_order, groups=groups)
+    written: dict[str, torch.Tensor] = {}
+    for sentinel in (0x11, 0x77):
+        staging = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in spec.shapes().items()}
+        for tensor in staging.values():
+            tensor.view(torch.uint8).fill_(sentinel)
+        writer = FusedWriter(P, spec, "cpu", staging=staging)  # writes expert_ids
+        before = {name: tensor.view(torch.uint8).clone() for name, tensor in staging.items()}
+        for proj in Proj:
+            zeros = torch.full((2, HID, spec.real_groups("w2")) if proj is Proj.DOWN else (2, real, 2), 3,
+                               dtype=torch.uint8)
+            fill_padding(staging, spec, slice(0, 2), writer.rows(proj), zeros if zero else None)
+        for name, tensor in staging.items():
+            changed = tensor.view(torch.uint8) != before[name]
+            written[name] = written[name] | changed if name in written else changed
+    assert sum(int(mask.sum()) for mask in written.values()) == padding_bytes(spec)
 
 
 # --- end to end: real shapes at padded TP sizes ----------------------------------------------------------------

@@ -197,3 +197,25 @@ def test_padded_tp_refused_for_checkpoint_layout_even_on_aligned_cuts(tmp_path: 
                                             rf"size that keeps the cuts aligned: \[1, 2, 4, 8\]\."):
         preshard_checkpoint(src, tmp_path / "out", tp_size=tp, progress=False, layout="checkpoint")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tp,ep", [(3, 2), (8, 1), (4, 1), (1, 1)])
+def test_layout_cost_matches_what_loads(tmp_path: Path, tp: int, ep: int) -> None:
+    """--plan's numbers are those of the tensors load_experts returns: the largest rank's bytes, each TP rank's
+    padding, I' and G_eff (I = 176, G = 64: tp 3 pads to 192 (I_p' = 64 = G_eff), tp 4 to 192 (I_p 44 has no
+    group >= 16; I_p' = 48, G_eff = 16), tp 8 to 256 (I_p' = 32 = G_eff); tp 1 is unpadded)."""
+    from wna16_loader.preshard import layout_cost
+    from wna16_loader import read_moe_config
+
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("awq", group_size=64), hidden=64, intermediate=176, num_experts=3)
+    moe = read_moe_config(src)
+    loads = [next(iter(load_experts(src, pc).values())) for pc in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep)]
+    cost = layout_cost(moe, loads[0].spec.scale_dtype, tp, ep, "linear")
+    assert cost.rank_bytes == max(sum(t.numel() * t.element_size() for t in layer.tensors.values())
+                                  for layer in loads)
+    assert cost.padding == tuple(layer.padding for layer in loads[:tp])
+    assert (cost.padded_intermediate, cost.part, cost.group_eff) == {3: (192, 64, 64), 4: (192, 48, 16),
+                                                                     8: (256, 32, 32), 1: (176, 176, 64)}[tp]
+    assert cost.group_eff == loads[0].group_size
+    assert (cost.padding_bytes == 0) == (tp == 1)

@@ -11,7 +11,7 @@ import sys
 
 from .errors import WNA16Error
 from .parallel import ExpertPlacement
-from .preshard import LAYOUTS, describe_plan, preshard_checkpoint, verify_output
+from .preshard import LAYOUTS, describe_layouts, describe_plan, preshard_checkpoint, verify_output
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
@@ -20,6 +20,7 @@ SHARD_EPILOG = """\
 examples:
   wna16-shard ./Qwen3-30B-A3B-GPTQ ./out-tp4 --tp 4
   wna16-shard ./Mixtral-AWQ ./out --tp 2 --ep 4 --placement round_robin --max-file-size 2GB
+  wna16-shard ./ckpt --plan --ep 2                 # G_eff, padding, bytes per rank of TP 1..16
   wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
@@ -57,9 +58,9 @@ def shard_parser() -> argparse.ArgumentParser:
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
                                 epilog=SHARD_EPILOG)
     p.add_argument("src", metavar="SRC", help="source checkpoint folder (safetensors + config.json)")
-    p.add_argument("out", metavar="OUT", help="output folder (created; must be empty or a run with the same "
-                                              "parameters)")
-    p.add_argument("--tp", type=int, required=True, metavar="N", help="tensor-parallel size, e.g. --tp 4")
+    p.add_argument("out", metavar="OUT", nargs="?", help="output folder (created; must be empty or a run with the "
+                                                         "same parameters); not needed with --plan")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size, e.g. --tp 4 (required unless --plan)")
     p.add_argument("--ep", type=int, default=1, metavar="M", help="expert-parallel size (default 1), e.g. --ep 2")
     p.add_argument("--placement", choices=[p.value for p in ExpertPlacement], default="linear",
                    help="how experts are dealt to EP ranks: linear = consecutive blocks, round_robin = id %% ep "
@@ -77,7 +78,11 @@ def shard_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
                                                           "the source (exit 1 on problems)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and write "
-                                                           "nothing")
+                                                           "nothing; with no OUT, the same as --plan")
+    p.add_argument("--plan", action="store_true", help="print, for TP 1, 2, 4, 8, 16 (and --tp) x --ep: I' (I padded "
+                                                        "where groups would break), I_p, G_eff, the padding of every "
+                                                        "TP rank and the bytes per rank of each MoE layer; read "
+                                                        "nothing but config and headers, write nothing")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary table")
     return p
 
@@ -99,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[:1] == ["verify"]:
             return _verify(verify_parser().parse_args(argv[1:]))
-        return _shard(shard_parser().parse_args(argv))
+        parser = shard_parser()
+        return _shard(parser, parser.parse_args(argv))
     except WNA16Error as exc:
         print(f"wna16-shard: error: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +122,13 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shard(args: argparse.Namespace) -> int:
+def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.plan or (args.dry_run and args.out is None):
+        print(describe_layouts(args.src, tp_size=args.tp, ep_size=args.ep, placement=args.placement))
+        return 0
+    if args.out is None or args.tp is None:
+        parser.error("OUT and --tp are required to write an output (or pass --plan to compare layouts), e.g. "
+                     "wna16-shard ./ckpt ./out --tp 4")
     summary = preshard_checkpoint(args.src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,

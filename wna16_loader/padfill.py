@@ -75,3 +75,16 @@ def padded_w2_weights(spec: FusedSpec, experts: int, zeros: torch.Tensor | None)
     cols = torch.arange(spec.real, spec.part)
     groups = cols * 0 if spec.act_order or spec.group_size == -1 else cols // spec.group_size
     return every[:, :, groups]
+
+
+def padding_bytes(spec: FusedSpec) -> int:
+    """Bytes of one rank's fused layer that `fill_padding` writes: padded weight rows (w13) and columns (w2),
+    their w13 scales and zero points, the scales and zero points of w2 groups of padding only, and padded
+    w2_g_idx rows (act-order). 0 for an unpadded rank."""
+    p, h, per_byte = spec.padding, spec.hidden, 8 // spec.bits
+    scale = torch.empty(0, dtype=spec.scale_dtype).element_size()
+    zero = 1 if spec.has_zero_point else 0
+    pad_groups = spec.w2_groups - spec.real_groups("w2")
+    w13 = 2 * p * (h // per_byte + spec.w13_groups * scale) + zero * (2 * p // per_byte) * spec.w13_groups
+    w2 = h * (p // per_byte) + h * pad_groups * scale + zero * (h // per_byte) * pad_groups
+    return len(spec.experts) * (w13 + w2 + (4 * p if spec.act_order else 0))

@@ -29,6 +29,7 @@ Modules, one job each (imports point down this list):
 | manifest   | the manifest's records (tensors, layers, source account)             |
 | writing    | safetensors serialisation, streaming and hashing, parallel folders   |
 | verify     | hashes, and every tensor against the source                          |
+| layouts    | `--plan`: G_eff, padding and bytes per rank of every TP size         |
 | run        | `preshard_checkpoint`: the whole run in order                        |
 
 The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from ..presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded, load_presharded, read_manifest
 from .journal import JOURNAL_NAME
+from .layouts import LayoutCost, describe_layouts, layout_cost
 from .planning import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
 from .progress import RankSummary, ShardSummary, describe_plan
 from .run import preshard_checkpoint
@@ -47,6 +49,7 @@ from .verify import verify_output
 
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
-    "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_plan", "is_presharded", "load_presharded",
+    "LayoutCost", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
+    "is_presharded", "layout_cost", "load_presharded",
     "make_plan", "preshard_checkpoint", "rank_folder", "read_manifest", "split_files", "verify_output",
 ]

@@ -1,0 +1,90 @@
+"""`wna16-shard SRC --plan`: every layout's cost before anything is written.
+
+For TP sizes 1, 2, 4, 8, 16 (and the requested one) x the requested EP size: I', I_p, G_eff,
+the padding of every TP rank, and the bytes one rank holds of one MoE layer (the largest rank)
+with the part of them that is padding. Computed from config.json and the safetensors headers
+(for the scale dtype); nothing is read or written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import nbytes_of
+from ..errors import WNA16Error
+from ..fused import FusedSpec
+from ..loader import planned
+from ..modelconfig import MoEConfig
+from ..padfill import padding_bytes
+from ..parallel import ParallelConfig
+from ..plan import layer_geometry
+
+PLAN_TP_SIZES = (1, 2, 4, 8, 16)
+HEADER = " tp  ep      I'    I_p G_eff    bytes/rank padding bytes  padding columns per TP rank"
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """One TP x EP layout of one MoE layer: sizes, padding per TP rank, bytes per rank (the largest rank)."""
+
+    tp: int
+    ep: int
+    padded_intermediate: int  # I'
+    part: int  # I_p
+    group_eff: int
+    padding: tuple[int, ...]  # columns of padding of TP rank 0, 1, ...
+    rank_bytes: int
+    padding_bytes: int
+
+
+def layout_cost(moe: MoEConfig, scale_dtype: torch.dtype, tp: int, ep: int, placement: str) -> LayoutCost:
+    """The cost of one layout (raises a WNA16Error subclass when it is impossible)."""
+    specs = []
+    for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep, expert_placement=placement):
+        specs.append(FusedSpec.of(layer_geometry(moe, parallel), moe.quant, scale_dtype))
+    first = layer_geometry(moe, ParallelConfig(tp, 0, ep, 0, expert_placement=placement))
+    return LayoutCost(tp=tp, ep=ep, padded_intermediate=first.padded_intermediate, part=first.part,
+                      group_eff=first.group_eff, padding=tuple(spec.padding for spec in specs[:tp]),
+                      rank_bytes=max(sum(nbytes_of(s, d) for s, d in spec.shapes().values()) for spec in specs),
+                      padding_bytes=max(padding_bytes(spec) for spec in specs))
+
+
+def runs(values: tuple[int, ...]) -> str:
+    """'0 x7, 64' for (0, 0, 0, 0, 0, 0, 0, 64)."""
+    out: list[tuple[int, int]] = []
+    for v in values:
+        out[-1:] = [(v, out[-1][1] + 1)] if out and out[-1][0] == v else out[-1:] + [(v, 1)]
+    return ", ".join(f"{v} x{n}" if n > 1 else str(v) for v, n in out)
+
+
+def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: int = 1,
+                     placement: str = "linear") -> str:
+    """The planning view of `src` (see the module docstring)."""
+    with planned(src, ParallelConfig(1, 0)) as (moe, _, _, plans):
+        dtypes = sorted({plan.fused.scale_dtype for plan in plans}, key=str)
+    tps = sorted(set(PLAN_TP_SIZES) | ({tp_size} if tp_size else set()))
+    q = moe.quant
+    lines = [f"source: {src}",
+             f"MoE layers: {len(plans)}, H={moe.hidden_size}, I={moe.intermediate_size}, {moe.num_experts} experts; "
+             f"{q.format_name} {q.bits}-bit, G={q.group_size}, {'sym' if q.symmetric else 'asym'}, "
+             f"act_order={q.act_order}",
+             "bytes: one rank's fused tensors of one MoE layer (the largest rank), and how many of them are padding"]
+    for dtype in dtypes:
+        lines.append(f"scales {str(dtype).removeprefix('torch.')}:")
+        lines.append("  " + HEADER)
+        for tp in tps:
+            lines.append(_row(moe, dtype, tp, ep_size, placement, mark=tp == tp_size))
+    return "\n".join(lines)
+
+
+def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *, mark: bool) -> str:
+    head = f"{'*' if mark else ' '} {tp:>3} {ep:>3}"
+    try:
+        c = layout_cost(moe, dtype, tp, ep, placement)
+    except WNA16Error as exc:
+        return f"{head}  impossible: {exc}"
+    return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {c.group_eff:>5}  {c.rank_bytes:>12} "
+            f"{c.padding_bytes:>13}  {runs(c.padding)}")
