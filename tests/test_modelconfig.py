@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from wna16_loader.errors import ConfigError, WNA16Error
-from wna16_loader.modelconfig import (EXPERT_COUNT_KEYS, MoEConfig, is_moe_layer, load_json, read_config_files,
-                                      resolve_moe_config, text_config)
+from wna16_loader.modelconfig import (EXPERT_COUNT_KEYS, MoEConfig, load_json, read_config_files, resolve_moe_config,
+                                      text_config)
 
 GPTQ_Q = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
 AWQ_Q = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
@@ -205,9 +205,12 @@ def test_alias_order_first_key_wins() -> None:
     assert moe.num_experts == 8
 
 
-def test_is_moe_layer_rules_combine() -> None:
-    config = {"first_k_dense_replace": 2, "moe_layer_freq": 2, "mlp_only_layers": [4]}
-    assert [layer for layer in range(10) if is_moe_layer(config, layer)] == [2, 6, 8]
+def test_two_layer_rules_that_disagree_name_both_keys() -> None:
+    with pytest.raises(ConfigError, match=r"first_k_dense_replace=2, moe_layer_freq=2 makes layers \[2, 4, 6, 8\] "
+                                          r"MoE layers, but mlp_only_layers=\[4\] gives \[0-3, 5-9\] \(10 layers\); "
+                                          r"the two keys disagree"):
+        _resolve({"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 10, "num_experts": 4,
+                  "num_experts_per_tok": 2, "first_k_dense_replace": 2, "moe_layer_freq": 2, "mlp_only_layers": [4]})
 
 
 @pytest.mark.parametrize("folder", sorted(
@@ -234,7 +237,9 @@ def test_no_expert_count_key_names_every_key_tried() -> None:
 
 def test_no_top_k_key() -> None:
     with pytest.raises(ConfigError, match=r"experts per token \(top-k\); tried \['num_experts_per_tok', "
-                                          r"'top_k_experts', 'moe_top_k', 'moe_k'\]"):
+                                          r"'top_k_experts', 'moe_top_k', 'moe_k', 'moe_topk', 'num_experts_per_token'\]\. Add "
+                                          r"one of them to config\.json \(model_type=None\), or add the key to the "
+                                          r"'generic' row of the families table \(wna16_loader/families\.py\)"):
         _resolve({"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_experts": 4})
 
 

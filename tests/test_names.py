@@ -7,8 +7,8 @@ import pytest
 from wna16_loader.names import (MODULES, PROJ_ALIASES, ROOTS, ExpertTensorKey, Proj, Source, experts_prefix_for,
                                 parse_expert_name)
 
-ALL_ROOTS = ("model", "model.language_model", "language_model.model")
-ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", None)
+ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone")
+ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
     "up_proj": Source.UP, "w3": Source.UP,
@@ -18,7 +18,7 @@ ALIASES = {
 
 
 def test_declared_tables_match_the_spelling_this_file_tests() -> None:
-    assert ROOTS == ALL_ROOTS
+    assert set(ROOTS) == set(ALL_ROOTS)
     assert set(MODULES) == {m for m in ALL_MODULES if m}
     assert PROJ_ALIASES == ALIASES
 

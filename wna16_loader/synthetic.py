@@ -217,7 +217,8 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
     when files > 1. `references=False` skips the float32 references (4 bytes per
     weight), for benchmark-sized checkpoints.
     """
-    from .modelconfig import is_moe_layer, text_config
+    from .layer_rules import select_moe_layers
+    from .modelconfig import text_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -230,8 +231,9 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
     shards[0]["model.embed_tokens.weight"] = torch.randn(32, hidden, generator=gen).to(torch.float16)
     prefixes = []
+    moe_layers = select_moe_layers(text_config(config), num_layers)[0]
     for layer in range(num_layers):
-        moe = is_moe_layer(text_config(config), layer)
+        moe = layer in moe_layers
         shard = shards[layer % files]
         shard.update(_other_tensors(gen, fam, layer, moe, num_experts, hidden))
         if moe:
