@@ -341,6 +341,7 @@ class Ledger:
     expected: set[Slot] = field(default_factory=set)
     written: dict[Slot, list[str]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
@@ -358,10 +359,15 @@ class Ledger:
         """Forget every write and rejection (the expected slots stay)."""
         self.written.clear()
         self.unexpected.clear()
+        self.absent.clear()
 
     def reject(self, name: str, why: str) -> None:
         """Note a tensor that has no slot."""
         self.unexpected.append(f"{name} ({why})")
+
+    def lack(self, what: str, why: str) -> None:
+        """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
+        self.absent.append(f"{what} ({why})")
 
     def missing(self) -> list[Slot]:
         """Expected slots not written yet, sorted."""
@@ -369,7 +375,7 @@ class Ledger:
 
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
-        missing = [f"missing: {slot}" for slot in self.missing()]
+        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
         dups = [f"written {len(names)} times: {slot} from {names}"
                 for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]

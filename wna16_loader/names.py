@@ -63,14 +63,11 @@ PROJ_ALIASES: dict[str, Source] = _aliases()
 ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots])
 MODULES: tuple[str, ...] = _union([m for family in all_rows() for m in family.modules if m is not None])
 
-_EXPERT_RE = re.compile(
-    r"^(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)"
-    r"\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
-        roots="|".join(re.escape(r) for r in ROOTS),
-        modules="|".join(re.escape(m) for m in MODULES),
-        projs="|".join(re.escape(p) for p in PROJ_ALIASES),
-    )
-)
+_PREFIX = r"(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
+    roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES))
+_PREFIX_RE = re.compile(f"^{_PREFIX}$")
+_EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
+    prefix=_PREFIX, projs="|".join(re.escape(p) for p in PROJ_ALIASES)))
 
 
 @dataclass(frozen=True)
@@ -114,3 +111,11 @@ def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
     """Build an experts prefix, e.g. `model.layers.3.mlp.experts`."""
     middle = f".{module}" if module else ""
     return f"{root}.layers.{layer}{middle}.experts"
+
+
+def prefix_at_layer(prefix: str, layer: int) -> str:
+    """The experts prefix of decoder layer `layer` in the naming of `prefix` (another layer's experts prefix)."""
+    match = _PREFIX_RE.match(prefix)
+    if match is None:
+        raise ValueError(f"{prefix!r} is not an experts prefix")
+    return prefix[:match.start("layer")] + str(layer) + prefix[match.end("layer"):]
