@@ -15,7 +15,7 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, FormatError
 from .extract import SourceTensors, check_header
 from .formats import Role
-from .fused import FusedSpec, Ledger
+from .fused import FusedSpec, Ledger, layer_projections
 from .modelconfig import MoEConfig
 from .names import ExpertTensorKey, Proj, Source, parse_expert_name, prefix_at_layer
 from .parallel import ParallelConfig
@@ -96,7 +96,7 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     entries = _group_entries(index, moe, keys, local, ledger)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
     for expert in sorted(local):
-        for proj in Proj:
+        for proj in layer_projections(moe.gated):
             candidates = [_source(geometry, entries[ek], ek, expert) for ek in _candidates(entries, expert, proj)]
             _record(ledger, moe, prefix, expert, proj, candidates)
             if candidates:
@@ -104,7 +104,8 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     for src in sources.values():  # each tensor's own dtype/shape error before any cross-tensor check
         for role, ref in src.tensors.items():
             check_header(ref, moe.quant.layout(role), moe.quant, src, geometry.num_experts)
-    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources))
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources), gated=moe.gated,
+                         activation=moe.activation)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
 
 
@@ -163,6 +164,8 @@ def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
     shared by the planner, the engine hook and the name mapping."""
     if moe.quant.layout_for_suffix(key.suffix) is None:
         return f"suffix {key.suffix!r} is not a {moe.quant.format_name} expert tensor"
+    if not moe.gated and Proj.GATE in key.source.projs:
+        return f"a {key.source.value} tensor, but {moe.family} experts are not gated (up and down projections only)"
     if key.expert is None and key.source not in STACKED_SOURCES:
         return f"a stacked {key.source.value} tensor; only gate_up_proj and down_proj stack"
     count = moe.layer(key.layer).num_experts
