@@ -110,6 +110,7 @@ class DequantizedExperts:
 
     w13: torch.Tensor
     w2: torch.Tensor
+    gated: bool = True  # False: w13 holds the up rows only
 
 
 class FusedExperts:
@@ -144,6 +145,7 @@ class FusedExperts:
                            self.tensors.get("w13_g_idx"), bits=self.bits, group_size=self.group_size),
             w2=dequantize(self.tensors["w2_qweight"], self.tensors["w2_scales"], self.tensors.get("w2_qzeros"),
                           self.tensors.get("w2_g_idx"), bits=self.bits, group_size=self.group_size),
+            gated=self.spec.gated,
         )
 
 

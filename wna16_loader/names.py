@@ -113,6 +113,12 @@ def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
     return f"{root}.layers.{layer}{middle}.experts"
 
 
+def layer_of_prefix(prefix: str) -> int | None:
+    """The decoder layer of an experts prefix (e.g. 3 for `model.layers.3.mlp.experts`), None for other names."""
+    match = _PREFIX_RE.match(prefix)
+    return None if match is None else int(match.group("layer"))
+
+
 def prefix_at_layer(prefix: str, layer: int) -> str:
     """The experts prefix of decoder layer `layer` in the naming of `prefix` (another layer's experts prefix)."""
     match = _PREFIX_RE.match(prefix)

@@ -117,14 +117,6 @@ def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None =
                          parallel=parallel)
 
 
-def source_tensors(moe: MoEConfig, source: Source, tensors: dict[Role, TensorRef],
-                   expert_row: int | None) -> SourceTensors:
-    """SourceTensors of one checkpoint source (`expert_row`: the row of a stacked tensor, else None), at the
-    sizes of `moe`'s first MoE layer."""
-    geometry_layer = moe.layer(moe.moe_layers[0] if moe.moe_layers else 0)
-    return sizes_source_tensors(moe.hidden_size, geometry_layer.intermediate_size, source, tensors, expert_row)
-
-
 def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors: dict[Role, TensorRef],
                          expert_row: int | None) -> SourceTensors:
     """SourceTensors of one checkpoint source of a layer with sizes H = `hidden`, I = `intermediate`."""
