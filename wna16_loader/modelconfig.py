@@ -26,6 +26,7 @@ LAYER_COUNT_KEYS = GENERIC.keys.layers
 NESTED_KEYS = GENERIC.nested
 QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # file: implied quant_method
 TABLE = "wna16_loader/families.py"
+MOE_LAYERS = "MoE layers"
 
 
 @dataclass(frozen=True)
@@ -53,14 +54,9 @@ class Resolution:
         """One line per value: `what = value  <- source`."""
         lines = [f"family row: {self.family} ({TABLE}); decoder config: {self.decoder}"]
         width = max(len(v.what) for v in self.values)
-        lines += [f"  {v.what:<{width}} = {_show(v.value)}  <- {v.source}" for v in self.values]
+        lines += [f"  {v.what:<{width}} = {compact(v.value) if v.what == MOE_LAYERS else v.value}  <- {v.source}"
+                  for v in self.values]
         return "\n".join(lines)
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value) and len(value) > 8:
-        return compact(value)
-    return str(value)
 
 
 @dataclass(frozen=True)
@@ -181,7 +177,7 @@ def _moe_layers(text: dict[str, Any], count: int) -> Resolved:
     layers, rule = select_moe_layers(text, count)
     source = "every layer (no MoE-layer key present)" if rule is None else \
         f"rule {rule.name}: {rule.describe(text)} ({rule.doc})"
-    return Resolved("MoE layers", layers, source)
+    return Resolved(MOE_LAYERS, layers, source)
 
 
 def _per_moe_layer(values: tuple[int, ...], key: str, what: str, family: Family,
