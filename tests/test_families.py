@@ -11,7 +11,8 @@ import pytest
 
 from conftest import assert_exact, assert_owners, reassemble
 from wna16_loader import read_moe_config
-from wna16_loader.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of
+from wna16_loader.errors import ConfigError
+from wna16_loader.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, render_table
 from wna16_loader.layer_rules import EXPLICIT_KEYS, RULES_BY_NAME
 from wna16_loader.modelconfig import MoEConfig, resolve_moe_config
 from wna16_loader.synthetic import quant_config, write_family_checkpoint
@@ -133,7 +134,7 @@ def test_describe_names_row_keys_and_rule():
 
 # --------------------------------------------------------------------------------------------- loads
 
-E, H, I_SMALL, LAYERS = 4, 64, 64, 6
+E, H, I_SMALL, LAYERS = 4, 64, 64, 4
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep)
 
 
@@ -142,7 +143,7 @@ def _decoder(config: dict, where: str) -> dict:
 
 
 def shrink(config: dict) -> dict:
-    """A copy with the same keys and rules at test sizes: at most 6 layers (per-layer lists cut to match),
+    """A copy with the same keys and rules at test sizes: at most 4 layers (per-layer lists cut to match),
     4 experts, top-k <= 2, H = 64, I = 64 (a per-layer list alternates 64 and 96: two geometries)."""
     moe = resolve(config)
     out = copy.deepcopy(config)
@@ -195,4 +196,67 @@ def test_per_layer_sizes_load_with_their_own_geometry(tmp_path):
     from conftest import load_all_ranks
     loads = load_all_ranks(tmp_path, 2, 1)
     layers = loads[(0, 0)]
-    assert [(layer.spec.part, layer.group_size) for layer in layers.values()] == [(32, 32), (48, 16)] * 3
+    assert [(layer.spec.part, layer.group_size) for layer in layers.values()] == [(32, 32), (48, 16)] * 2
+
+
+# --------------------------------------------------------------------------------------------- the table
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE_START, TABLE_END = "<!-- families-table: rendered by wna16_loader.families.render_table -->", \
+    "<!-- /families-table -->"
+
+
+def test_rendered_table_has_one_line_per_row():
+    lines = render_table().splitlines()
+    assert len(lines) == 2 + len(FAMILIES)
+    nemotron = next(line for line in lines if line.startswith("| nemotron_h |"))
+    assert nemotron == ("| nemotron_h | top level | `n_routed_experts` ; `num_experts_per_tok` ; `moe_intermediate_size` | "
+                        "`layers_block_type`, `hybrid_override_pattern` | "
+                        "`backbone.layers.L.mixer.experts.E.{up_proj, down_proj}` | **not gated**, activation "
+                        "`mlp_hidden_act` |")
+
+
+def test_readme_table_is_the_rendered_one():
+    text = README.read_text()
+    if TABLE_START not in text:
+        pytest.skip("README.md has no families table yet (the lead pastes /work/coord/h-families-readme.md)")
+    assert text.split(TABLE_START)[1].split(TABLE_END)[0].strip() == render_table()
+
+
+def test_rows_are_consistent():
+    types = [t for f in FAMILIES for t in f.model_types]
+    assert len(types) == len(set(types))
+    for family in FAMILIES:
+        assert set(family.layer_rules) <= set(RULES_BY_NAME), family.name
+        kinds = {kind for _, kind in family.projections}
+        assert kinds >= ({"gate", "up", "down"} if family.gated else {"up", "down"}), family.name
+        assert family.gated or "gate" not in kinds and "gate_up" not in kinds
+
+
+def test_a_projection_name_means_one_thing_in_every_row(monkeypatch):
+    import wna16_loader.names as names
+    from wna16_loader.families import Family, Keys
+
+    clash = Family(("clash",), Keys(("n",), ("k",), ("i",)), projections=(("w1", "up"),))
+    monkeypatch.setattr(names, "all_rows", lambda: (*FAMILIES, clash))
+    with pytest.raises(AssertionError, match=r"families table: 'w1' is Source\.GATE in one row, 'up' in clash"):
+        names._aliases()
+
+
+def test_unknown_model_type_uses_the_generic_row():
+    moe = resolve({"model_type": "brand_new_moe", "hidden_size": 64, "num_hidden_layers": 2, "moe_num_experts": 4,
+                   "moe_k": 2, "expert_intermediate_size": 32})
+    assert (moe.family, moe.num_experts, moe.top_k, moe.intermediate_size) == ("generic", 4, 2, 32)
+    with pytest.raises(ConfigError, match=r"no key gives the routed expert count; tried \['num_experts', "
+                                         r"'n_routed_experts', 'num_local_experts', 'moe_num_experts'\]\. Add one of "
+                                         r"them to config\.json \(model_type='brand_new_moe'\), or add the key to "
+                                         r"the 'generic' row of the families table \(wna16_loader/families\.py\)\."):
+        resolve({"model_type": "brand_new_moe", "hidden_size": 64, "num_hidden_layers": 2, "experts": 4})
+
+
+def test_a_known_row_tries_only_its_own_keys():
+    config = fixture("nemotron_h-nano-30b-a3b")
+    config["num_experts"] = config.pop("n_routed_experts")
+    with pytest.raises(ConfigError, match=r"tried \['n_routed_experts'\]\. .* the 'nemotron_h' row of the families "
+                                         r"table"):
+        resolve(config)

@@ -132,3 +132,28 @@ def family_of(*model_types: str | None) -> Family:
 def all_rows() -> tuple[Family, ...]:
     """Every row, the generic fallback last."""
     return (*FAMILIES, GENERIC)
+
+
+def _cell(keys: tuple[str, ...]) -> str:
+    return " / ".join(f"`{k}`" for k in keys)
+
+
+def _names(family: Family) -> str:
+    modules = [f".{m}" if m else "" for m in family.modules]
+    projections = ", ".join(name for name, kind in family.projections if kind != "gate_up")
+    return f"`{family.roots[0]}.layers.L{modules[0]}.experts.E.{{{projections}}}`"
+
+
+def render_table() -> str:
+    """The README's supported-models table, rendered from the rows (so the README cannot drift)."""
+    lines = ["| model_type | decoder config | experts / top-k / expert I | MoE layers | expert tensors | experts |",
+             "|---|---|---|---|---|---|"]
+    for family in FAMILIES:
+        keys = family.keys
+        values = " ; ".join(_cell(k) for k in (keys.experts, keys.top_k, keys.intermediate))
+        values += f" ; zero experts {_cell(keys.zero_experts)}" if keys.zero_experts else ""
+        rules = ", ".join(f"`{r}`" for r in family.layer_rules) or "every layer"
+        kind = f"{'gated' if family.gated else '**not gated**'}, activation {_cell(keys.activation)}"
+        lines.append(f"| {', '.join(family.model_types)} | {_cell(family.nested) or 'top level'} | {values} | "
+                     f"{rules} | {_names(family)} | {kind} |")
+    return "\n".join(lines)
