@@ -417,6 +417,8 @@ EXPECTED_FIXTURES = {
                            act_order=False, zero_word_bias=False),
     "ct_w8_channel_sym": dict(format_name="compressed-tensors", bits=8, group_size=-1, symmetric=True,
                               act_order=False, zero_word_bias=False),
+    "autoround_w8_g64_asym": dict(format_name="gptq", bits=8, group_size=64, symmetric=False, act_order=False,
+                                  zero_word_bias=False),
 }
 
 
