@@ -417,3 +417,14 @@ def test_resolution_records_every_value() -> None:
     assert rec["MoE layers"].source == ("rule enable_moe_block: enable_moe_block=True (every layer when true, none "
                                         "when false)")
     assert moe == resolve_moe_config(gemma4_26b_a4b_config())  # the record does not take part in equality
+
+
+def test_unknown_wrapper_around_a_known_decoder() -> None:
+    """A multimodal wrapper the table does not know, around a qwen3_moe decoder: the decoder's row is used."""
+    config = {"model_type": "some_vl_wrapper", "vision_config": {"hidden_size": 32},
+              "text_config": {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "intermediate_size": 128}}
+    moe = _resolve(config)
+    assert (moe.family, moe.resolution.decoder, moe.num_experts, moe.intermediate_size) == ("qwen3_moe", "text_config",
+                                                                                           4, 32)

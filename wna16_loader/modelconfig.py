@@ -102,9 +102,10 @@ class MoEConfig:
 
 
 def decoder_config(config: dict[str, Any], family: Family) -> tuple[dict[str, Any], str]:
-    """(the decoder's config, where it was): the first of the row's nested keys holding a decoder, else the
-    top level. A nested dict counts when it has a key of the row's expert-count or hidden-size aliases."""
-    for key in family.nested:
+    """(the decoder's config, where it was): the first of the row's nested keys (then the generic ones, for a
+    wrapper found through its decoder's model_type) holding a decoder, else the top level. A nested dict counts
+    when it has a key of the row's expert-count or hidden-size aliases."""
+    for key in dict.fromkeys(family.nested + GENERIC.nested):
         nested = config.get(key)
         if isinstance(nested, dict) and any(k in nested for k in family.keys.experts + family.keys.hidden):
             return nested, key
