@@ -1,17 +1,26 @@
 """resolve_checkpoint: local folders as they are, Hugging Face repo ids through the hub cache, offline.
 
-Every test runs with HF_HUB_OFFLINE=1 against a cache laid out in tmp_path the way huggingface_hub
+The cache tests run with HF_HUB_OFFLINE=1 against a cache laid out in tmp_path the way huggingface_hub
 lays it out: models--org--name/refs/<branch> holds a commit sha, snapshots/<sha>/<file> are
-symlinks to ../../blobs/<hash>.
+symlinks to ../../blobs/<hash>. The download tests talk to a small Hub stand-in on 127.0.0.1 that
+answers the four requests snapshot_download makes (repo info, file tree, HEAD and GET of a file)
+and records every request.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
+import torch
 from huggingface_hub import constants
 from huggingface_hub.utils import filter_repo_objects
 
@@ -158,3 +167,123 @@ def test_load_experts_from_a_cached_repo(hf_cache, tmp_path, files):
     assert all(list(loaded) == list(ckpt.prefixes) for loaded in loads.values())
     weights, _ = stitch(loads, tp=2)
     assert_exact(weights, ckpt.references)
+
+
+# --- downloads, against a Hub stand-in on 127.0.0.1 ---------------------------------------------------
+
+@dataclass
+class FakeHub:
+    """One repo (REPO at commit SHA_MAIN, branch main) with `files`; `requests` lists (method, path);
+    `references` are the float32 weights of the synthetic checkpoint among the files."""
+
+    files: dict[str, bytes]
+    references: dict[tuple[str, int, str], torch.Tensor]
+    requests: list[tuple[str, str]] = field(default_factory=list)
+
+    def fetched(self) -> set[str]:
+        """Names of the files whose content was requested."""
+        prefix = f"/{REPO}/resolve/{SHA_MAIN}/"
+        return {path[len(prefix):] for method, path in self.requests if method == "GET" and path.startswith(prefix)}
+
+
+def hub_handler(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
+    api = f"/api/models/{REPO}/"
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_HEAD(self) -> None:
+            self.do_GET()
+
+        def do_GET(self) -> None:
+            path = urlparse(self.path).path
+            hub.requests.append((self.command, path))
+            if path.startswith("/api/models/") and not path.startswith(api):
+                self.send(404, b'{"error": "Repository not found"}', {"X-Error-Code": "RepoNotFound"})
+            elif path.startswith(api + "revision/"):
+                if path.removeprefix(api + "revision/") in ("main", SHA_MAIN):
+                    self.send(200, json.dumps({"id": REPO, "sha": SHA_MAIN}).encode())
+                else:
+                    self.send(404, b'{"error": "Invalid rev id"}', {"X-Error-Code": "RevisionNotFound"})
+            elif path == api + f"tree/{SHA_MAIN}":
+                self.send(200, json.dumps([{"type": "file", "path": name, "size": len(data), "oid": etag(data)}
+                                           for name, data in hub.files.items()]).encode())
+            elif path.startswith(f"/{REPO}/resolve/{SHA_MAIN}/"):
+                data = hub.files[path.removeprefix(f"/{REPO}/resolve/{SHA_MAIN}/")]
+                self.send(200, data, {"X-Repo-Commit": SHA_MAIN, "ETag": f'"{etag(data)}"'})
+            else:
+                self.send(404, b"{}")
+
+        def send(self, code: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+            self.send_response(code)
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+    return Handler
+
+
+def etag(data: bytes) -> str:
+    return hashlib.sha1(data).hexdigest()
+
+
+@pytest.fixture
+def online(hf_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """The Hub stand-in serving a synthetic checkpoint plus files a rank must never fetch; online mode."""
+    ckpt = write_checkpoint(tmp_path / "src", quant_config("awq", bits=4, group_size=32), num_experts=4, hidden=64,
+                            intermediate=64, num_layers=2, files=2)
+    extra = {"tokenizer.json": b"{}", "generation_config.json": b"{}", "pytorch_model.bin": b"pickle",
+             "original/consolidated.pt": b"pickle"}
+    hub = FakeHub({**folder_files(ckpt.folder), **extra}, ckpt.references)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), hub_handler(hub))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    yield hub
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_fetches_only_configs_index_and_safetensors_then_loads(online):
+    folder = resolve_checkpoint(REPO)
+    assert online.fetched() == {"config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                                "model-00002-of-00002.safetensors"}
+    assert sorted(p.name for p in folder.iterdir()) == sorted(online.fetched())
+    weights, _ = stitch(load_all_ranks(folder, tp=2, ep=2), tp=2)
+    assert_exact(weights, online.references)
+
+
+def test_cached_snapshot_is_used_without_asking_the_hub(online):
+    first = resolve_checkpoint(REPO)
+    online.requests.clear()
+    assert resolve_checkpoint(REPO) == first
+    assert online.requests == []
+
+
+def test_snapshot_with_only_config_is_completed_by_a_download(online, hf_cache):
+    cache_repo(hf_cache, REPO, {"config.json": online.files["config.json"]}, sha=SHA_MAIN)
+    folder = resolve_checkpoint(REPO)
+    assert "model-00002-of-00002.safetensors" in online.fetched()
+    assert (folder / "model-00002-of-00002.safetensors").read_bytes() == online.files["model-00002-of-00002.safetensors"]
+
+
+def test_repo_missing_on_the_hub(online, hf_cache):
+    with pytest.raises(CheckpointError, match=r"^test-org/other \(revision 'main'\): no such local folder, no usable "
+                                              rf"snapshot in the Hugging Face cache {hf_cache}/models--test-org--other, "
+                                              r"and none could be downloaded: the Hub has no such repo, or it is "
+                                              r"private or gated and no accepted token was sent \(`hf auth login`\)\. "
+                                              r"Fix: check the repo id and revision"):
+        resolve_checkpoint("test-org/other")
+
+
+def test_revision_missing_on_the_hub(online):
+    with pytest.raises(CheckpointError, match=rf"^{REPO} \(revision 'v9'\): .* none could be downloaded: the Hub "
+                                              rf"has no such revision\. Fix: .* `hf download {REPO} --revision v9 "):
+        resolve_checkpoint(REPO, revision="v9")
