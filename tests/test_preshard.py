@@ -111,7 +111,7 @@ def test_killed_run_then_resume_is_byte_identical(tmp_path: Path) -> None:
     src = make_source(tmp_path / "src")
     clean, killed = tmp_path / "clean", tmp_path / "killed"
     preshard_checkpoint(src, clean, tp_size=2, ep_size=2, max_file_size=20_000, progress=False)
-    code = ("import sys, wna16_loader.preshard as p; p.KILL_AFTER_FILES = 4; from wna16_loader.cli import main; "
+    code = ("import sys, wna16_loader.preshard.writing as p; p.KILL_AFTER_FILES = 4; from wna16_loader.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     args = [sys.executable, "-c", code, str(src), str(killed), "--tp", "2", "--ep", "2", "--max-file-size", "20000",
             "--quiet"]

@@ -17,6 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import wna16_loader.preshard as preshard
+import wna16_loader.preshard.writing as writing
 from wna16_loader import ParallelConfig, WNA16Error, load_experts
 from wna16_loader.errors import CheckpointError, PreshardError
 from wna16_loader.preshard import LOCK_NAME, MANIFEST_NAME, PLAN_NAME, make_plan, preshard_checkpoint
@@ -38,7 +39,7 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def fail_writes(monkeypatch: pytest.MonkeyPatch, code: int, after: int) -> None:
     """Make the `after`+1-th safetensors write fail with OSError(code) (a full disk, a read-only folder)."""
-    real, calls = preshard._serialize, [0]
+    real, calls = writing._serialize, [0]
 
     def serialize(handle, metas, fetch, metadata):
         calls[0] += 1
@@ -46,7 +47,7 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, code: int, after: int) -> None:
             raise OSError(code, os.strerror(code))
         return real(handle, metas, fetch, metadata)
 
-    monkeypatch.setattr(preshard, "_serialize", serialize)
+    monkeypatch.setattr(writing, "_serialize", serialize)
 
 
 def assert_unfinished(out: Path) -> None:
@@ -93,7 +94,7 @@ def test_kill_at_random_points_then_resume(clean: tuple[Path, Path], tmp_path: P
     src, reference = clean
     total = len(make_plan(src, tp_size=2, ep_size=2, max_file_size=20_000).all_files())
     points = sorted(random.Random(6).sample(range(1, total), 3))
-    code = ("import sys, wna16_loader.preshard as p; p.KILL_AFTER_FILES = int(sys.argv[1]); "
+    code = ("import sys, wna16_loader.preshard.writing as p; p.KILL_AFTER_FILES = int(sys.argv[1]); "
             "from wna16_loader.cli import main; sys.exit(main(sys.argv[2:]))")
     for point in points:
         out = tmp_path / f"killed-{point}"

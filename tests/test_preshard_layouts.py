@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import wna16_loader.preshard as preshard
+import wna16_loader.preshard.verify as verify
+import wna16_loader.preshard.writing as writing
 from wna16_loader import LayoutMismatchError, ParallelConfig, load_experts
 from wna16_loader.errors import PreshardError
 from wna16_loader.formats import Dim
@@ -26,7 +27,7 @@ def test_streaming_materialises_one_layer_at_a_time(tmp_path: Path, monkeypatch:
     src = tmp_path / "src"
     write_checkpoint(src, quant_config("gptq"), hidden=64, intermediate=64, num_layers=6, files=2)
     live, peak, loads = set(), [0], []
-    real = preshard.load_layer
+    real = writing.load_layer
 
     def counted(index, moe, plan, device, allow):
         layer, count, nbytes = real(index, moe, plan, device, allow)
@@ -39,8 +40,8 @@ def test_streaming_materialises_one_layer_at_a_time(tmp_path: Path, monkeypatch:
     def no_whole_rank_load(*args, **kwargs):
         raise AssertionError("load_experts would hold a whole rank in memory")
 
-    monkeypatch.setattr(preshard, "load_layer", counted)
-    monkeypatch.setattr(preshard, "load_experts", no_whole_rank_load)
+    monkeypatch.setattr(writing, "load_layer", counted)
+    monkeypatch.setattr(verify, "load_experts", no_whole_rank_load)
     out = tmp_path / "out"
     preshard_checkpoint(src, out, tp_size=2, ep_size=2, max_file_size=6_000, progress=False)
     assert peak[0] == 1  # one fused layer alive at a time, whatever the layer count

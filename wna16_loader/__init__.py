@@ -4,19 +4,22 @@ from .errors import (CheckpointError, CompletenessError, ConfigError, FormatErro
                      ShardingError, WNA16Error)
 from .formats import QuantSpec
 from .fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec
-from .hook import ExpertParamMapping, ParamTarget, ShardId, TensorStore, expert_param_mapping
-from .loader import LoadedExperts, LoadReport, load_experts, read_moe_config
+from .hook import TensorStore
+from .mapping import ExpertParamMapping, ParamTarget, ShardId, expert_param_mapping
+from .loader import load_experts, read_moe_config
+from .results import LoadedExperts, LoadReport
 from .modelconfig import MoEConfig
-from .module import (Activation, FusedMoEExperts, check_model_complete, install_load_hook, load_model_experts,
-                     reference_forward)
+from .model_load import check_model_complete, install_load_hook, load_model_experts
+from .module import FusedMoEExperts
 from .parallel import ExpertPlacement, ParallelConfig
+from .reference import Activation, reference_forward
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "CheckpointError", "CompletenessError", "ConfigError", "DequantizedExperts", "ExpertPlacement", "FUSED_NAMES",
     "FormatError", "FusedExperts", "FusedSpec", "LayoutMismatchError", "LoadReport", "LoadedExperts", "MoEConfig",
-    "ParallelConfig", "QuantSpec", "ShardingError", "WNA16Error", "load_experts", "read_moe_config",
+    "ParallelConfig", "QuantSpec", "ShardingError", "WNA16Error", "__version__", "load_experts", "read_moe_config",
 ]
 __all__ += [
     "Activation", "ExpertParamMapping", "FusedMoEExperts", "ParamTarget", "ShardId", "TensorStore",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -17,40 +17,8 @@ from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, LayerPlan, plan_layers
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What a load did, for logs and benchmarks."""
-
-    layers: int
-    experts: int
-    tensors: int
-    bytes_read: int
-    bytes_written: int
-    seconds: float
-    ignored: int = 0  # tensors that are not routed experts (routers, attention, shared experts, dense MLPs)
-
-    @classmethod
-    def of(cls, plans: list[LayerPlan], scan: CheckpointScan, *, tensors: int, bytes_read: int, bytes_written: int,
-           start: float) -> "LoadReport":
-        """The report of a load of `plans` that began at perf_counter() time `start`."""
-        return cls(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans), tensors=tensors,
-                   bytes_read=bytes_read, bytes_written=bytes_written, seconds=time.perf_counter() - start,
-                   ignored=len(scan.others))
-
-    def __str__(self) -> str:
-        return (f"{self.layers} layers, {self.experts} local experts, {self.tensors} tensors, "
-                f"{self.bytes_read / 2**20:.1f} MiB read, {self.bytes_written / 2**20:.1f} MiB written, "
-                f"{self.seconds:.2f} s, {self.ignored} non-expert tensors left alone")
-
-
-class LoadedExperts(dict[str, FusedExperts]):
-    """experts prefix -> FusedExperts, with the load's `report` and the names of the
-    non-expert tensors it left alone (`ignored`)."""
-
-    report: LoadReport
-    ignored: tuple[str, ...] = ()
-
+from .presharded import is_presharded, load_presharded
+from .results import LoadedExperts, LoadReport
 
 def read_moe_config(path: str | Path) -> MoEConfig:
     """The resolved description of a checkpoint: config keys, quantization and experts prefixes."""
@@ -72,8 +40,6 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
     """
-    from .preshard import is_presharded, load_presharded  # local import: preshard builds on this module
-
     if is_presharded(path):
         return load_presharded(path, parallel, device=device)
     start = time.perf_counter()

@@ -14,38 +14,23 @@ underneath (`ExpertLoadHook.write` -> `read_projection` -> `FusedWriter`):
 
 from __future__ import annotations
 
-import enum
-import time
 from dataclasses import replace
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointIndex
-from .errors import CompletenessError, FormatError, LayoutMismatchError, format_offenders
+from .errors import CompletenessError, LayoutMismatchError
 from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
-from .hook import ExpertLoadHook, ExpertParamMapping, ParamTarget, ShardId
-from .loader import LoadReport, load_experts, planned
-from .preshard import is_presharded
-from .logs import rank_logger
+from .hook import ExpertLoadHook
+from .mapping import ExpertParamMapping, ParamTarget, ShardId
 from .modelconfig import MoEConfig
 from .names import Proj
 from .parallel import ParallelConfig
 from .plan import LayerPlan, expect_projection, layer_geometry
-
-
-
-class Activation(enum.Enum):
-    """The gate activation of a gated MLP: act(gate) * up."""
-
-    SILU = "silu"
-    GELU_TANH = "gelu_tanh"  # Gemma 4
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(x) if self is Activation.SILU else F.gelu(x, approximate="tanh")
+from .reference import Activation, reference_forward
+from .statedict import StateDictHooks
 
 
 def _registers_on_meta() -> bool:
@@ -79,8 +64,7 @@ class FusedMoEExperts(nn.Module):
         self.hook = ExpertLoadHook(prefix, moe, self.geometry, self.ledger, allow_nonfinite=allow_nonfinite_scales)
         self.mapping = ExpertParamMapping(moe, prefix)
         self._writer: FusedWriter | None = None
-        self._hook_handles: list[Any] = []
-        self._load_call: tuple[str, int] | None = None  # (load_state_dict prefix, tensors consumed)
+        self._load_hooks: StateDictHooks | None = None
         target = torch.device("meta") if _registers_on_meta() else \
             torch.device(device) if device is not None else torch.empty(0).device  # the default device
         for name, (shape, dtype) in self.spec.shapes().items():
@@ -116,12 +100,13 @@ class FusedMoEExperts(nn.Module):
 
     def _after_move(self) -> None:
         """Re-attach the weight loaders (moves may replace parameters) and fill expert_ids."""
-        self._attach_loaders()
+        self.attach_loaders()
         if not self.expert_ids.is_meta:
             with torch.no_grad():
                 self.expert_ids.copy_(torch.tensor(self.spec.experts, dtype=torch.int32))
 
-    def _attach_loaders(self) -> None:
+    def attach_loaders(self) -> None:
+        """Give every parameter this module's weight_loader (moves and assign=True replace parameters)."""
         self._writer = None
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
@@ -192,38 +177,8 @@ class FusedMoEExperts(nn.Module):
 
     def install_load_hook(self) -> None:
         """Let `load_state_dict` take per-expert checkpoint names (idempotent)."""
-        if not self._hook_handles:
-            self._hook_handles = [self._register_load_state_dict_pre_hook(self._consume_state_dict),
-                                  self.register_load_state_dict_post_hook(self._fix_incompatible_keys)]
-
-    def _consume_state_dict(self, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
-        """load_state_dict pre-hook: feed every per-expert key under `prefix` to the weight loader."""
-        consumed = 0
-        for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in self._parameters]:
-            name = f"{self.prefix}.{key[len(prefix):]}"
-            targets = self.mapping(name)
-            if targets:
-                tensor = state_dict.pop(key)
-                for target in targets:
-                    self.weight_loader(getattr(self, target.fused_name), tensor, name, target.shard_id,
-                                       target.expert_id)
-                consumed += 1
-        self._load_call = (prefix, consumed)
-
-    def _fix_incompatible_keys(self, module: nn.Module, incompatible: Any) -> None:
-        """load_state_dict post-hook: report missing checkpoint names instead of fused parameter names."""
-        prefix, consumed = self._load_call or ("", 0)
-        self._load_call = None
-        self._attach_loaders()  # assign=True replaces parameters
-        if not self.expert_ids.is_meta and self.expert_ids.tolist() != list(self.spec.experts):
-            raise LayoutMismatchError(f"{prefix}expert_ids: the state dict holds experts {self.expert_ids.tolist()} "
-                                      f"but this rank owns {list(self.spec.experts)}; load the fused state dict "
-                                      f"saved by the same rank of the same ParallelConfig.")
-        if not consumed:
-            return
-        fused = {prefix + name for name in self._parameters}
-        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in fused]
-        incompatible.missing_keys.extend(self.hook.missing_names(prefix))
+        if self._load_hooks is None:
+            self._load_hooks = StateDictHooks(self)
 
     # ------------------------------------------------------------------ use
 
@@ -239,143 +194,3 @@ class FusedMoEExperts(nn.Module):
         """This rank's partial MoE output; see `reference_forward`. A correctness reference, not a kernel."""
         return reference_forward(self.dequantize(), self.spec.experts, hidden_states, topk_ids, topk_weights,
                                  self.activation)
-
-
-def reference_forward(weights: DequantizedExperts, experts: tuple[int, ...], hidden_states: torch.Tensor,
-                      topk_ids: torch.Tensor, topk_weights: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """Dequantise-then-matmul MoE over the local experts and the local slice of I.
-
-    A correctness reference, not a kernel: float32 math, one matmul per expert.
-    Summing the outputs of every TP x EP rank (all_reduce sum) gives the
-    unsharded layer, since gate/up are column- and down row-parallel along I.
-
-    | hidden_states | [T, H]          | topk_ids | [T, k] global expert ids |
-    | w13           | [E_l, 2*I_p, H] | w2       | [E_l, H, I_p]            |
-    | topk_weights  | [T, k]          | out      | [T, H] hidden dtype      |
-    """
-    _check_inputs(weights, hidden_states, topk_ids, topk_weights)
-    x = hidden_states.to(torch.float32)
-    out = torch.zeros_like(x)
-    part = weights.w2.shape[2]
-    for slot, expert in enumerate(experts):
-        token, which = torch.nonzero(topk_ids == expert, as_tuple=True)
-        if token.numel() == 0:
-            continue
-        h = x[token] @ weights.w13[slot].T  # [t, 2*I_p]
-        y = (activation(h[:, :part]) * h[:, part:]) @ weights.w2[slot].T  # [t, H]
-        out.index_add_(0, token, y * topk_weights[token, which].to(torch.float32).unsqueeze(1))
-    return out.to(hidden_states.dtype)
-
-
-def _check_inputs(weights: DequantizedExperts, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
-                  topk_weights: torch.Tensor) -> None:
-    hidden = weights.w13.shape[2]
-    if hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
-        raise FormatError(f"hidden_states: shape {list(hidden_states.shape)} but the experts expect [T, {hidden}].")
-    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden_states.shape[0]:
-        raise FormatError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must both be "
-                          f"[T, k] with T = {hidden_states.shape[0]} tokens.")
-
-
-# ---------------------------------------------------------------------- model level
-
-def experts_modules(model: nn.Module) -> dict[str, FusedMoEExperts]:
-    """Every FusedMoEExperts of `model`, by experts prefix (error when a prefix repeats)."""
-    found: dict[str, FusedMoEExperts] = {}
-    for path, module in model.named_modules():
-        if isinstance(module, FusedMoEExperts):
-            if module.prefix in found:
-                raise LayoutMismatchError(f"{path}: a second FusedMoEExperts for experts prefix {module.prefix!r}; "
-                                          f"each layer needs one module with its own prefix.")
-            found[module.prefix] = module
-    return found
-
-
-def install_load_hook(model: nn.Module) -> list[FusedMoEExperts]:
-    """Let `model.load_state_dict(sd, strict=False)` take per-expert checkpoint names.
-
-    Afterwards keys like `model.layers.0.mlp.experts.3.gate_proj.qweight` fill the
-    fused parameters through the weight loader, and the returned missing/unexpected
-    keys name checkpoint tensors: missing = this rank's slots still unfilled,
-    unexpected = keys no parameter takes. Tensors of non-local experts are consumed.
-    """
-    modules = list(experts_modules(model).values())
-    if not modules:
-        raise CompletenessError(f"{type(model).__name__}: no FusedMoEExperts modules to hook; build them first.")
-    for module in modules:
-        module.install_load_hook()
-    return modules
-
-
-def check_model_complete(model: nn.Module) -> None:
-    """Check every FusedMoEExperts ledger after an engine-driven load; one summary log line per rank."""
-    modules = list(experts_modules(model).values())
-    problems = [item for module in modules for item in module.ledger_report()]
-    if problems:
-        raise CompletenessError(f"the expert load is incomplete or inconsistent: {len(problems)} problems\n"
-                                f"{format_offenders(problems)}")
-    if modules:
-        written = sum(m.hook.bytes_written for m in modules)
-        rank_logger(modules[0].parallel).info(
-            "complete: %d layers, %d local experts, %d tensors taken, %.1f MiB written", len(modules),
-            sum(len(m.spec.experts) for m in modules), sum(m.hook.tensors for m in modules), written / 2**20)
-
-
-def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig) -> LoadReport:
-    """Fill every FusedMoEExperts of `model` with `parallel`'s share of the checkpoint.
-
-    The same plan and slice reads as `load_experts`: non-local experts are never
-    read, each local projection is read as the slice covering the rank's columns
-    and written straight into the module's parameters. Every module's ledger must
-    end complete; call `reset_load()` on the modules to load them a second time.
-    """
-    start = time.perf_counter()
-    modules = experts_modules(model)
-    _check_parallel(modules, parallel)
-    if is_presharded(checkpoint_folder):
-        return _load_presharded_into(modules, checkpoint_folder, parallel)
-    with planned(checkpoint_folder, parallel) as (_, index, scan, plans):
-        _check_coverage(modules, plans)
-        before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
-        for plan in plans:
-            modules[plan.prefix].load_plan(index, plan)
-        bytes_read = index.bytes_read
-    for module in modules.values():
-        module.check_complete()
-    report = LoadReport.of(plans, scan, tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()),
-                           bytes_read=bytes_read, start=start,
-                           bytes_written=sum(m.hook.bytes_written - before[p][1] for p, m in modules.items()))
-    rank_logger(parallel).info("loaded into the model: %s", report)
-    return report
-
-
-def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Path,
-                          parallel: ParallelConfig) -> LoadReport:
-    """Fill the modules from a wna16-shard output: the rank's fused tensors, copied as they are."""
-    layers = load_experts(folder, parallel)
-    problems = [f"output layer {p} has no FusedMoEExperts in the model" for p in sorted(set(layers) - set(modules))]
-    problems += [f"module {p} is not in the pre-sharded output" for p in sorted(set(modules) - set(layers))]
-    if problems:
-        raise CompletenessError(f"{folder}: the model's FusedMoEExperts and the output's MoE layers differ:\n"
-                                f"{format_offenders(problems)}")
-    for prefix, fused in layers.items():
-        modules[prefix].load_fused(fused, source=str(folder))
-        modules[prefix].check_complete()
-    rank_logger(parallel).info("loaded pre-sharded output into the model: %s", layers.report)
-    return layers.report
-
-
-def _check_parallel(modules: dict[str, FusedMoEExperts], parallel: ParallelConfig) -> None:
-    wrong = [f"{prefix}: {m.parallel}" for prefix, m in modules.items() if m.parallel != parallel]
-    if wrong:
-        raise LayoutMismatchError(f"FusedMoEExperts built for another parallel layout than {parallel}:\n"
-                                  f"{format_offenders(wrong)}\nBuild every module with the ParallelConfig you load.")
-
-
-def _check_coverage(modules: dict[str, FusedMoEExperts], plans: list[LayerPlan]) -> None:
-    planned = {plan.prefix for plan in plans}
-    problems = [f"checkpoint layer {p} has no FusedMoEExperts in the model" for p in sorted(planned - set(modules))]
-    problems += [f"module {p} has no expert tensors in the checkpoint" for p in sorted(set(modules) - planned)]
-    if problems:
-        raise CompletenessError(f"the model's FusedMoEExperts and the checkpoint's MoE layers differ:\n"
-                                f"{format_offenders(problems)}")

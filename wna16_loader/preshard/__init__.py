@@ -1,0 +1,52 @@
+"""Pre-shard a checkpoint once into every rank's fused tensors; load them back with no conversion.
+
+Output folder OUT (W = tp * ep ranks, rank r = ep_rank * tp + tp_rank):
+
+| path                                   | content                                             |
+|----------------------------------------|-----------------------------------------------------|
+| .wna16-plan.json                       | parameters + source fingerprint (written first)     |
+| rank-{r:05d}-of-{W:05d}/*.safetensors  | `{experts_prefix}.{fused name}` of rank r's load    |
+|                                        | (--layout checkpoint: source tensors, sliced)       |
+| common/*.safetensors                   | every non-routed-expert tensor, bytes unchanged     |
+| config.json, tokenizer*, ...           | small non-safetensors files of the source, copied   |
+| wna16_manifest.json                    | hashes, layout, source account (written last)       |
+
+Every file is written under a temporary name, fsynced and renamed; `.wna16-done.jsonl`
+journals finished files so `resume=True` redoes only the rest. Output is deterministic
+(sorted tensors, fixed metadata, no timestamps), so a resumed run is byte-identical to a
+clean one. Fused rank tensors come from the loader's own per-layer path (`loader.load_layer`), one
+layer at a time, so memory does not grow with the layer count; --layout checkpoint slices come from
+`presliced` (the loader's storage index computation). `workers` > 1 writes folders in a process pool.
+
+Modules, one job each (imports point down this list):
+
+| module     | job                                                                  |
+|------------|----------------------------------------------------------------------|
+| safefiles  | temporary name + fsync + rename, the output lock, write errors       |
+| planning   | the plan from headers: ranks, files, size caps, source fingerprint   |
+| progress   | the plan in words, progress lines or bar, the summary table          |
+| journal    | the plan file, the resume journal, refusing foreign outputs          |
+| manifest   | the manifest's records (tensors, layers, source account)             |
+| writing    | safetensors serialisation, streaming and hashing, parallel folders   |
+| verify     | hashes, and every tensor against the source                          |
+| run        | `preshard_checkpoint`: the whole run in order                        |
+
+The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,
+below the loader; it is re-exported here.
+"""
+
+from __future__ import annotations
+
+from ..presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded, load_presharded, read_manifest
+from .journal import JOURNAL_NAME
+from .planning import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
+from .progress import RankSummary, ShardSummary, describe_plan
+from .run import preshard_checkpoint
+from .safefiles import LOCK_NAME
+from .verify import verify_output
+
+__all__ = [
+    "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
+    "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_plan", "is_presharded", "load_presharded",
+    "make_plan", "preshard_checkpoint", "rank_folder", "read_manifest", "split_files", "verify_output",
+]

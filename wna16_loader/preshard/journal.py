@@ -1,0 +1,108 @@
+"""Starting and resuming a pre-shard run: the plan file written first, the journal of finished files,
+and the refusal of an output written with other parameters or from a changed source."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import PreshardError, format_offenders
+from ..presharded import MANIFEST_NAME, PLAN_NAME
+from .planning import ShardPlan, plan_record
+from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
+
+
+JOURNAL_NAME = ".wna16-done.jsonl"
+
+
+def check_existing(out: Path, plan: ShardPlan) -> None:
+    """Refuse a foreign non-empty OUT, or one written with other parameters or from a changed source."""
+    entries = [p.name for p in out.iterdir() if p.name != LOCK_NAME]
+    if not entries:
+        return
+    recorded = None
+    for name in (PLAN_NAME, MANIFEST_NAME):
+        if (out / name).is_file():
+            recorded = read_json(out / name)
+            break
+    if recorded is None:
+        raise PreshardError(f"{out}: not empty ({sorted(entries)[:5]}) and holds no {PLAN_NAME} or {MANIFEST_NAME}; "
+                            f"refusing to write into it. Choose an empty or new output folder.")
+    diffs = _differences(recorded, plan)
+    if diffs:
+        raise PreshardError(f"{out} was written with other parameters or from a changed source; refusing to mix "
+                            f"them. Use a new output folder, or delete {out} first. Differences:\n"
+                            f"{format_offenders(diffs)}")
+
+
+def _differences(recorded: dict[str, Any], plan: ShardPlan) -> list[str]:
+    params = recorded.get("params", {})
+    diffs = [f"{key}: written {params.get(key)!r}, requested {value!r}"
+             for key, value in plan.params.items() if params.get(key) != value]
+    old = {e["name"]: e for e in recorded.get("source", {}).get("files", [])}
+    new = {e["name"]: e for e in plan.fingerprint["files"]}
+    for name in sorted(set(old) | set(new)):
+        if old.get(name) != new.get(name):
+            diffs.append(f"source file {name}: written {old.get(name)}, now {new.get(name)}")
+    if recorded.get("source", {}).get("config_sha256") != plan.fingerprint["config_sha256"]:
+        diffs.append("source config.json changed since the output was written")
+    return diffs
+
+
+def start(out: Path, plan: ShardPlan, resume: bool) -> dict[str, dict[str, Any]]:
+    """Write the plan, drop the manifest and stray temporaries; the journal of files to keep on resume."""
+    journal = _read_journal(out, plan) if resume else {}
+    (out / MANIFEST_NAME).unlink(missing_ok=True)
+    for tmp in out.rglob(".*.tmp"):
+        tmp.unlink()
+    if not resume:
+        (out / JOURNAL_NAME).unlink(missing_ok=True)
+    write_json_atomic(out / PLAN_NAME, plan_record(plan))
+    return journal
+
+
+def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
+    """path -> record of finished files whose tensors match the plan and whose sha256 still matches."""
+    path = out / JOURNAL_NAME
+    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    kept: dict[str, dict[str, Any]] = {}
+    records = [_journal_record(line) for line in path.read_text(encoding="utf-8").splitlines()] \
+        if path.is_file() else []
+    if (out / MANIFEST_NAME).is_file():  # a finished run: its manifest records every file
+        manifest = read_json(out / MANIFEST_NAME)
+        try:
+            files = manifest["common"]["files"] + [f for rank in manifest["ranks"] for f in rank["files"]]
+        except (KeyError, TypeError):
+            raise PreshardError(f"{out / MANIFEST_NAME}: corrupt (no common/ranks file lists); delete {out} and run "
+                                f"wna16-shard again without --resume.") from None
+        records += files
+    for rec in records:
+        try:
+            path, tensors, digest = rec["path"], sorted(rec["tensors"]), rec["sha256"]
+        except (KeyError, TypeError):  # a line cut short by a kill, or a corrupt record: redo that file
+            continue
+        file = out / path
+        if planned.get(path) == tensors and file.is_file() and sha256_file(file) == digest:
+            kept[path] = rec
+    return kept
+
+
+def _journal_record(line: str) -> Any:
+    """One journal line as JSON; None for a line cut short by a kill."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def append_journal(out: Path, record: dict[str, Any]) -> None:
+    """One line per finished file, in one O_APPEND write (whole lines even with --workers)."""
+    with writing(out / JOURNAL_NAME):
+        fd = os.open(out / JOURNAL_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,43 @@
+"""The manifest of a pre-shard output (written last): versions, source, quantization, layout, every
+file's sha256 and tensor records, and where each source tensor went."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from ..presharded import SCHEMA_VERSION, spec_record
+from ..version import __version__
+from .planning import RankPlan, ShardPlan
+
+
+def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
+    """shape, dtype and sha256 of a tensor's raw bytes."""
+    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "sha256": hashlib.sha256(raw.tobytes()).hexdigest()}
+
+
+def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:
+    """Fused specs per layer; for --layout checkpoint only the local experts (the tensors keep the source format)."""
+    if plan.params["layout"] == "checkpoint":
+        return {p: {"experts": list(s.experts)} for p, s in rank.layers.items()}
+    return {p: spec_record(s) for p, s in rank.layers.items()}
+
+
+def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The manifest: versions, source, quantization, layout, per-rank files and hashes, source account."""
+    account: dict[str, Any] = {}
+    for fp in plan.common:
+        account.update({name: {"common": fp.path} for name in fp.tensors})
+    account.update({name: {"ranks": list(ranks)} for name, ranks in plan.expert_sources.items()})
+    ranks = [{"rank": r.parallel.rank, "tp_rank": r.parallel.tp_rank, "ep_rank": r.parallel.ep_rank,
+              "folder": r.folder, "layers": _layers_record(plan, r),
+              "files": [records[f.path] for f in r.files]} for r in plan.ranks]
+    return {"schema_version": SCHEMA_VERSION, "package_version": __version__, "params": plan.params,
+            "parallel": {"tp": plan.params["tp"], "ep": plan.params["ep"], "placement": plan.params["placement"]},
+            "source": plan.fingerprint, "quantization": plan.quant,
+            "common": {"files": [records[f.path] for f in plan.common]}, "ranks": ranks,
+            "source_tensors": dict(sorted(account.items())), "copied": list(plan.copied)}

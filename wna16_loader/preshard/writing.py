@@ -1,0 +1,202 @@
+"""Writing the output files: safetensors serialised with a byte-stable header and streamed one tensor
+at a time (hashed while written), fused layers produced one at a time, folders in parallel processes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import signal
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..checkpoint import DTYPES, INDEX_FILE, CheckpointIndex, nbytes_of
+from ..fused import FusedExperts
+from ..loader import load_layer
+from ..presharded import SCHEMA_VERSION
+from ..presliced import materialize
+from .journal import append_journal
+from .manifest import tensor_record
+from .planning import COMMON_DIR, FilePlan, RankPlan, ShardPlan
+from .progress import Progress, RankSummary
+from .safefiles import commit, make_dir, write_json_atomic, writing
+
+
+KILL_AFTER_FILES = 0  # test hook: when > 0, SIGKILL this process after that many files (simulates kill -9)
+
+
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], progress: bool,
+               workers: int = 1) -> tuple[RankSummary, ...]:
+    """Write common/ then every rank (in `workers` processes when > 1); journaled files are kept."""
+    meter = Progress(sum(f.nbytes for f in plan.all_files()), progress)
+    groups = [None] + list(range(len(plan.ranks)))
+    try:
+        if workers <= 1:
+            state = {"written": 0, "kill_after": KILL_AFTER_FILES}
+            results = [_write_group(out, plan, g, journal, state, meter.advance) for g in groups]
+        else:
+            results = _write_parallel(out, plan, groups, journal, workers)
+            for summary, _ in results:
+                meter.advance(summary.bytes, summary.name)
+        summaries = []
+        for summary, records in results:
+            journal.update({rec["path"]: rec for rec in records})
+            summaries.append(summary)
+    finally:
+        meter.close()
+    return tuple(summaries)
+
+
+def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journal: dict[str, dict[str, Any]],
+                    workers: int) -> list[tuple[RankSummary, list[dict[str, Any]]]]:
+    """One job per folder in a 'spawn' process pool; results in folder order."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(groups)), mp_context=context) as pool:
+        futures = [pool.submit(_write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
+        return [future.result() for future in futures]
+
+
+def _write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
+                 state: dict[str, int], advance: Callable[[int, str], None] | None = None
+                 ) -> tuple[RankSummary, list[dict[str, Any]]]:
+    """Write one folder's files (common/ when `group` is None, else rank `group`), one file at a time;
+    `advance(bytes, path)` is called after each file (kept ones included)."""
+    start = time.perf_counter()
+    rank = None if group is None else plan.ranks[group]
+    folder, files = (COMMON_DIR, plan.common) if rank is None else (rank.folder, rank.files)
+    make_dir(out / folder)
+    todo = [f for f in files if f.path not in journal]
+    metadata = file_metadata(plan, "common" if rank is None else str(rank.parallel.rank))
+    records = []
+    if todo:
+        with CheckpointIndex(plan.source) as index:
+            source = _tensor_source(plan, rank, index)
+            for fp in todo:
+                record = write_safetensors(out, fp, source, metadata)
+                append_journal(out, record)
+                records.append(record)
+                _maybe_kill(state)
+                if advance is not None:
+                    advance(fp.nbytes, fp.path)
+    kept = [fp for fp in files if fp.path in journal]
+    if advance is not None and kept:
+        advance(sum(fp.nbytes for fp in kept), f"{folder} ({len(kept)} files kept)")
+    if len(files) > 1:
+        weight_map = {name: f.name for f in files for name in f.tensors}
+        write_json_atomic(out / folder / INDEX_FILE, {"metadata": {"total_size": sum(f.nbytes for f in files)},
+                                                       "weight_map": dict(sorted(weight_map.items()))})
+    summary = RankSummary(folder, len(files), sum(len(f.tensors) for f in files), sum(f.nbytes for f in files),
+                          time.perf_counter() - start, kept=len(files) - len(todo))
+    return summary, records
+
+
+def _maybe_kill(state: dict[str, int]) -> None:
+    """Test hook (KILL_AFTER_FILES = N): die like `kill -9` after N files."""
+    state["written"] += 1
+    if state["kill_after"] and state["written"] >= state["kill_after"]:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class TensorSource:
+    """Where one output folder's tensors come from: `meta(name)` gives (shape, dtype) without reading,
+    `fetch(name)` produces the tensor. Files are written header first, then one tensor at a time."""
+
+    def __init__(self, meta: Callable[[str], tuple[tuple[int, ...], torch.dtype]],
+                 fetch: Callable[[str], torch.Tensor]) -> None:
+        self.meta, self.fetch = meta, fetch
+
+
+def _tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
+    """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
+    if rank is None:
+        return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),
+                            lambda n: index.read(index.refs[n]))
+    if rank.sliced:
+        return TensorSource(lambda n: (rank.sliced[n].shape, rank.sliced[n].dtype),
+                            lambda n: materialize(index, rank.sliced[n]))
+    layers = FusedLayers(plan, rank, index)
+    return TensorSource(layers.meta, layers.fetch)
+
+
+class FusedLayers:
+    """Fused tensors of one rank, loaded one layer at a time (the last layer is kept for the next file).
+
+    Files are written one tensor at a time in sorted order, which keeps each layer's tensors together,
+    so peak memory is about one fused layer, whatever the number of layers or the file size.
+    """
+
+    def __init__(self, plan: ShardPlan, rank: RankPlan, index: CheckpointIndex) -> None:
+        self.index, self.moe, self.plans = index, plan.moe, rank.plans
+        self.cached: tuple[str, FusedExperts] | None = None
+
+    def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of fused tensor `name`, from the plan (nothing is read)."""
+        prefix, _, field_name = name.rpartition(".")
+        return self.plans[prefix].fused.shapes()[field_name]
+
+    def fetch(self, name: str) -> torch.Tensor:
+        """Fused tensor `name` (loads its layer unless it is the cached one)."""
+        prefix, _, field_name = name.rpartition(".")
+        return self.layer(prefix).tensors[field_name]
+
+    def layer(self, prefix: str) -> FusedExperts:
+        """The fused layer `prefix` (loading it drops the previous one first)."""
+        if self.cached is None or self.cached[0] != prefix:
+            self.cached = None
+            layer, _, _ = load_layer(self.index, self.moe, self.plans[prefix], "cpu", False)
+            self.cached = (prefix, layer)
+        return self.cached[1]
+
+
+def file_metadata(plan: ShardPlan, rank: str) -> dict[str, str]:
+    """The fixed safetensors metadata of every output file."""
+    return {"format": "pt", "layout": plan.params["layout"], "tp": str(plan.params["tp"]), "ep": str(plan.params["ep"]),
+            "rank": rank, "wna16_manifest_schema": str(SCHEMA_VERSION)}
+
+
+def write_safetensors(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one file atomically (tmp, fsync, rename), streaming its tensors; its record for the manifest."""
+    final = out / fp.folder / fp.name
+    tmp = final.with_name(f".{fp.name}.tmp")
+    metas = {name: source.meta(name) for name in sorted(fp.tensors)}
+    with writing(final, tmp):
+        with open(tmp, "wb") as handle:
+            records, digest = _serialize(handle, metas, source.fetch, metadata)
+        commit(tmp, final)
+    return {"path": fp.path, "sha256": digest, "tensors": records}
+
+
+def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
+               fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
+    """Write the safetensors format: a sorted, byte-stable header computed from `metas` (safetensors' own
+    writer orders metadata keys differently from process to process), then each tensor as it is fetched.
+    Returns each tensor's manifest record and the sha256 of the bytes written."""
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, (shape, dtype) in metas.items():
+        nbytes = nbytes_of(tuple(shape), dtype)
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    for chunk in (len(text).to_bytes(8, "little"), text):
+        handle.write(chunk)
+        digest.update(chunk)
+    records = {}
+    for name, (shape, dtype) in metas.items():
+        tensor = fetch(name).detach().cpu().contiguous()
+        assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        handle.write(data)
+        digest.update(data)
+        records[name] = tensor_record(tensor)
+    return records, digest.hexdigest()

@@ -1,0 +1,43 @@
+"""What a load returns: the fused layers by experts prefix, and the report of what it did."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from .fused import FusedExperts
+from .plan import CheckpointScan, LayerPlan
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load did, for logs and benchmarks."""
+
+    layers: int
+    experts: int
+    tensors: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float
+    ignored: int = 0  # tensors that are not routed experts (routers, attention, shared experts, dense MLPs)
+
+    @classmethod
+    def of(cls, plans: list[LayerPlan], scan: CheckpointScan, *, tensors: int, bytes_read: int, bytes_written: int,
+           start: float) -> "LoadReport":
+        """The report of a load of `plans` that began at perf_counter() time `start`."""
+        return cls(layers=len(plans), experts=sum(len(p.fused.experts) for p in plans), tensors=tensors,
+                   bytes_read=bytes_read, bytes_written=bytes_written, seconds=time.perf_counter() - start,
+                   ignored=len(scan.others))
+
+    def __str__(self) -> str:
+        return (f"{self.layers} layers, {self.experts} local experts, {self.tensors} tensors, "
+                f"{self.bytes_read / 2**20:.1f} MiB read, {self.bytes_written / 2**20:.1f} MiB written, "
+                f"{self.seconds:.2f} s, {self.ignored} non-expert tensors left alone")
+
+
+class LoadedExperts(dict[str, FusedExperts]):
+    """experts prefix -> FusedExperts, with the load's `report` and the names of the
+    non-expert tensors it left alone (`ignored`)."""
+
+    report: LoadReport
+    ignored: tuple[str, ...] = ()

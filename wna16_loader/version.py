@@ -1,0 +1,3 @@
+"""The package version, in one place (read by the manifest and the CLI)."""
+
+__version__ = "0.1.0"
