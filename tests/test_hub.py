@@ -25,7 +25,9 @@ from huggingface_hub import constants
 from huggingface_hub.utils import filter_repo_objects
 
 from conftest import assert_exact, load_all_ranks, stitch
-from wna16_loader import CheckpointError
+from wna16_loader import (CheckpointError, FusedMoEExperts, LoadedExperts, ParallelConfig, load_experts,
+                          load_model_experts, read_moe_config)
+from wna16_loader.cli import main
 from wna16_loader.hub import CHECKPOINT_FILES, resolve_checkpoint
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
@@ -124,8 +126,8 @@ def test_local_folder_wins_over_repo_id(hf_cache, tmp_path, monkeypatch):
 
 
 def test_revision_with_a_local_folder_refused(tmp_path):
-    with pytest.raises(CheckpointError, match=rf"^{tmp_path}: a local folder, but revision='v2' was given; a "
-                                              r"revision applies only to a Hugging Face repo id\. Drop the revision\.$"):
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}: a local folder, but revision='v2' was given; a revision "
+                                              r"applies only to a Hugging Face repo id\. Drop the revision\.$"):
         resolve_checkpoint(tmp_path, revision="v2")
 
 
@@ -148,8 +150,9 @@ def test_neither_folder_nor_repo_id(hf_cache, arg, problem):
 def test_download_patterns_take_only_what_a_rank_reads():
     repo_files = ["config.json", "generation_config.json", "quantize_config.json", "quant_config.json",
                   "quantization_config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
-                  "model-00002-of-00002.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                  "pytorch_model.bin", "pytorch_model.bin.index.json", "README.md", "merges.txt", "vocab.json"]
+                  "model-00002-of-00002.safetensors", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "pytorch_model.bin", "pytorch_model.bin.index.json", "README.md",
+                  "merges.txt", "vocab.json"]
     assert list(filter_repo_objects(repo_files, allow_patterns=list(CHECKPOINT_FILES))) == [
         "config.json", "quantize_config.json", "quant_config.json", "quantization_config.json",
         "model.safetensors.index.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -167,6 +170,72 @@ def test_load_experts_from_a_cached_repo(hf_cache, tmp_path, files):
     assert all(list(loaded) == list(ckpt.prefixes) for loaded in loads.values())
     weights, _ = stitch(loads, tp=2)
     assert_exact(weights, ckpt.references)
+
+
+# --- the public functions and wna16-shard, given a repo id ------------------------------------------------
+
+@pytest.fixture
+def two_revisions(hf_cache: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """REPO in the cache: main = a GPTQ checkpoint, branch v2 (commit SHA_V2) = another one (other seed);
+    returns their source folders."""
+    qc = quant_config("gptq", bits=4, group_size=32)
+    main_src = write_checkpoint(tmp_path / "main", qc, num_experts=4, hidden=64, intermediate=64, num_layers=2).folder
+    v2_src = write_checkpoint(tmp_path / "v2", qc, num_experts=4, hidden=64, intermediate=64, num_layers=2,
+                              seed=1).folder
+    cache_repo(hf_cache, REPO, folder_files(main_src), sha=SHA_MAIN)
+    cache_repo(hf_cache, REPO, folder_files(v2_src), sha=SHA_V2, refs=("v2",))
+    return main_src, v2_src
+
+
+def assert_same_load(got: LoadedExperts, want: LoadedExperts) -> None:
+    assert list(got) == list(want)
+    for prefix, layer in want.items():
+        assert all(torch.equal(got[prefix].tensors[name], tensor) for name, tensor in layer.tensors.items())
+
+
+TP2 = ParallelConfig(tp_size=2, tp_rank=1)
+
+
+def test_load_experts_and_read_moe_config_take_a_repo_id(two_revisions):
+    main_src, v2_src = two_revisions
+    assert read_moe_config(REPO) == read_moe_config(main_src)
+    assert read_moe_config(REPO, revision="v2") == read_moe_config(v2_src)
+    assert_same_load(load_experts(REPO, TP2), load_experts(main_src, TP2))
+    v2, prefix = load_experts(REPO, TP2, revision=SHA_V2), read_moe_config(v2_src).experts_prefixes[0]
+    assert_same_load(v2, load_experts(v2_src, TP2))
+    other = load_experts(main_src, TP2)[prefix].tensors["w13_qweight"]
+    assert not torch.equal(v2[prefix].tensors["w13_qweight"], other)
+    with pytest.raises(CheckpointError, match=r"a local folder, but revision='v2' was given"):
+        load_experts(main_src, TP2, revision="v2")
+
+
+def test_load_model_experts_takes_a_repo_id(two_revisions):
+    _, v2_src = two_revisions
+    moe = read_moe_config(REPO, revision="v2")
+    model = torch.nn.ModuleList([FusedMoEExperts(moe, prefix, TP2) for prefix in moe.experts_prefixes])
+    load_model_experts(model, REPO, TP2, revision="v2")
+    want = load_experts(v2_src, TP2)
+    for module in model:
+        params = dict(module.named_parameters())
+        assert all(torch.equal(params[name], tensor) for name, tensor in want[module.prefix].tensors.items())
+
+
+def test_wna16_shard_takes_a_repo_id(two_revisions, tmp_path, capsys):
+    main_src, v2_src = two_revisions
+    out = tmp_path / "out"
+    assert main([REPO, str(out), "--tp", "2", "--revision", "v2", "--quiet"]) == 0
+    assert_same_load(load_experts(out, TP2), load_experts(v2_src, TP2))
+    assert main(["verify", str(out), "--source", REPO, "--revision", "v2"]) == 0
+    assert main(["verify", str(out), "--source", REPO]) == 1  # main is another checkpoint
+    capsys.readouterr()
+    assert main(["verify", str(out), "--revision", "v2"]) == 2
+    assert capsys.readouterr().err == ("wna16-shard: error: --revision v2 names a revision of --source, but no "
+                                       "--source was given; pass --source org/name or drop --revision.\n")
+    assert main([str(main_src), str(tmp_path / "o2"), "--tp", "2", "--revision", "v2"]) == 2
+    assert "a local folder, but revision='v2' was given" in capsys.readouterr().err
+    assert main(["test-org/missing", str(tmp_path / "o3"), "--tp", "2"]) == 2
+    assert capsys.readouterr().err.startswith("wna16-shard: error: test-org/missing (revision 'main'): no such local "
+                                              "folder, no usable snapshot in the Hugging Face cache ")
 
 
 # --- downloads, against a Hub stand-in on 127.0.0.1 ---------------------------------------------------
@@ -271,12 +340,14 @@ def test_snapshot_with_only_config_is_completed_by_a_download(online, hf_cache):
     cache_repo(hf_cache, REPO, {"config.json": online.files["config.json"]}, sha=SHA_MAIN)
     folder = resolve_checkpoint(REPO)
     assert "model-00002-of-00002.safetensors" in online.fetched()
-    assert (folder / "model-00002-of-00002.safetensors").read_bytes() == online.files["model-00002-of-00002.safetensors"]
+    name = "model-00002-of-00002.safetensors"
+    assert (folder / name).read_bytes() == online.files[name]
 
 
 def test_repo_missing_on_the_hub(online, hf_cache):
-    with pytest.raises(CheckpointError, match=r"^test-org/other \(revision 'main'\): no such local folder, no usable "
-                                              rf"snapshot in the Hugging Face cache {hf_cache}/models--test-org--other, "
+    with pytest.raises(CheckpointError, match=r"^test-org/other \(revision 'main'\): no such local folder, no "
+                                              rf"usable snapshot in the Hugging Face cache {hf_cache}/models--test-"
+                                              r"org--other, "
                                               r"and none could be downloaded: the Hub has no such repo, or it is "
                                               r"private or gated and no accepted token was sent \(`hf auth login`\)\. "
                                               r"Fix: check the repo id and revision"):
