@@ -180,6 +180,7 @@ def test_family_loads_exactly(tmp_path, name):
     ckpt = write_family_checkpoint(tmp_path, config, QUANT, seed=len(name))
     moe = read_moe_config(tmp_path)
     assert moe.experts_prefixes == ckpt.prefixes
+    assert moe.zero_experts == resolve(fixture(name)).zero_experts  # LongCat: 256 identity experts, never placed
     assert tuple(int(p.split(".layers.")[1].split(".")[0]) for p in ckpt.prefixes) == moe.moe_layers
     row = BY_MODEL_TYPE[moe.family]
     assert all(p.startswith(f"{row.roots[0]}.layers.") for p in ckpt.prefixes)
