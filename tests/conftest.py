@@ -2,9 +2,9 @@
 
 `reassemble` is the independent check used by the fixture and loader tests: it
 loads each rank with its own `ParallelConfig`, dequantises the fused layout,
-splits w13 into gate (rows 0..I_p-1) and up (rows I_p..), checks that each rank's
-padding (the last `padding` of its I_p columns) dequantises to 0, and concatenates the
-real columns of the TP slices (gate/up along rows, down along columns). `expected_experts` computes
+splits w13 into gate (rows 0..I_p-1) and up (rows I_p..; all rows when not gated), checks that each
+rank's padding (the last `padding` of its I_p columns) dequantises to 0, and concatenates the real columns
+of the TP slices (gate/up along rows, down along columns). `expected_experts` computes
 the expert placement from the spec, independently of the package.
 """
 
@@ -60,17 +60,20 @@ def stitch(loads: dict[tuple[int, int], LoadedExperts], tp: int) -> tuple[Weight
             deq = layer.dequantize()
             assert deq.w13.dtype == torch.float32 and deq.w2.dtype == torch.float32
             ids = layer.expert_ids.tolist()
-            part = deq.w13.shape[1] // 2
-            assert deq.w2.shape[2] == part, f"{prefix}: w13 rows {deq.w13.shape[1]} vs w2 columns {deq.w2.shape[2]}"
+            part = deq.w2.shape[2]
+            halves = ("gate", "up") if layer.gated else ("up",)
+            assert deq.w13.shape[1] == len(halves) * part, \
+                f"{prefix}: w13 rows {deq.w13.shape[1]} vs w2 columns {part} (gated={layer.gated})"
             real = part - layer.padding  # the checkpoint's columns; the padding after them must be exactly 0
-            assert not deq.w13[:, real:part].any() and not deq.w13[:, part + real:].any(), f"{prefix}: w13 padding"
+            for i in range(len(halves)):
+                assert not deq.w13[:, i * part + real:(i + 1) * part].any(), f"{prefix}: w13 padding"
             assert not deq.w2[:, :, real:].any(), f"{prefix}: w2 padding"
             for slot, expert in enumerate(ids):
                 owners[(prefix, expert)][tp_rank].append(ep_rank)
-                if tp_rank in slices[(prefix, expert, "gate")]:
+                if tp_rank in slices[(prefix, expert, "down")]:
                     continue  # a duplicate owner; the owner map reports it
-                slices[(prefix, expert, "gate")][tp_rank] = deq.w13[slot, :real]
-                slices[(prefix, expert, "up")][tp_rank] = deq.w13[slot, part:part + real]
+                for i, half in enumerate(halves):
+                    slices[(prefix, expert, half)][tp_rank] = deq.w13[slot, i * part:i * part + real]
                 slices[(prefix, expert, "down")][tp_rank] = deq.w2[slot, :, :real]
     weights: Weights = {}
     for key, parts in slices.items():

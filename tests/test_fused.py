@@ -19,6 +19,7 @@ from wna16_loader.extract import ProjectionParams
 from wna16_loader.formats import Role, resolve_quant_spec
 from wna16_loader.fused import FusedExperts, FusedSpec, FusedWriter, Ledger, copy_transposing, dequantize
 from wna16_loader.names import Proj
+from wna16_loader.padfill import real_groups
 from wna16_loader.sharding import LayerGeometry, Span
 from wna16_loader.synthetic import quant_config
 
@@ -347,7 +348,7 @@ def test_padded_spec_gemma4_tp8_shapes_are_uniform_and_report_padding() -> None:
     assert [spec.padding for spec in specs] == [0] * 7 + [64]
     last = specs[7]
     assert (last.intermediate_size, last.intermediate_size_per_partition, last.real) == (704, 96, 32)
-    assert (last.real_groups("w2"), specs[0].real_groups("w2")) == (1, 3)
+    assert (real_groups(last, "w2"), real_groups(specs[0], "w2")) == (1, 3)
     tensors = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in last.shapes().items()}
     layer = FusedExperts(P, last, tensors)
     assert (layer.intermediate_size, layer.intermediate_size_per_partition, layer.padding) == (704, 96, 64)

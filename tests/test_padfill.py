@@ -21,7 +21,7 @@ from wna16_loader.extract import ProjectionParams
 from wna16_loader.fused import FusedSpec, FusedWriter
 from wna16_loader.names import Proj
 from wna16_loader.packing import unpack_bytes
-from wna16_loader.padfill import fill_padding, pad_byte, pad_value, padding_bytes
+from wna16_loader.padfill import fill_padding, pad_byte, pad_value, padding_bytes, real_groups
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
 P = "model.layers.0.mlp.experts"
@@ -53,9 +53,9 @@ def test_pad_values_and_bytes() -> None:
 def test_spec_real_columns_and_groups() -> None:
     spec = padded_spec(8)
     assert (spec.intermediate_size, spec.intermediate_size_per_partition, spec.padding, spec.real) == (104, 48, 40, 8)
-    assert (spec.real_groups("w13"), spec.real_groups("w2")) == (2, 1)  # w2 columns 0..7 sit in fused group 0
-    assert padded_spec(0).real_groups("w2") == 0 and padded_spec(48).real_groups("w2") == 3
-    assert padded_spec(8, act_order=True, groups=4).real_groups("w2") == 4  # act-order: every group of I
+    assert (real_groups(spec, "w13"), real_groups(spec, "w2")) == (2, 1)  # w2 columns 0..7 sit in fused group 0
+    assert real_groups(padded_spec(0), "w2") == 0 and real_groups(padded_spec(48), "w2") == 3
+    assert real_groups(padded_spec(8, act_order=True, groups=4), "w2") == 4  # act-order: every group of I
 
 
 def test_gate_padding_rows_asymmetric() -> None:
@@ -140,7 +140,7 @@ def test_padding_bytes_counts_what_fill_padding_writes(real: int, zero: bool, ac
         writer = FusedWriter(P, spec, "cpu", staging=staging)  # writes expert_ids
         before = {name: tensor.view(torch.uint8).clone() for name, tensor in staging.items()}
         for proj in Proj:
-            zeros = torch.full((2, HID, spec.real_groups("w2")) if proj is Proj.DOWN else (2, real, 2), 3,
+            zeros = torch.full((2, HID, real_groups(spec, "w2")) if proj is Proj.DOWN else (2, real, 2), 3,
                                dtype=torch.uint8)
             fill_padding(staging, spec, slice(0, 2), writer.rows(proj), zeros if zero else None)
         for name, tensor in staging.items():

@@ -206,3 +206,23 @@ def test_padded_layout_round_trip_manifest_and_verify(tmp_path: Path) -> None:
     layers[2].tensors["w13_qweight"][0, 40] = 0x11  # a padded gate row of tp rank 2 (rows 32..47)
     assert _compare_stitched(prefix, 0, layers, reference, reference.dequantize()) == [
         f"{prefix}: ep rank 0 tp rank 2: the 16 padding columns do not dequantise to exactly 0; re-shard the source"]
+
+
+def test_non_gated_round_trip_and_verify(tmp_path: Path) -> None:
+    """Nemotron-H's non-gated experts (w13 = up rows only) through wna16-shard, both layouts, and verify."""
+    from test_hook import nemotron_checkpoint
+
+    src = nemotron_checkpoint(tmp_path / "src").folder
+    for layout in ("fused", "checkpoint"):
+        out = tmp_path / layout
+        preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False, layout=layout)
+        for pc in ParallelConfig.all_ranks(tp_size=2, ep_size=2) if layout == "fused" else ():
+            fast, direct = load_experts(out, pc), load_experts(src, pc)
+            assert list(fast) == list(direct) == ["backbone.layers.1.mixer.experts", "backbone.layers.4.mixer.experts"]
+            for prefix, layer in direct.items():
+                assert fast[prefix].spec == layer.spec and layer.spec.gated is False
+                assert layer.spec.activation == "relu2"
+                assert all(torch.equal(fast[prefix].tensors[n], t) for n, t in layer.tensors.items())
+        assert verify_output(out, source=src) == []
+    manifest = json.loads((tmp_path / "fused" / MANIFEST_NAME).read_text())
+    assert "'gated': False" in repr(manifest) or '"gated": false' in json.dumps(manifest)

@@ -40,6 +40,23 @@ def pad_byte(value: int, bits: int) -> int:
     return sum(value << shift for shift in range(0, 8, bits))
 
 
+def real_groups(spec: FusedSpec, half: str) -> int:
+    """Scale groups of 'w13' or 'w2' that hold checkpoint columns (the first ones; the rest are padding)."""
+    if half == "w13" or spec.act_order:
+        return spec.w13_groups if half == "w13" else spec.w2_groups
+    return 1 if spec.group_size == -1 else -(-spec.real // spec.group_size)
+
+
+def real_rows(spec: FusedSpec, rows: tuple[str, slice, slice]) -> tuple[str, slice, slice]:
+    """FusedWriter.rows of a projection narrowed to the checkpoint's rows of w13 (padding rows follow
+    them); w2 is unchanged (its padding is along K)."""
+    half, weight_rows, zero_rows = rows
+    if half == "w2" or not spec.padding:
+        return rows
+    return half, slice(weight_rows.start, weight_rows.start + spec.real), \
+        slice(zero_rows.start, zero_rows.start + spec.real // (8 // spec.bits))
+
+
 def fill_padding(staging: dict[str, torch.Tensor], spec: FusedSpec, slots: slice,
                  rows: tuple[str, slice, slice], zeros: torch.Tensor | None) -> None:
     """Write the padding of one projection for a run of slots into `staging` (the fused tensors).
@@ -55,10 +72,10 @@ def fill_padding(staging: dict[str, torch.Tensor], spec: FusedSpec, slots: slice
             staging["w13_qzeros"][slots, zero_rows.start + spec.real // per_byte:zero_rows.stop].fill_(0)
         staging["w13_qweight"][slots, weight_rows.start + spec.real:weight_rows.stop].fill_(pad_byte(value, spec.bits))
         return
-    real_groups = spec.real_groups("w2")
-    staging["w2_scales"][slots, :, real_groups:].fill_(1)
+    real = real_groups(spec, "w2")
+    staging["w2_scales"][slots, :, real:].fill_(1)
     if spec.has_zero_point:
-        staging["w2_qzeros"][slots, :, real_groups:].fill_(0)
+        staging["w2_qzeros"][slots, :, real:].fill_(0)
     if spec.act_order:
         staging["w2_g_idx"][slots, spec.real:].fill_(0)
     weights = padded_w2_weights(spec, slots.stop - slots.start, zeros)
@@ -84,7 +101,7 @@ def padding_bytes(spec: FusedSpec) -> int:
     p, h, per_byte = spec.padding, spec.hidden, 8 // spec.bits
     scale = torch.empty(0, dtype=spec.scale_dtype).element_size()
     zero = 1 if spec.has_zero_point else 0
-    pad_groups = spec.w2_groups - spec.real_groups("w2")
+    pad_groups = spec.w2_groups - real_groups(spec, "w2")
     w13 = 2 * p * (h // per_byte + spec.w13_groups * scale) + zero * (2 * p // per_byte) * spec.w13_groups
     w2 = h * (p // per_byte) + h * pad_groups * scale + zero * (h // per_byte) * pad_groups
     return len(spec.experts) * (w13 + w2 + (4 * p if spec.act_order else 0))

@@ -103,16 +103,16 @@ def _compare_stitched(prefix: str, ep_rank: int, layers: list[FusedExperts], ref
                       ref: Any) -> list[str]:
     """The real columns of the TP ranks stitched together equal the reference; padding is exactly 0."""
     deq = [layer.dequantize() for layer in layers]
-    part = layers[0].spec.part
+    part, halves = layers[0].spec.part, len(layers[0].spec.projections) - 1  # gate and up, or up only
     real = [layer.spec.real for layer in layers]
-    gate = torch.cat([d.w13[:, :r] for d, r in zip(deq, real)], dim=1)
-    up = torch.cat([d.w13[:, part:part + r] for d, r in zip(deq, real)], dim=1)
+    w13 = torch.cat([torch.cat([d.w13[:, h * part:h * part + r] for d, r in zip(deq, real)], dim=1)
+                     for h in range(halves)], dim=1)
     w2 = torch.cat([d.w2[:, :, :r] for d, r in zip(deq, real)], dim=2)
     index = [list(ref_layer.spec.experts).index(e) for e in layers[0].spec.experts]
     problems = [f"{prefix}: ep rank {ep_rank} tp rank {t}: the {layer.padding} padding columns do not dequantise to "
                 f"exactly 0; re-shard the source" for t, (layer, d, r) in enumerate(zip(layers, deq, real))
-                if d.w13[:, r:part].any() or d.w13[:, part + r:].any() or d.w2[:, :, r:].any()]
-    if not torch.equal(torch.cat([gate, up], dim=1), ref.w13[index]):
+                if any(d.w13[:, h * part + r:(h + 1) * part].any() for h in range(halves)) or d.w2[:, :, r:].any()]
+    if not torch.equal(w13, ref.w13[index]):
         problems.append(f"{prefix}: ep rank {ep_rank}: w13 does not reassemble to the source's dequantised weights")
     if not torch.equal(w2, ref.w2[index]):
         problems.append(f"{prefix}: ep rank {ep_rank}: w2 does not reassemble to the source's dequantised weights")
