@@ -189,3 +189,21 @@ def test_padded_layout_end_to_end(tmp_path: Path, fmt: str, extra: dict, inter: 
                 for layer in layers)
     scale = float(expected.abs().max())  # float32 sums over 704..1408 products, in another order per rank
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("tp", [3, 5])
+def test_non_gated_experts_pad(tmp_path: Path, tp: int) -> None:
+    """Nemotron-H's up-only experts (relu2, I = 64) at tp 3 / 5: I' = 96 / 80; relu2(0) = 0 keeps padding exact."""
+    from test_hook import nemotron_checkpoint
+
+    ckpt = nemotron_checkpoint(tmp_path)
+    loads = load_all_ranks(ckpt.folder, tp, 1)
+    weights, _ = stitch(loads, tp)
+    assert_exact(weights, ckpt.references)
+    x, ids, topk = forward_inputs(64, 4)
+    for prefix in ckpt.prefixes:
+        whole = load_experts(ckpt.folder, ParallelConfig(1, 0))[prefix]
+        expected = reference_forward(whole.dequantize(), whole.spec.experts, x, ids, topk, Activation.RELU2)
+        total = sum(reference_forward(loaded[prefix].dequantize(), loaded[prefix].spec.experts, x, ids, topk,
+                                      Activation.RELU2) for loaded in loads.values())
+        torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
