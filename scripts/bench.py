@@ -215,11 +215,12 @@ def run_whole(path: Path, parallel: ParallelConfig) -> list[dict[str, torch.Tens
 # ---------------------------------------------------------------- timing
 
 def valid_tps(path: Path) -> list[int]:
-    """The TP sizes of TP_SIZES this checkpoint can be sharded to."""
+    """The TP sizes of TP_SIZES this checkpoint can be sharded to without padding (the whole-tensor
+    baseline slices unpadded layouts only)."""
     moe = read_config_files(path)
     q = moe.quant
     return [tp for tp in TP_SIZES if not layout_problem(moe.hidden_size, moe.intermediate_size, q.bits,
-                                                         q.group_size, q.act_order, tp)]
+                                                         q.group_size, q.act_order, tp, allow_padding=False)]
 
 
 def contenders(path: Path) -> dict[str, Callable[[], Any]]:
