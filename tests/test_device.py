@@ -21,6 +21,7 @@ from torch import nn
 from wna16_loader import (FusedMoEExperts, ParallelConfig, check_model_complete, expert_param_mapping,
                           install_load_hook, load_experts, load_model_experts, read_moe_config)
 from wna16_loader.checkpoint import CheckpointIndex
+from wna16_loader.device import DevicePolicy
 from wna16_loader.extract import rank_spans, read_qweights
 from wna16_loader import extract
 from wna16_loader.formats import Dim
@@ -278,7 +279,7 @@ def test_upload_path_equals_host_path(tmp_path: Path, monkeypatch: pytest.Monkey
             sources = [plan.sources[(e, proj)] for e in plan.fused.experts]
             spans, _ = rank_spans(sources[0], plan.geometry.slice(proj))
             host = list(read_qweights(index, moe.quant, sources, spans))
-            uploaded = list(read_qweights(index, moe.quant, sources, spans, upload_to=torch.device("cuda", 3)))
+            uploaded = list(read_qweights(index, moe.quant, sources, spans, upload=DevicePolicy.of("cuda:3")))
             assert [p.experts for p in uploaded] == [slice(i, i + 1) for i in range(len(sources))]
             assert {p.n for p in host + uploaded} == {Span(0, len(spans[Dim.N]))}
             assert all(p.tensor.device == torch.device("cuda", 3) for p in uploaded)
