@@ -22,6 +22,7 @@ from wna16_loader import (FusedMoEExperts, ParallelConfig, check_model_complete,
                           install_load_hook, load_experts, load_model_experts, read_moe_config)
 from wna16_loader.checkpoint import CheckpointIndex
 from wna16_loader.device import DevicePolicy
+from wna16_loader.errors import DeviceError, WNA16Error
 from wna16_loader.extract import rank_spans, read_qweights
 from wna16_loader import extract
 from wna16_loader.formats import Dim
@@ -300,3 +301,49 @@ def test_staging_places(sources: Callable[[str], Source], target: Target, conver
         on_device = convert_on_device and name.endswith("_qweight")
         assert buf.device == (target.device if on_device else torch.device("cpu")), name
     assert writer.upload_to == (target.device if convert_on_device else None)
+
+
+# ---------------------------------------------------------------------- the policy
+
+def test_policy_resolves_devices() -> None:
+    assert DevicePolicy.of("cpu") == DevicePolicy(torch.device("cpu"), convert_on_device=False)
+    assert DevicePolicy.of("cpu").upload_to is None and not DevicePolicy.of("cpu").gpu
+    with StandIn(count=4) as sim:
+        sim.current = 2
+        assert DevicePolicy.of("cuda").target == torch.device("cuda", 2)  # a bare cuda: the current device
+        assert DevicePolicy.of("cuda:3", convert_on_device=False).upload_to is None
+        with pytest.raises(DeviceError, match=r"device 'cuda:4': only 4 GPUs are visible \(cuda:0..cuda:3\)"):
+            DevicePolicy.of("cuda:4")
+    with pytest.raises(DeviceError, match=r"device 'meta': this loader writes to cpu or cuda\[:N\]"):
+        DevicePolicy.of("meta")
+
+
+def test_gpu_requested_from_a_cpu_only_torch(monkeypatch: pytest.MonkeyPatch, sources: Callable[[str], Source]) -> None:
+    """A clear DeviceError (a WNA16Error), from every entry point, before anything is read."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    want = r"device 'cuda:1': this PyTorch \(.*\) sees no CUDA or ROCm device \(a CPU-only build\); install a CUDA"
+    with pytest.raises(DeviceError, match=want):
+        load_experts(sources("awq4").folder, PARALLEL, device="cuda:1")
+    with pytest.raises(DeviceError, match=want):
+        load_experts(sources("awq4").sharded, PARALLEL, device="cuda:1")
+    assert issubclass(DeviceError, WNA16Error)
+
+
+@pytest.mark.parametrize("convert_on_device", [True, False])
+def test_policy_staging_table(convert_on_device: bool) -> None:
+    """Weights on the device when converted there, else ordinary host memory; the rest pinned for a GPU."""
+    with StandIn(count=4) as sim:
+        policy = DevicePolicy.of("cuda:3", convert_on_device=convert_on_device)
+        with policy.scope():
+            weights = policy.staging("w13_qweight", (4, 8), torch.uint8)
+            scales = policy.staging("w13_scales", (4, 2), torch.float16)
+        assert weights.device == (torch.device("cuda", 3) if convert_on_device else torch.device("cpu"))
+        assert scales.device == torch.device("cpu") and sim.pinned == [(16, 3)]
+        policy.synchronize()
+        assert sim.syncs == [3]
+    cpu = DevicePolicy.of("cpu")
+    assert cpu.staging("w13_qweight", (2,), torch.uint8).device == torch.device("cpu")
+    with cpu.scope():
+        cpu.synchronize()  # nothing to wait for, no CUDA call
