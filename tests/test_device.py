@@ -253,6 +253,20 @@ def test_finding5_one_synchronize_per_load(sources: Callable[[str], Source], pat
     assert sim.syncs == [3]
 
 
+def test_finding5_a_module_loaded_alone_synchronises_once(sources: Callable[[str], Source]) -> None:
+    """`module.load_state_dict` on one FusedMoEExperts (the root of the load) synchronises at its end."""
+    src = sources("gptq8")
+    moe, want = read_moe_config(src.folder), cpu_load(src)
+    prefix = moe.experts_prefixes[1]
+    with StandIn(count=4) as sim:
+        module = FusedMoEExperts(moe, prefix, PARALLEL, device="cuda:3")
+        module.install_load_hook()
+        module.load_state_dict({n[len(prefix) + 1:]: t for n, t in mapped_tensors(src.folder)
+                                if n.startswith(prefix + ".")}, strict=True)
+        assert sim.syncs == [3]
+        assert_equal_on({prefix: dict(module.named_parameters())}, {prefix: want[prefix]}, torch.device("cuda", 3))
+
+
 # ---------------------------------------------------------------------- pieces
 
 def first_plan(folder: Path, parallel: ParallelConfig) -> LayerPlan:
