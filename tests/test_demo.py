@@ -29,3 +29,10 @@ def test_demo_refuses_a_gpu_from_a_cpu_only_torch(tmp_path: Path, monkeypatch: p
     assert main(["--out", str(tmp_path), "--device", "cuda:0"]) == 2
     assert "error: device 'cuda:0': this PyTorch" in capsys.readouterr().out
     assert not any(tmp_path.iterdir())  # refused before writing anything
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_demo_on_the_last_real_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    assert main(["--out", str(tmp_path), "--device", device, "--act-order"]) == 0
+    assert "reassembly: 48/48 expert projections identical" in capsys.readouterr().out
