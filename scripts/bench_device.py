@@ -115,30 +115,47 @@ def check_equal(cpu: LoadedExperts, loaded: LoadedExperts, policy: DevicePolicy,
                 raise SystemExit(f"MISMATCH {what} {prefix}.{name}: on {moved.device}, target {policy.target}")
 
 
-def ranks(path: Path, tp: int, policy: DevicePolicy, reps: int, load: Callable[..., LoadedExperts],
+class CpuLoads(dict[tuple[int, int], LoadedExperts]):
+    """The CPU load of each (TP, rank) of one checkpoint, made once: the reference of every device load."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def __missing__(self, key: tuple[int, int]) -> LoadedExperts:
+        self[key] = load_experts(self.path, ParallelConfig(*key))
+        return self[key]
+
+
+def ranks(cpu: CpuLoads, tp: int, policy: DevicePolicy, reps: int, load: Callable[..., LoadedExperts],
           what: str) -> dict[str, Any]:
     """Time `load(parallel)` for every rank of TP `tp`; each rank's result checked against its CPU load."""
     medians = []
     for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=1):
         t, result = timed(lambda: load(parallel), policy, reps)
         medians.append(t["median"])
-        check_equal(load_experts(path, parallel), result, policy, f"{what} rank {parallel.rank}")
+        check_equal(cpu[(tp, parallel.rank)], result, policy, f"{what} rank {parallel.rank}")
     return {"median_rank_s": statistics.median(medians), "max_rank_s": max(medians), "ranks": tp, "checked": tp}
 
 
-def loads(path: Path, policy: DevicePolicy, reps: int, workdir: Path) -> dict[str, Any]:
-    """Per-rank device loads at every TP, both conversions, and from a wna16-shard output."""
+def loads(path: Path, policy: DevicePolicy, reps: int, workdir: Path, deadline: float) -> dict[str, Any]:
+    """Per-rank device loads at every TP, both conversions, and from a wna16-shard output (what does not
+    start before `deadline`, a perf_counter time, is recorded as skipped)."""
     out: dict[str, Any] = {}
-    tps = [1] + bench.valid_tps(path)
+    cpu, tps = CpuLoads(path), [1] + bench.valid_tps(path)
     for tp in tps:
         for convert in (True, False):
             key = f"tp{tp} {'device' if convert else 'host'} conversion"
-            out[key] = ranks(path, tp, policy, reps, lambda p, c=convert: load_experts(
-                path, p, device=policy.target, convert_on_device=c), f"{path.name} {key}")
+            out[key] = {"skipped": "time budget"} if time.perf_counter() > deadline else \
+                ranks(cpu, tp, policy, reps, lambda p, c=convert: load_experts(
+                    path, p, device=policy.target, convert_on_device=c), f"{path.name} {key}")
     sharded = workdir / f"{path.name}-tp{tps[-1]}"
+    if time.perf_counter() > deadline:
+        out[f"tp{tps[-1]} pre-sharded"] = {"skipped": "time budget"}
+        return out
     if not (sharded / "wna16_manifest.json").is_file():
         preshard_checkpoint(path, sharded, tp_size=tps[-1], progress=False)
-    out[f"tp{tps[-1]} pre-sharded"] = ranks(sharded, tps[-1], policy, reps, lambda p: load_experts(
+    out[f"tp{tps[-1]} pre-sharded"] = ranks(cpu, tps[-1], policy, reps, lambda p: load_experts(
         sharded, p, device=policy.target), f"{sharded.name}")
     return out
 
@@ -171,6 +188,9 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"[{fmt}] H2D GB/s: " + ", ".join(f"{k} {v['gb_per_s']:.1f}" for k, v in res["h2d"].items()
                                                      if isinstance(v, dict)))
         for key, v in res["load"].items():
+            if "skipped" in v:
+                lines.append(f"[{fmt}] {key:<26} skipped ({v['skipped']})")
+                continue
             lines.append(f"[{fmt}] {key:<26} median rank {v['median_rank_s'] * 1e3:8.1f} ms, slowest "
                          f"{v['max_rank_s'] * 1e3:8.1f} ms, {v['checked']}/{v['ranks']} ranks exact")
     return "\n".join(lines)
@@ -185,6 +205,8 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="cuda:N (also ROCm; default: the last GPU) or cpu (dry run)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--tests-junit", type=Path, help="a pytest --junitxml file to include in the summary")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new TP size after this many seconds (the rest is recorded as skipped)")
     parser.add_argument("--stand-in", action="store_true", help="dry run on 2 simulated GPUs (no GPU needed)")
     args = parser.parse_args()
     if args.stand_in:
@@ -207,11 +229,12 @@ def run(args: argparse.Namespace) -> None:
                                "size": args.size, "reps": args.reps, "formats": {}}
     if args.tests_junit:
         results["tests"] = junit_counts(args.tests_junit)
+    deadline = time.perf_counter() + args.budget_s
     for fmt in args.formats.split(","):
         path = bench.build_checkpoint(args.workdir, fmt, args.size)
         load_experts(path, ParallelConfig(1, 0), device=policy.target)  # warm the page cache and the kernels
         results["formats"][fmt] = {"h2d": h2d(path, policy, args.reps),
-                                   "load": loads(path, policy, args.reps, args.workdir)}
+                                   "load": loads(path, policy, args.reps, args.workdir, deadline)}
         print(json.dumps({fmt: results["formats"][fmt]}, indent=1), flush=True)
     results["other_devices"] = {k: v for k, v in other_devices(policy).items() if v}
     if args.json:
