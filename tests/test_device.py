@@ -9,6 +9,7 @@ Every path must be bit-identical to the CPU load, allocate on no other device an
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -33,7 +34,7 @@ from wna16_loader.plan import LayerPlan, plan_layers
 from wna16_loader.preshard import preshard_checkpoint
 from wna16_loader.sharding import Span
 from wna16_loader.standin import StandIn
-from wna16_loader.synthetic import quant_config, write_checkpoint
+from wna16_loader.synthetic import quant_config, write_checkpoint, write_family_checkpoint
 
 FORMATS = {
     "gptq4-act-order": quant_config("gptq", bits=4, group_size=32, act_order=True),
@@ -41,7 +42,20 @@ FORMATS = {
     "awq4": quant_config("awq", bits=4, group_size=32),
     "ct4-actorder-group": quant_config("compressed-tensors", bits=4, group_size=32, act_order=True),
     "ct8-channel-sym": quant_config("compressed-tensors", bits=8, group_size=-1, symmetric=True),
+    "gptq4-not-gated": quant_config("gptq", bits=4, group_size=32),  # Nemotron-H: up and down only
 }
+NEMOTRON = Path(__file__).parent / "fixtures/configs/nemotron_h-nano-30b-a3b.json"
+
+
+def write_source(folder: Path, fmt: str) -> None:
+    """The test checkpoint of `fmt`: Qwen3-MoE, or Nemotron-3-Nano's published config at test sizes (MoE
+    layers 1 and 4 of the pattern "MEM*E") for the non-gated case; H 64, I 128, 4 experts."""
+    if fmt != "gptq4-not-gated":
+        write_checkpoint(folder, FORMATS[fmt], hidden=64, intermediate=128, num_experts=4, num_layers=LAYERS)
+        return
+    config = {**json.loads(NEMOTRON.read_text()), "hybrid_override_pattern": "MEM*E", "num_hidden_layers": 5,
+              "hidden_size": 64, "moe_intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2}
+    write_family_checkpoint(folder, config, FORMATS[fmt])
 PARALLEL = ParallelConfig(2, 1)  # TP 2, rank 1: every projection is cut
 LAYERS = 3
 
@@ -59,7 +73,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Source]
     def make(fmt: str) -> Source:
         if fmt not in cache:
             folder = tmp_path_factory.mktemp(fmt)
-            write_checkpoint(folder, FORMATS[fmt], hidden=64, intermediate=128, num_experts=4, num_layers=LAYERS)
+            write_source(folder, fmt)
             sharded = tmp_path_factory.mktemp(f"{fmt}-tp2")
             preshard_checkpoint(folder, sharded, tp_size=2, progress=False)
             cache[fmt] = Source(folder, sharded)
