@@ -289,9 +289,9 @@ class FusedWriter:
             target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
         if name in self.device_bound and value.device.type == "cpu":  # never DMA from a file mapping
-            host = self.policy.host_buffer(tuple(value.shape), value.dtype)
-            copy_transposing(host, value)
-            with self.policy.scope():
+            with self.policy.scope():  # pinned memory in the target's context
+                host = self.policy.host_buffer(tuple(value.shape), value.dtype)
+                copy_transposing(host, value)
                 self.policy.send(target, host)
         else:
             copy_transposing(target, value)
