@@ -10,6 +10,7 @@ Every path must be bit-identical to the CPU load, allocate on no other device an
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -208,6 +209,21 @@ def test_every_path_equals_the_cpu_load(sources: Callable[[str], Source], target
     if target.sim is not None:
         assert set(target.sim.allocations) == {3}
         assert {current for _, current in target.sim.pinned} <= {3}
+        assert target.sim.syncs == [3]
+
+
+@pytest.mark.parametrize("fmt", ["gptq4-act-order", "awq4", "ct8-channel-sym", "gptq4-not-gated"])
+@pytest.mark.parametrize("path", sorted(p for p in PATHS if "presharded" not in p))
+def test_padded_layout_on_the_device(sources: Callable[[str], Source], target: Target, path: str, fmt: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """TP 3 rank 2 pads I = 128 to I' = 144 (32 real columns, 16 of padding): the padding written into device
+    parameters (fills, and copies into column ranges of w2) equals the CPU load's, bit for bit."""
+    monkeypatch.setattr(sys.modules[__name__], "PARALLEL", ParallelConfig(3, 2))
+    src = sources(fmt)
+    want = cpu_load(src)
+    assert {layer.padding for layer in load_experts(src.folder, PARALLEL).values()} == {16}
+    assert_equal_on(PATHS[path](src, target.device), want, target.device)
+    if target.sim is not None:
         assert target.sim.syncs == [3]
 
 
