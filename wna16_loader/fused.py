@@ -96,7 +96,6 @@ class FusedSpec:
         """Columns of this rank's I_p taken from the checkpoint (the first ones)."""
         return self.part - self.padding
 
-
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
         e, h, i, per_byte = len(self.experts), self.hidden, self.part, 8 // self.bits

@@ -101,7 +101,7 @@ class Partition:
         return self.part - len(self.real(tp_rank))
 
 
-def padded_partition(intermediate: int, bits: int, group_size: int, act_order: bool, tp: int) -> Partition | str:
+def padded_partition(intermediate: int, group_size: int, act_order: bool, tp: int) -> Partition | str:
     """The padded split of I over `tp` ranks (see the module docstring), or why none exists."""
     unit = tp * MIN_GROUP
     padded = ceil_div(intermediate, unit) * unit
@@ -128,7 +128,7 @@ def plan_partition(hidden: int, intermediate: int, bits: int, group_size: int, a
     if hidden % per_byte or intermediate % per_byte:
         return (f"{bits}-bit bytes hold {per_byte} values, but H = {hidden} and I = {intermediate} must both be "
                 f"multiples of {per_byte} at any TP size (a rank's columns must end on a byte).")
-    return padded_partition(intermediate, bits, group_size, act_order, tp)
+    return padded_partition(intermediate, group_size, act_order, tp)
 
 
 @dataclass(frozen=True)
@@ -174,7 +174,7 @@ class LayerGeometry:
     def partition(self) -> Partition:
         """The split of I over the TP ranks (padded where the unpadded rule fails)."""
         found = plan_partition(self.hidden, self.intermediate, self.bits, self.group_size, self.act_order,
-                          self.parallel.tp_size)
+                               self.parallel.tp_size)
         assert isinstance(found, Partition), "__post_init__ checks the layout"
         return found
 
