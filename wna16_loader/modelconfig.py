@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
-from .formats import QuantSpec, resolve_quant_spec
+from .formats import QuantSpec, accepted_formats, resolve_quant_spec
 
 EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "top_k_experts", "moe_top_k", "moe_k")
@@ -144,4 +144,8 @@ def read_config_files(folder: str | Path) -> MoEConfig:
             if (folder / name).is_file():
                 qconfig = {"quant_method": method, **load_json(folder / name)}
                 break
+        else:
+            raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
+                              f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
+                              f"formats: {accepted_formats()}.")
     return resolve_moe_config(config, qconfig)
