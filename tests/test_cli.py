@@ -132,8 +132,8 @@ def test_zero_tp_or_ep_is_bad_usage(source: Path, tmp_path: Path, flag: str) -> 
 
 def test_source_that_is_a_file(source: Path, tmp_path: Path) -> None:
     line = one_error_line(cli(str(source / "config.json"), str(tmp_path / "out"), "--tp", "2"))
-    assert line == (f"wna16-shard: error: {source / 'config.json'}: a file, not a folder; SRC must be the checkpoint "
-                    f"folder holding config.json and the *.safetensors files (use its folder, {source}).")
+    assert line == (f"wna16-shard: error: {source / 'config.json'}: a file, not a folder; pass the checkpoint "
+                    f"folder holding config.json and the *.safetensors files (here {source}).")
 
 
 def test_verify_something_that_is_no_output(tmp_path: Path) -> None:

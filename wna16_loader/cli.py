@@ -11,7 +11,8 @@ import os
 import re
 import sys
 
-from .errors import WNA16Error
+from .errors import CheckpointError, WNA16Error
+from .hub import resolve_checkpoint
 from .logs import log
 from .parallel import ExpertPlacement
 from .preshard import LAYOUTS, ShardSummary, describe_plan, preshard_checkpoint
@@ -35,6 +36,7 @@ examples:
   wna16-shard ./ckpt ./out --tp 2 --force          # rewrite an output that is already complete
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
+  wna16-shard org/Model-GPTQ ./out --tp 2 --revision v1  # a Hugging Face repo id (cache first, else download)
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
 
 Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
@@ -67,7 +69,10 @@ def shard_parser() -> argparse.ArgumentParser:
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
                                 epilog=SHARD_EPILOG)
-    p.add_argument("src", metavar="SRC", help="source checkpoint folder (safetensors + config.json)")
+    p.add_argument("src", metavar="SRC", help="source checkpoint folder (safetensors + config.json), or a Hugging "
+                                              "Face repo id org/name (cached snapshot first, else only configs, "
+                                              "index and *.safetensors are downloaded)")
+    add_revision(p, "SRC")
     p.add_argument("out", metavar="OUT", help="output folder (created; must be empty or a run with the same "
                                               "parameters)")
     p.add_argument("--tp", type=int, required=True, metavar="N", help="tensor-parallel size, e.g. --tp 4")
@@ -104,8 +109,16 @@ def verify_parser() -> argparse.ArgumentParser:
                                             "against its manifest.", epilog=VERIFY_EPILOG)
     p.add_argument("out", metavar="OUT", help="a wna16-shard output folder")
     p.add_argument("--source", metavar="SRC", help="the source checkpoint: also check that the experts reassemble "
-                                                   "exactly and that common/ is byte-identical")
+                                                   "exactly and that common/ is byte-identical (a folder or "
+                                                   "a Hugging Face repo id org/name)")
+    add_revision(p, "--source")
     return p
+
+
+def add_revision(p: argparse.ArgumentParser, what: str) -> None:
+    """The --revision option of a repo-id argument."""
+    p.add_argument("--revision", metavar="REV", help=f"branch, tag or commit when {what} is a Hugging Face repo id "
+                                                     f"(default: main); not allowed with a local folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,8 +153,11 @@ def _log_warnings_to_stderr() -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    report = verify_report(args.out, source=args.source)
-    return _print_verify(report)
+    if args.source is None and args.revision is not None:
+        raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
+                              f"pass --source org/name or drop --revision.")
+    source = None if args.source is None else resolve_checkpoint(args.source, revision=args.revision)
+    return _print_verify(verify_report(args.out, source=source))
 
 
 def _print_verify(report: VerifyReport) -> int:
@@ -163,7 +179,8 @@ def _load_hint(out: object) -> str:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    summary = preshard_checkpoint(args.src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
+    src = resolve_checkpoint(args.src, revision=args.revision)
+    summary = preshard_checkpoint(src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
                                   workers=args.workers, force=args.force)

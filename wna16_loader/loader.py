@@ -13,6 +13,7 @@ import torch
 from .checkpoint import CheckpointIndex
 from .fused import FusedExperts, FusedWriter, Ledger
 from .hook import ExpertLoadHook
+from .hub import resolve_checkpoint
 from .logs import rank_logger, warn_reduced_groups
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
@@ -20,16 +21,19 @@ from .plan import CheckpointScan, LayerPlan, plan_layers
 from .presharded import is_presharded, load_presharded
 from .results import LoadedExperts, LoadReport
 
-def read_moe_config(path: str | Path) -> MoEConfig:
-    """The resolved description of a checkpoint: config keys, quantization and experts prefixes."""
+def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
+    """The resolved description of a checkpoint: config keys, quantization and experts prefixes.
+    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
+    path = resolve_checkpoint(path, revision=revision)
     moe = read_config_files(path)
     with CheckpointIndex(path) as index:
         prefixes = tuple(CheckpointScan.of(index).layers)
     return replace(moe, experts_prefixes=prefixes)
 
 
-def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
-                 allow_nonfinite_scales: bool = False, convert_on_device: bool = True) -> LoadedExperts:
+def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
+                 device: torch.device | str = "cpu", allow_nonfinite_scales: bool = False,
+                 convert_on_device: bool = True) -> LoadedExperts:
     """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
 
     Tensors of non-local experts are never read; each local projection is read as
@@ -39,7 +43,9 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
     Raises a WNA16Error subclass on any bad input.
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
+    `path` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     """
+    path = resolve_checkpoint(path, revision=revision)
     if is_presharded(path):
         return load_presharded(path, parallel, device=device)
     start = time.perf_counter()

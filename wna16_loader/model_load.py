@@ -9,6 +9,7 @@ from pathlib import Path
 from torch import nn
 
 from .errors import CompletenessError, LayoutMismatchError, format_offenders
+from .hub import resolve_checkpoint
 from .loader import load_experts, planned
 from .logs import rank_logger
 from .module import FusedMoEExperts
@@ -60,15 +61,18 @@ def check_model_complete(model: nn.Module) -> None:
             sum(len(m.spec.experts) for m in modules), sum(m.hook.tensors for m in modules), written / 2**20)
 
 
-def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig) -> LoadReport:
+def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig, *,
+                       revision: str | None = None) -> LoadReport:
     """Fill every FusedMoEExperts of `model` with `parallel`'s share of the checkpoint.
 
     The same plan and slice reads as `load_experts`: non-local experts are never
     read, each local projection is read as the slice covering the rank's columns
     and written straight into the module's parameters. Every module's ledger must
     end complete; call `reset_load()` on the modules to load them a second time.
+    `checkpoint_folder` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     """
     start = time.perf_counter()
+    checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision)
     modules = experts_modules(model)
     _check_parallel(modules, parallel)
     if is_presharded(checkpoint_folder):

@@ -7,21 +7,37 @@ instead of fused parameter names, and refuses a fused state dict saved by anothe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from .errors import LayoutMismatchError
+from .fused import FusedSpec
+from .hook import ExpertLoadHook
+from .mapping import ExpertParamMapping
 
-if TYPE_CHECKING:  # the module owns its hooks; this import is for type hints only
-    from .module import FusedMoEExperts
+
+class HookedExperts(Protocol):
+    """What the hooks use of a FusedMoEExperts (an nn.Module with these members)."""
+
+    prefix: str
+    spec: FusedSpec
+    hook: ExpertLoadHook
+    mapping: ExpertParamMapping
+    expert_ids: torch.Tensor
+    _parameters: dict[str, Any]
+    weight_loader: Callable[..., bool]
+    _register_load_state_dict_pre_hook: Callable[..., Any]
+    register_load_state_dict_post_hook: Callable[..., Any]
+
+    def attach_loaders(self) -> None: ...
 
 
 class StateDictHooks:
     """The load_state_dict pre- and post-hooks of one FusedMoEExperts (registered on construction)."""
 
-    def __init__(self, module: "FusedMoEExperts") -> None:
+    def __init__(self, module: HookedExperts) -> None:
         self.module = module
         self.call: tuple[str, int] | None = None  # (load_state_dict prefix, tensors consumed)
         self.handles = [module._register_load_state_dict_pre_hook(self.consume),
