@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from wna16_loader.families import render_table
 from wna16_loader.formats import FORMATS
-from wna16_loader.synthetic import FAMILIES
-from wna16_loader.tables import format_tensors, formats_table, models_table, render
+from wna16_loader.tables import FAMILIES_END, FAMILIES_START, format_tensors, formats_table, render
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -22,16 +22,13 @@ def section(text: str, name: str) -> str:
 
 def test_readme_tables_are_the_rendered_ones() -> None:
     text = README.read_text(encoding="utf-8")
-    assert section(text, "models") == models_table(), "run: python -m wna16_loader.tables README.md"
+    assert text.split(FAMILIES_START)[1].split(FAMILIES_END)[0].strip() == render_table()
     assert section(text, "formats") == formats_table(), "run: python -m wna16_loader.tables README.md"
     assert render(text) == text
 
 
-def test_one_row_per_declaration() -> None:
+def test_one_row_per_format() -> None:
     assert len(formats_table().splitlines()) == 2 + len(FORMATS)
-    assert len(models_table().splitlines()) == 2 + len(FAMILIES)
-    assert "| `mixtral` | `num_local_experts` | `num_experts_per_tok` | `intermediate_size` | " \
-           "`model.layers.L.block_sparse_moe.experts.E.{w1,w3,w2}` |" in models_table().splitlines()
 
 
 def test_format_tensors_follow_the_layouts() -> None:
@@ -43,5 +40,7 @@ def test_format_tensors_follow_the_layouts() -> None:
 def test_render_replaces_only_known_sections() -> None:
     stale = "a\n<!-- generated: formats -->\nold\n<!-- end: formats -->\nb\n"
     assert render(stale) == f"a\n<!-- generated: formats -->\n{formats_table()}\n<!-- end: formats -->\nb\n"
+    stale_families = f"{FAMILIES_START}\nold\n{FAMILIES_END}"
+    assert render(stale_families) == f"{FAMILIES_START}\n{render_table()}\n{FAMILIES_END}"
     with pytest.raises(KeyError, match="unknown generated section 'nope'"):
         render("<!-- generated: nope -->\nx\n<!-- end: nope -->")

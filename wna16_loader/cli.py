@@ -20,7 +20,7 @@ from .preshard.verify import VerifyReport, verify_report
 from .version import __version__
 
 USAGE = """\
-wna16-shard SRC OUT --tp N [--ep M] [options]     pre-shard SRC into OUT
+wna16-shard SRC OUT [--tp N] [--ep M] [options]   pre-shard SRC into OUT
        wna16-shard verify OUT [--source SRC]             re-check an output
        wna16-shard --version | --help"""
 
@@ -31,7 +31,8 @@ SHARD_EPILOG = """\
 examples:
   wna16-shard ./Qwen3-30B-A3B-GPTQ ./out-tp4 --tp 4
   wna16-shard ./Mixtral-AWQ ./out --tp 2 --ep 4 --placement round_robin --max-file-size 2GB
-  wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan, write nothing
+  wna16-shard ./ckpt ./out --ep 8                  # EP only (--tp defaults to 1)
+  wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan and how the config resolved, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
   wna16-shard ./ckpt ./out --tp 2 --force          # rewrite an output that is already complete
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
@@ -75,7 +76,7 @@ def shard_parser() -> argparse.ArgumentParser:
     add_revision(p, "SRC")
     p.add_argument("out", metavar="OUT", help="output folder (created; must be empty or a run with the same "
                                               "parameters)")
-    p.add_argument("--tp", type=int, required=True, metavar="N", help="tensor-parallel size, e.g. --tp 4")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1), e.g. --tp 4")
     p.add_argument("--ep", type=int, default=1, metavar="M", help="expert-parallel size (default 1), e.g. --ep 2")
     p.add_argument("--placement", choices=[p.value for p in ExpertPlacement], default="linear",
                    help="how experts are dealt to EP ranks: linear = consecutive blocks, round_robin = id %% ep "
@@ -95,8 +96,9 @@ def shard_parser() -> argparse.ArgumentParser:
                                                             "output complete (by default: nothing to do)")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
                                                           "the source (exit 1 on problems)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and write "
-                                                           "nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and how each "
+                                                           "model config value resolved (key, rule, families-table "
+                                                           "row); write nothing")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary table")
     p.add_argument("--version", action="version", version=f"wna16-shard (wna16_loader) {__version__}")
     return p

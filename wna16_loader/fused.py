@@ -15,6 +15,10 @@ P8 = 8 / b values per byte):
 | w2_g_idx    | int32  | [E_l, I_p] (act-order)                       |
 | expert_ids  | int32  | [E_l]                                        |
 
+Non-gated experts (`gated=False`, e.g. Nemotron-H: down(act(up(x)))) keep the same
+conventions with only the up rows in w13: w13_qweight [E_l, I_p, H/P8], w13_scales
+[E_l, I_p, ceil(H/G_eff)], w13_qzeros [E_l, I_p/P8, ceil(H/G_eff)].
+
 Weights pack along K (4-bit byte j = q[2j] + 16*q[2j+1]); zero points pack
 along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
 """
@@ -52,28 +56,41 @@ class FusedSpec:
     has_zero_point: bool
     act_order: bool
     scale_dtype: torch.dtype
+    gated: bool = True  # False: w13 holds only the up projection
+    activation: str | None = None  # the experts' activation as the config names it (e.g. "silu", "relu2")
 
     @classmethod
-    def of(cls, geometry: LayerGeometry, quant: QuantSpec, scale_dtype: torch.dtype) -> "FusedSpec":
-        """The fused layout for `geometry` under `quant`."""
+    def of(cls, geometry: LayerGeometry, quant: QuantSpec, scale_dtype: torch.dtype, *,
+           gated: bool = True, activation: str | None = None) -> "FusedSpec":
+        """The fused layout for `geometry` under `quant` (`gated=False`: w13 holds up only)."""
         w13_groups = (geometry.fused_groups(geometry.hidden) if not geometry.act_order
                       else -(-geometry.hidden // geometry.group_size))
         return cls(experts=geometry.experts, hidden=geometry.hidden, part=geometry.part,
                    intermediate=geometry.intermediate, bits=quant.bits, group_size=geometry.group_eff,
                    w13_groups=w13_groups, w2_groups=geometry.w2_groups, has_zero_point=not quant.symmetric,
-                   act_order=geometry.act_order, scale_dtype=scale_dtype)
+                   act_order=geometry.act_order, scale_dtype=scale_dtype, gated=gated, activation=activation)
+
+    @property
+    def projections(self) -> tuple[Proj, ...]:
+        """The projections this layout holds, in w13 row order then down."""
+        return layer_projections(self.gated)
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of w13: 2*I_p (gate, up) or I_p (up only)."""
+        return (2 if self.gated else 1) * self.part
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
         e, h, i, per_byte = len(self.experts), self.hidden, self.part, 8 // self.bits
         out = {
-            "w13_qweight": ((e, 2 * i, h // per_byte), torch.uint8),
+            "w13_qweight": ((e, self.w13_rows, h // per_byte), torch.uint8),
             "w2_qweight": ((e, h, i // per_byte), torch.uint8),
-            "w13_scales": ((e, 2 * i, self.w13_groups), self.scale_dtype),
+            "w13_scales": ((e, self.w13_rows, self.w13_groups), self.scale_dtype),
             "w2_scales": ((e, h, self.w2_groups), self.scale_dtype),
         }
         if self.has_zero_point:
-            out["w13_qzeros"] = ((e, 2 * i // per_byte, self.w13_groups), torch.uint8)
+            out["w13_qzeros"] = ((e, self.w13_rows // per_byte, self.w13_groups), torch.uint8)
             out["w2_qzeros"] = ((e, h // per_byte, self.w2_groups), torch.uint8)
         if self.act_order:
             out["w13_g_idx"] = ((e, h), torch.int32)
@@ -82,12 +99,18 @@ class FusedSpec:
         return out
 
 
+def layer_projections(gated: bool) -> tuple[Proj, ...]:
+    """The projections of a gated (gate, up, down) or non-gated (up, down) expert."""
+    return (Proj.GATE, Proj.UP, Proj.DOWN) if gated else (Proj.UP, Proj.DOWN)
+
+
 @dataclass(frozen=True)
 class DequantizedExperts:
-    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H], w2 [E_l, H, I_p]."""
+    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H] (non-gated: [E_l, I_p, H]), w2 [E_l, H, I_p]."""
 
     w13: torch.Tensor
     w2: torch.Tensor
+    gated: bool = True  # False: w13 holds the up rows only
 
 
 class FusedExperts:
@@ -108,6 +131,8 @@ class FusedExperts:
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
+    activation = property(lambda self: self.spec.activation, doc="The experts' activation, as the config names it.")
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
@@ -120,6 +145,7 @@ class FusedExperts:
                            self.tensors.get("w13_g_idx"), bits=self.bits, group_size=self.group_size),
             w2=dequantize(self.tensors["w2_qweight"], self.tensors["w2_scales"], self.tensors.get("w2_qzeros"),
                           self.tensors.get("w2_g_idx"), bits=self.bits, group_size=self.group_size),
+            gated=self.spec.gated,
         )
 
 
@@ -178,7 +204,7 @@ class FusedWriter:
         if proj is Proj.DOWN:
             return "w2", slice(None), slice(None)
         part, per_byte = self.spec.part, 8 // self.spec.bits
-        half = 0 if proj is Proj.GATE else 1
+        half = 0 if proj is Proj.GATE or not self.spec.gated else 1
         return "w13", slice(half * part, (half + 1) * part), slice(half * part // per_byte, (half + 1) * part // per_byte)
 
     def slots(self, experts: Sequence[int]) -> slice:
@@ -341,6 +367,7 @@ class Ledger:
     expected: set[Slot] = field(default_factory=set)
     written: dict[Slot, list[str]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
@@ -358,10 +385,15 @@ class Ledger:
         """Forget every write and rejection (the expected slots stay)."""
         self.written.clear()
         self.unexpected.clear()
+        self.absent.clear()
 
     def reject(self, name: str, why: str) -> None:
         """Note a tensor that has no slot."""
         self.unexpected.append(f"{name} ({why})")
+
+    def lack(self, what: str, why: str) -> None:
+        """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
+        self.absent.append(f"{what} ({why})")
 
     def missing(self) -> list[Slot]:
         """Expected slots not written yet, sorted."""
@@ -369,7 +401,7 @@ class Ledger:
 
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
-        missing = [f"missing: {slot}" for slot in self.missing()]
+        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
         dups = [f"written {len(names)} times: {slot} from {names}"
                 for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]

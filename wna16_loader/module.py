@@ -26,7 +26,7 @@ from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Led
 from .hook import ExpertLoadHook
 from .mapping import ExpertParamMapping, ParamTarget, ShardId
 from .modelconfig import MoEConfig
-from .names import Proj
+from .names import layer_of_prefix
 from .parallel import ParallelConfig
 from .plan import LayerPlan, expect_projection, layer_geometry
 from .reference import Activation, reference_forward
@@ -52,14 +52,16 @@ class FusedMoEExperts(nn.Module):
 
     def __init__(self, moe: MoEConfig, prefix: str, parallel: ParallelConfig, *,
                  device: torch.device | str | None = None, scale_dtype: torch.dtype = torch.float16,
-                 activation: Activation = Activation.SILU, allow_nonfinite_scales: bool = False) -> None:
+                 activation: Activation | None = None, allow_nonfinite_scales: bool = False) -> None:
+        """`activation`: None takes the config's (`moe.activation`, SiLU when it names none)."""
         super().__init__()
-        self.moe, self.prefix, self.parallel, self.activation = moe, prefix, parallel, activation
-        self.geometry = layer_geometry(moe, parallel)
-        self.spec = FusedSpec.of(self.geometry, moe.quant, scale_dtype)
+        self.moe, self.prefix, self.parallel = moe, prefix, parallel
+        self.activation = activation or Activation.from_config(moe.activation)
+        self.geometry = layer_geometry(moe, parallel, layer_of_prefix(prefix))
+        self.spec = FusedSpec.of(self.geometry, moe.quant, scale_dtype, gated=moe.gated, activation=moe.activation)
         self.ledger = Ledger()
         for expert in self.spec.experts:
-            for proj in Proj:
+            for proj in self.spec.projections:
                 expect_projection(self.ledger, moe, prefix, expert, proj)
         self.hook = ExpertLoadHook(prefix, moe, self.geometry, self.ledger, allow_nonfinite=allow_nonfinite_scales)
         self.mapping = ExpertParamMapping(moe, prefix)
@@ -76,11 +78,12 @@ class FusedMoEExperts(nn.Module):
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
 
     def extra_repr(self) -> str:
         return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I_p={self.spec.part}, bits={self.bits}, "
                 f"group_size={self.group_size}, zero_point={self.has_zero_point}, act_order={self.act_order}, "
-                f"activation={self.activation.value}")
+                f"activation={self.activation.value}, gated={self.gated}")
 
     # ------------------------------------------------------------------ materialisation
 

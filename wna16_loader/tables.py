@@ -1,8 +1,8 @@
-"""The README's generated tables: supported model families and checkpoint formats, rendered from the
-declarations (`formats.FORMATS`, `synthetic.FAMILIES`) so that the documentation cannot drift from the code.
+"""The README's generated tables: checkpoint formats (from `formats.FORMATS`, here) and supported model families
+(`families.render_table`), so that the documentation cannot drift from the code.
 
 `python -m wna16_loader.tables README.md` rewrites every generated section of README.md in place;
-tests/test_tables.py fails when the README's sections differ from what this module renders.
+tests/test_tables.py and tests/test_families.py fail when the README's tables differ from the renderings.
 A generated section is the text between `<!-- generated: NAME -->` and `<!-- end: NAME -->`.
 """
 
@@ -13,9 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from .families import render_table
 from .formats import FORMATS, Dim, FormatDecl, Need
-from .names import experts_prefix_for
-from .synthetic import FAMILIES, Family
 
 DIM_TEXT = {Dim.N: "N", Dim.K: "K", Dim.GROUP: "K/G", Dim.PAIR: "2"}
 NEED_TEXT = {Need.ALWAYS: "", Need.ASYMMETRIC: " (asymmetric)", Need.ACT_ORDER: " (act-order)"}
@@ -40,35 +39,24 @@ def formats_table() -> str:
     return "\n".join(rows)
 
 
-def family_tensors(family: Family) -> str:
-    """e.g. `model.layers.L.mlp.experts.E.{gate_proj,up_proj,down_proj}`."""
-    prefix = experts_prefix_for(family.root, 0, family.module).replace(".layers.0", ".layers.L", 1)
-    return f"`{prefix}.E.{{{','.join(family.proj_names)}}}`"
+SECTIONS: dict[str, Callable[[], str]] = {"formats": formats_table}
 
-
-def models_table() -> str:
-    """One row per tested model family: model_type, the config keys read, the expert tensor names."""
-    rows = ["| model_type | expert count | top-k | expert intermediate | expert tensors (layer L, expert E) |",
-            "|---|---|---|---|---|"]
-    for family in FAMILIES.values():
-        nested = " (in `text_config`)" if family.nested else ""
-        keys = [f"`{family.keys[k]}`" for k in ("experts", "top_k", "inter")]
-        rows.append(f"| `{family.model_type}`{nested} | {' | '.join(keys)} | {family_tensors(family)} |")
-    return "\n".join(rows)
-
-
-SECTIONS: dict[str, Callable[[], str]] = {"formats": formats_table, "models": models_table}
+FAMILIES_START = "<!-- families-table: rendered by wna16_loader.families.render_table -->"
+FAMILIES_END = "<!-- /families-table -->"
 
 
 def render(text: str) -> str:
-    """`text` with every generated section replaced by its rendering (unknown names are an error)."""
+    """`text` with every generated section replaced by its rendering (unknown names are an error), and the
+    families table (between FAMILIES_START and FAMILIES_END, checked by tests/test_families.py) re-rendered."""
     def fill(match: re.Match[str]) -> str:
         name = match.group(1)
         if name not in SECTIONS:
             raise KeyError(f"unknown generated section {name!r}; known: {sorted(SECTIONS)}")
         return f"<!-- generated: {name} -->\n{SECTIONS[name]()}\n<!-- end: {name} -->"
 
-    return re.sub(r"<!-- generated: (\w+) -->\n.*?<!-- end: \1 -->", fill, text, flags=re.S)
+    text = re.sub(r"<!-- generated: (\w+) -->\n.*?<!-- end: \1 -->", fill, text, flags=re.S)
+    families = f"{FAMILIES_START}\n{render_table()}\n{FAMILIES_END}"
+    return re.sub(re.escape(FAMILIES_START) + ".*?" + re.escape(FAMILIES_END), lambda _: families, text, flags=re.S)
 
 
 def main(argv: list[str]) -> int:
