@@ -97,7 +97,8 @@ class CheckpointIndex:
         self._handles.clear()
 
     def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
-        """Read `ref[index]` (basic slices and ints) as an ordinary in-memory tensor."""
+        """Read `ref[index]` (basic slices and ints): a view of the file's mapping, not a copy. Copy it
+        into memory of your own before any device copy (see device.py): never DMA from a mapping."""
         view = self._handles[ref.file].get_slice(ref.name)
         tensor = view[index] if index else view[:]
         self.bytes_read += tensor.numel() * tensor.element_size()

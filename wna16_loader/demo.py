@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .device import DevicePolicy
 from .errors import WNA16Error
 from .formats import FORMATS
 from .loader import load_experts
@@ -34,13 +35,17 @@ def _parser() -> argparse.ArgumentParser:
                                                                 "folder, removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary checkpoint folder and print the "
                                                             "command that pre-shards it")
+    parser.add_argument("--device", default="cpu", help="where the fused parameters go: cpu, cuda or cuda:N "
+                                                        "(ROCm GPUs are cuda:N too)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the demo; returns 0 when every rank's shard reassembles exactly (2: bad arguments)."""
+    """Run the demo; returns 0 when every rank's shard reassembles exactly (2: bad arguments, or a device it
+    cannot use; refused before anything is written)."""
     args = _parser().parse_args(argv)
     try:
+        DevicePolicy.of(args.device)
         if args.out is not None or args.keep:
             folder = args.out or Path(tempfile.mkdtemp(prefix="wna16-demo-"))
             code = run(folder, args)
@@ -60,10 +65,10 @@ def run(folder: Path, args: argparse.Namespace) -> int:
     ckpt = write_checkpoint(folder, qc, family="qwen3_moe", num_experts=8, hidden=512, intermediate=768,
                             num_layers=2, files=2)
     print(f"checkpoint: {folder} ({args.format}, {args.bits}-bit, group {args.group_size}, 8 experts, "
-          f"H 512, I 768, 2 layers)")
+          f"H 512, I 768, 2 layers), loaded to {args.device}")
     rows, pieces = [], {}
     for parallel in ParallelConfig.all_ranks(tp_size=args.tp, ep_size=args.ep):
-        layers = load_experts(folder, parallel)
+        layers = load_experts(folder, parallel, device=args.device)
         first = next(iter(layers.values()))
         rows.append((str(parallel.rank), str(parallel.tp_rank), str(parallel.ep_rank), expert_ids(first.spec.experts),
                      str(list(first.w13_qweight.shape)), str(list(first.w2_scales.shape)),
@@ -94,7 +99,7 @@ def _collect(layers: dict, parallel: ParallelConfig, pieces: dict) -> None:
         dq, part = moe.dequantize(), moe.spec.part
         for slot, expert in enumerate(moe.spec.experts):
             for name, tensor in (("gate", dq.w13[slot, :part]), ("up", dq.w13[slot, part:]), ("down", dq.w2[slot])):
-                pieces.setdefault((prefix, expert, name), {})[parallel.tp_rank] = tensor
+                pieces.setdefault((prefix, expert, name), {})[parallel.tp_rank] = tensor.cpu()
 
 
 def _report(references: dict, pieces: dict, tp: int) -> int:

@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .device import DevicePolicy
 from .errors import CompletenessError, FormatError, format_offenders
 from .extract import PAGE_BYTES, ProjectionParams
 from .formats import QuantSpec, Role
@@ -175,25 +176,31 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
 class FusedWriter:
     """Writes projection shards into one layer's fused parameters.
 
-    On the CPU the staging buffers are the parameters. For a GPU target, weights are
-    converted on the device by default (`upload_to`: raw words go up in large pinned
-    chunks, and the qweight parameters are allocated there); every other parameter is
-    staged in pinned host memory and `finish` moves each in one non-blocking copy. With
-    `convert_on_device=False` the weights too are converted and staged on the host.
+    Where each parameter is staged is the `DevicePolicy`'s decision: on the CPU the staging
+    buffers are the parameters. For a GPU target, weights are converted on the device by
+    default (`upload_to`: raw words go up in large pinned chunks, and the qweight parameters
+    are allocated there); every other parameter is staged in pinned host memory and `finish`
+    moves each in one non-blocking copy. With `convert_on_device=False` the weights are
+    converted and staged in ordinary host memory. Nothing here synchronises: the load that
+    owns the writer calls `policy.synchronize()` once at its end.
     """
 
     def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str, *,
                  staging: dict[str, torch.Tensor] | None = None, convert_on_device: bool = True) -> None:
-        """`staging`: existing tensors to write into directly (e.g. a module's parameters, on any
-        device), one per name of `spec.shapes()`; `finish` is then not needed."""
-        self.prefix, self.spec, self.device = prefix, spec, torch.device(device)
-        if staging is None:
-            staging = staging_buffers(spec, self.device, convert_on_device=convert_on_device)
+        """`staging`: existing tensors to write into directly (e.g. a module's parameters, all on
+        `device`), one per name of `spec.shapes()`; `finish` is then not needed."""
+        self.prefix, self.spec = prefix, spec
+        self.policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
+        self.device = self.policy.target
+        external = staging is not None
+        with self.policy.scope():
+            staging = staging if staging is not None else staging_buffers(spec, self.policy)
         assert {n: tuple(t.shape) for n, t in staging.items()} == {n: s for n, (s, _) in spec.shapes().items()}, \
             f"{prefix}: staging tensors do not match the layout {spec.shapes()}"
         self.staging = staging
-        weights = staging["w13_qweight"].device
-        self.upload_to = weights if convert_on_device and weights.type != "cpu" else None
+        self.device_bound = frozenset(name for name in staging if self.policy.gpu and
+                                      (external or self.policy.on_device(name)))
+        self.upload_to = self.policy.upload_to
         self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
         self._slots = {expert: i for i, expert in enumerate(spec.experts)}
         self._g_idx_owner: dict[int, str] = {}
@@ -253,21 +260,24 @@ class FusedWriter:
             for i, expert in enumerate(experts):
                 self._put_w13_g_idx([expert], g_idx[i:i + 1], labels[i:i + 1])
             return
-        differs = (self.staging["w13_g_idx"][self.slots(experts)] != g_idx).any(1)
+        staged = self.staging["w13_g_idx"][self.slots(experts)]
+        differs = (staged != g_idx.to(staged.device)).any(1)  # compared where the staged row lives
         if bool(differs.any()):
             i = int(differs.nonzero()[0, 0])
             raise FormatError(f"{labels[i]}: its g_idx differs from that of {owned[i]}; gate and up of one expert "
                               f"share w13_g_idx and must carry the same act-order permutation.")
 
     def put_whole(self, name: str, value: torch.Tensor) -> None:
-        """Copy a whole fused parameter (e.g. from a pre-sharded file) into its staging buffer.
-
-        The copy also takes the data out of a safetensors mmap into ordinary (pinned) memory.
-        """
+        """Copy a whole fused parameter (e.g. a view of a pre-sharded file's mapping) into its staging
+        tensor: on the host, one copy; onto the device, through a pinned buffer and one non-blocking copy."""
         target = self.staging[name]
         assert target.shape == value.shape and target.dtype == value.dtype, \
             f"{self.prefix}.{name}: {list(value.shape)} {value.dtype} vs {list(target.shape)} {target.dtype}"
-        target.copy_(value)
+        if name in self.device_bound:
+            with self.policy.scope():
+                self.policy.send(target, self.policy.host_copy(value))
+        else:
+            target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()
 
     def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor, *, as_bytes: bool = False) -> None:
@@ -278,32 +288,29 @@ class FusedWriter:
         if as_bytes and value.dtype != target.dtype:
             target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
-        if target.device.type != "cpu" and value.device.type == "cpu":
-            value = value.clone(memory_format=torch.contiguous_format)  # never DMA from a file mapping
-        copy_transposing(target, value)
+        if name in self.device_bound and value.device.type == "cpu":  # never DMA from a file mapping
+            with self.policy.scope():  # pinned memory in the target's context
+                host = self.policy.host_buffer(tuple(value.shape), value.dtype)
+                copy_transposing(host, value)
+                self.policy.send(target, host)
+        else:
+            copy_transposing(target, value)
         self.bytes_written += value.numel() * value.element_size()
 
     def finish(self) -> FusedExperts:
-        """Move the parameters staged on the host to the device (one copy each) and return the layer."""
-        if self.device.type == "cpu":
+        """Move the parameters staged on the host to the device (one copy each, queued: the load
+        synchronises once at its end) and return the layer."""
+        if not self.policy.gpu:
             return FusedExperts(self.prefix, self.spec, self.staging)
-        moved = {name: buf if buf.device.type != "cpu" else buf.to(self.device, non_blocking=True)
-                 for name, buf in self.staging.items()}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with self.policy.scope():
+            moved = {name: buf if name in self.device_bound else self.policy.upload(buf)
+                     for name, buf in self.staging.items()}
         return FusedExperts(self.prefix, self.spec, moved)
 
 
-def staging_buffers(spec: FusedSpec, device: torch.device, *, convert_on_device: bool) -> dict[str, torch.Tensor]:
-    """Empty tensors for every fused parameter: on the CPU for a CPU target; for a GPU target the
-    weights on the device (when converted there) and the rest in pinned host memory."""
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    out = {}
-    for name, (shape, dtype) in spec.shapes().items():
-        on_device = device.type != "cpu" and convert_on_device and name.endswith("_qweight")
-        out[name] = torch.empty(shape, dtype=dtype, device=device) if on_device else \
-            torch.empty(shape, dtype=dtype, pin_memory=pin)
-    return out
+def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Tensor]:
+    """Empty tensors for every fused parameter, where `policy` stages each (see device.py)."""
+    return {name: policy.staging(name, shape, dtype) for name, (shape, dtype) in spec.shapes().items()}
 
 
 STAGED_ROWS = 64  # source rows moved per block through a buffer whose rows are not a page apart

@@ -228,10 +228,12 @@ class ExpertLoadHook:
         cut = self.geometry.slice(proj)
         params = read_params(reader, self.moe.quant, sources, cut, allow_nonfinite=self.allow_nonfinite)
         before = writer.bytes_written
-        writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
-        spans, _ = rank_spans(sources[0], cut)
-        for piece in read_qweights(reader, self.moe.quant, sources, spans, upload_to=writer.upload_to):
-            writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
+        upload = writer.policy if writer.upload_to is not None else None
+        with writer.policy.scope():  # uploads and device conversion run in the target's context
+            writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
+            spans, _ = rank_spans(sources[0], cut)
+            for piece in read_qweights(reader, self.moe.quant, sources, spans, upload=upload):
+                writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
         self.bytes_written += writer.bytes_written - before
 
     def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:

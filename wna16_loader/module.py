@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointIndex
+from .device import DevicePolicy
 from .errors import CompletenessError, LayoutMismatchError
 from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
 from .hook import ExpertLoadHook
@@ -29,6 +30,7 @@ from .modelconfig import MoEConfig
 from .names import layer_of_prefix
 from .parallel import ParallelConfig
 from .plan import LayerPlan, expect_projection, layer_geometry
+from .presharded import put_layer
 from .reference import Activation, reference_forward
 from .statedict import StateDictHooks
 
@@ -152,16 +154,25 @@ class FusedMoEExperts(nn.Module):
         with torch.no_grad():
             self.hook.load_plan(index, self._fused_writer(), plan)
 
-    def load_fused(self, fused: FusedExperts, *, source: str) -> None:
-        """Copy an already fused layer (e.g. from a wna16-shard output) into the parameters; fills the ledger."""
-        if fused.spec != self.spec:
-            raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {fused.spec} but the module was built "
+    def load_fused(self, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Copy one already fused layer into the parameters, tensor by tensor, and fill the ledger.
+
+        `tensors`: the layer's fused tensors by full name (`<prefix>.w13_qweight`, ...), e.g. views of a
+        wna16-shard output's file mappings (`presharded.read_rank`): each is copied out of the mapping
+        (through a pinned buffer and one non-blocking copy for a GPU), nothing else is held.
+        """
+        if spec != self.spec:
+            raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {spec} but the module was built "
                                       f"as {self.spec}; build it with the ParallelConfig the output was sharded for.")
         with torch.no_grad():
-            for name, tensor in fused.tensors.items():
-                getattr(self, name).copy_(tensor)
+            put_layer(source, self._fused_writer(), tensors)
         for slot in self.ledger.missing():
             self.ledger.record_slot(slot, f"{source}:{self.prefix}")
+
+    def synchronize(self) -> None:
+        """Wait for the device work queued by loads into this module (nothing on the CPU or meta)."""
+        if not self.w13_qweight.is_meta:
+            DevicePolicy.of(self.w13_qweight.device).synchronize()
 
     def ledger_report(self) -> list[str]:
         """Every missing, duplicated or unexpected slot so far (empty when complete)."""

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from .device import DevicePolicy
 from .errors import CheckpointError, LayoutMismatchError
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .parallel import ParallelConfig
@@ -77,8 +78,30 @@ def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
 
 
 def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu") -> LoadedExperts:
-    """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion."""
+    """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion. On a GPU each
+    parameter is allocated there and filled through a pinned buffer in one non-blocking copy; the load
+    synchronises once, at its end."""
     start = time.perf_counter()
+    policy = DevicePolicy.of(device)
+    rank = rank_record(out, parallel)
+    tensors, nbytes = read_rank(out, rank)
+    result = LoadedExperts()
+    for prefix, spec in rank_specs(rank).items():
+        with policy.scope():
+            staging = {name: policy.empty(shape, dtype) for name, (shape, dtype) in spec.shapes().items()}
+        writer = FusedWriter(prefix, spec, policy.target, staging=staging)
+        put_layer(out, writer, tensors)
+        result[prefix] = FusedExperts(prefix, spec, writer.staging)
+    policy.synchronize()
+    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
+                               tensors=len(tensors), bytes_read=nbytes, bytes_written=nbytes,
+                               seconds=time.perf_counter() - start)
+    return result
+
+
+def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
+    """The manifest's record of `parallel`'s rank (files, layers), after checking that the output is a
+    fused one written for `parallel`'s layout."""
     manifest = read_manifest(out)
     if manifest["params"].get("layout", "fused") != "fused":
         raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
@@ -92,16 +115,17 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
                                   f"{requested}; load with the written layout, or re-shard the source with "
                                   f"wna16-shard --tp {parallel.tp_size} --ep {parallel.ep_size} "
                                   f"--placement {requested['placement']}.")
-    rank = manifest["ranks"][parallel.rank]
-    tensors, nbytes = _read_rank_files(Path(out), rank["files"])
-    result = LoadedExperts()
-    for prefix, rec in rank["layers"].items():
-        spec = spec_from_record(rec)
-        result[prefix] = FusedExperts(prefix, spec, _layer_tensors(out, prefix, spec, tensors, device))
-    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
-                               tensors=len(tensors), bytes_read=nbytes, bytes_written=nbytes,
-                               seconds=time.perf_counter() - start)
-    return result
+    return manifest["ranks"][parallel.rank]
+
+
+def rank_specs(rank: dict[str, Any]) -> dict[str, FusedSpec]:
+    """The layout of every layer of a rank record, in file order."""
+    return {prefix: spec_from_record(rec) for prefix, rec in rank["layers"].items()}
+
+
+def read_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+    """Every tensor of a rank record's files as a view of its file mapping (nothing copied), and their bytes."""
+    return _read_rank_files(Path(out), rank["files"])
 
 
 def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], int]:
@@ -116,22 +140,18 @@ def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _layer_tensors(out: str | Path, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor],
-                   device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The layer's fused tensors, checked against the spec's shapes and dtypes, on `device`.
-
-    Each tensor is copied out of the file mapping into the writer's staging buffer
-    (pinned for a GPU) and moved in one copy per parameter: never DMA from a mapping.
-    """
-    writer = FusedWriter(prefix, spec, device)
-    for name, (shape, dtype) in spec.shapes().items():
+def put_layer(out: str | Path, writer: FusedWriter, tensors: dict[str, torch.Tensor]) -> None:
+    """Put one layer's fused tensors (views of the rank files' mappings), checked against the writer's
+    spec, into its staging: `put_whole` copies each out of the mapping (through a pinned buffer and one
+    non-blocking copy for a device): never DMA from a mapping."""
+    prefix = writer.prefix
+    for name, (shape, dtype) in writer.spec.shapes().items():
         tensor = tensors.get(f"{prefix}.{name}")
         if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
             found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
             raise CheckpointError(f"{out}: tensor {prefix}.{name} should be {list(shape)} {dtype}, found {found}; "
                                   f"run `wna16-shard verify {out}` and re-shard.")
         writer.put_whole(name, tensor)
-    return writer.finish().tensors
 
 
 def spec_record(spec: FusedSpec) -> dict[str, Any]:

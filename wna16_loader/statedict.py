@@ -33,6 +33,8 @@ class HookedExperts(Protocol):
 
     def attach_loaders(self) -> None: ...
 
+    def synchronize(self) -> None: ...
+
 
 class StateDictHooks:
     """The load_state_dict pre- and post-hooks of one FusedMoEExperts (registered on construction)."""
@@ -63,6 +65,8 @@ class StateDictHooks:
         prefix, consumed = self.call or ("", 0)
         self.call = None
         module.attach_loaders()  # assign=True replaces parameters
+        if not prefix:  # the module is the root of this load_state_dict: the load ends here
+            module.synchronize()
         if not module.expert_ids.is_meta and module.expert_ids.tolist() != list(module.spec.experts):
             raise LayoutMismatchError(f"{prefix}expert_ids: the state dict holds experts "
                                       f"{module.expert_ids.tolist()} but this rank owns {list(module.spec.experts)}; "
