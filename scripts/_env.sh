@@ -24,9 +24,10 @@ if [ -n "${WNA16_PYTHON:-}" ]; then
 else
   if [ ! -x .venv/bin/python ]; then
     if command -v python3 >/dev/null && gpu_torch python3; then
-      echo "using the system's GPU torch: creating .venv with --system-site-packages" >&2
+      echo "installing: using the system's GPU torch: creating .venv with --system-site-packages" >&2
       python3 -m venv --system-site-packages .venv
     else
+      echo "installing: creating .venv (first run only)..." >&2
       python3 -m venv .venv
     fi
   elif ! gpu_torch .venv/bin/python && command -v python3 >/dev/null && gpu_torch python3; then
@@ -34,15 +35,18 @@ else
   fi
   py=.venv/bin/python
   if ! "$py" -c "import torch" >/dev/null 2>&1; then
+    echo "installing: torch 2.13.0 (CPU) into .venv..." >&2
     "$py" -m pip install -q "torch==2.13.0"
   fi
   stamp=.venv/.wna16-installed
 fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  echo "installing: wna16_loader and its test tools (pip install -e '.[test]') into $py..." >&2
   keep="$(mktemp)"
   "$py" -c "import torch; print('torch==' + torch.__version__)" >"$keep"
   if "$py" -m pip install -q -c "$keep" -e ".[test]"; then
     touch "$stamp"
+    echo "installed; later runs start at once." >&2
   elif "$py" -c "import torch, safetensors, accelerate, tqdm, pytest, hypothesis" >/dev/null 2>&1; then
     echo "warning: pip could not install the package (offline?); every dependency is importable, so the" \
          "scripts run it from this checkout" >&2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from wna16_loader import __version__
 from wna16_loader.cli import main, parse_size
+from wna16_loader.formats import FORMATS
 from wna16_loader.preshard import MANIFEST_NAME
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
@@ -149,3 +152,126 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(SystemExit) as exc:
         main([str(src), "--tp", "2"])
     assert exc.value.code == 2 and "OUT is required" in capsys.readouterr().err
+
+
+# One test per row of the first-hour table (issue 15): exit code, exactly one line on stderr, no traceback.
+
+def one_error_line(run: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The single stderr line of a failed run (asserting the exit code and that nothing else was printed)."""
+    assert run.returncode == code, (run.returncode, run.stderr)
+    assert "Traceback" not in run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def mtimes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("flag", ["--tp", "--ep"])
+def test_zero_tp_or_ep_is_bad_usage(source: Path, tmp_path: Path, flag: str) -> None:
+    args = ["--tp", "2", "--ep", "1"]
+    args[args.index(flag) + 1] = "0"
+    line = one_error_line(cli(str(source), str(tmp_path / "out"), *args))
+    assert line == f"wna16-shard: error: {flag} must be >= 1, got 0; e.g. {flag} 2."
+    assert not (tmp_path / "out").exists()
+
+
+def test_source_that_is_a_file(source: Path, tmp_path: Path) -> None:
+    line = one_error_line(cli(str(source / "config.json"), str(tmp_path / "out"), "--tp", "2"))
+    assert line == (f"wna16-shard: error: {source / 'config.json'}: a file, not a folder; pass the checkpoint "
+                    f"folder holding config.json and the *.safetensors files (here {source}).")
+
+
+def test_verify_something_that_is_no_output(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir"
+    assert one_error_line(cli("verify", str(missing))) == (f"wna16-shard: error: {missing}: no such folder; pass "
+                                                          f"the OUT folder of a wna16-shard run.")
+    line = one_error_line(cli("verify", str(tmp_path)))
+    assert line.endswith(f"{tmp_path}: not a wna16-shard output (no wna16_manifest.json); pass the OUT folder of a "
+                         f"wna16-shard run.")
+
+
+def test_verify_with_the_wrong_source_says_so_first(source: Path, tmp_path: Path) -> None:
+    out, other = tmp_path / "out", tmp_path / "other"
+    assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
+    write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, seed=7)
+    line = one_error_line(cli("verify", str(out), "--source", str(other)))  # same shapes, other values
+    assert line == (f"wna16-shard: error: --source {other} is not the checkpoint {out} was written from: tensor "
+                    f"model.embed_tokens.weight differs from its copy in common/ (and 2 more). Pass the original "
+                    f"source folder, or re-shard.")
+    write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, num_experts=8)
+    line = one_error_line(cli("verify", str(out), "--source", str(other)))  # another size: caught by the fingerprint
+    assert line.startswith(f"wna16-shard: error: --source {other} is not the checkpoint {out} was written from: "
+                           f"source file model.safetensors: written ")
+    assert line.endswith("Pass the original source folder, or re-shard.")
+
+
+def test_second_identical_run_has_nothing_to_do(source: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
+    before = mtimes(out)
+    run = cli(str(source), str(out), "--tp", "2")
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")
+    assert mtimes(out) == before  # not one file rewritten (manifest and plan included)
+    forced = cli(str(source), str(out), "--tp", "2", "--force", "--quiet")
+    assert forced.returncode == 0 and forced.stdout == "" and forced.stderr == ""
+    after = mtimes(out)
+    assert set(after) == set(before) and all(after[p] > before[p] for p in before if p.endswith(".safetensors"))
+
+
+def test_reduced_group_size_is_warned_and_shown(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)
+    run = cli(str(src), str(tmp_path / "out"), "--tp", "8", "--quiet")
+    line = one_error_line(run, code=0)
+    assert line == ("wna16-shard: warning: tp=8: group size 32 becomes G_eff 16 in 1 layer(s) "
+                    "(model.layers.0.mlp.experts): I/tp = 128/8 is not a multiple of 32, so each scale and zero "
+                    "point is repeated; kernels that accept only some group sizes may refuse it. TP sizes that keep "
+                    "group size 32: [1, 2, 4].")
+
+
+def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--tp", "2", "--verify"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "format: awq 4-bit, group 32, asymmetric; layout fused"
+    assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds"]
+    assert lines[3].split()[:6] == ["rank-00000-of-00002", "1", "7", "13.9", "KiB", "32"]
+    assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
+    assert lines[6].startswith(f"verified: {out}: ok: 3 files (") and lines[6].endswith(
+        f"19 tensors match the manifest's sha256; 4 experts in 1 layer(s) reassembled over TP exactly equal "
+        f"{source}, 5 common tensors byte-identical")
+    assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
+    assert main(["verify", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "ok: 3 files (" in lines[0] and "KiB on disk), 19 tensors match" in lines[0]
+    assert lines[1].startswith(f"next: wna16-shard verify {out} --source SRC")
+
+
+def test_no_quantization_config_names_folder_and_formats(source: Path, tmp_path: Path) -> None:
+    config = json.loads((source / "config.json").read_text())
+    del config["quantization_config"]
+    (source / "config.json").write_text(json.dumps(config))
+    line = one_error_line(cli(str(source), str(tmp_path / "out"), "--tp", "2"))
+    accepted = "; ".join(f"{d.name} (quant_method {' or '.join(repr(m) for m in d.quant_methods)})" for d in FORMATS)
+    assert line == (f"wna16-shard: error: {source}: config.json has no quantization_config, and the folder has no "
+                    f"quantize_config.json or quant_config.json; this is not a WNA16-quantized checkpoint. Accepted "
+                    f"formats: {accepted}.")
+    assert "compressed-tensors (quant_method 'compressed-tensors')" in line
+
+
+def test_version_usage_and_closed_pipe(source: Path, tmp_path: Path) -> None:
+    run = cli("--version")
+    assert run.returncode == 0 and run.stdout.strip() == f"wna16-shard (wna16_loader) {__version__}"
+    run = cli()
+    assert run.returncode == 2 and "wna16-shard verify OUT [--source SRC]" in run.stderr.splitlines()[1]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "wna16_loader.cli", str(source), str(tmp_path / "out"), "--tp",
+                             "2", "--dry-run"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # like `| head` that has already exited: every write gets EPIPE
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and stderr == ""

@@ -226,8 +226,9 @@ def test_wna16_shard_takes_a_repo_id(two_revisions, tmp_path, capsys):
     assert main([REPO, str(out), "--tp", "2", "--revision", "v2", "--quiet"]) == 0
     assert_same_load(load_experts(out, TP2), load_experts(v2_src, TP2))
     assert main(["verify", str(out), "--source", REPO, "--revision", "v2"]) == 0
-    assert main(["verify", str(out), "--source", REPO]) == 1  # main is another checkpoint
     capsys.readouterr()
+    assert main(["verify", str(out), "--source", REPO]) == 2  # main is another checkpoint: refused as bad input
+    assert "is not the checkpoint" in capsys.readouterr().err
     assert main(["verify", str(out), "--revision", "v2"]) == 2
     assert capsys.readouterr().err == ("wna16-shard: error: --revision v2 names a revision of --source, but no "
                                        "--source was given; pass --source org/name or drop --revision.\n")

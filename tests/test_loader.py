@@ -8,6 +8,7 @@ references exactly and every expert must sit on the rank the placement rule name
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import pytest
@@ -441,3 +442,15 @@ def test_ep_filter_never_reads_other_experts(tmp_path, monkeypatch, fmt, bits, g
         assert set(seen) == local, f"rank {ep_rank} read experts {sorted(seen)}, owns {sorted(local)}"
         for expert, got in seen.items():
             assert got == suffixes, (expert, got, suffixes)
+
+
+def test_reduced_group_size_warned_per_rank(tmp_path, caplog):
+    write_checkpoint(tmp_path, quant_config("gptq", group_size=32), hidden=64, intermediate=128)
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        layers = load_experts(tmp_path, ParallelConfig(tp_size=8, tp_rank=5))
+    assert layers["model.layers.0.mlp.experts"].group_size == 16
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["[rank 5 tp 5/8 ep 0/1] tp=8: group size 32 becomes G_eff 16 in 1 layer(s) "
+                        "(model.layers.0.mlp.experts): I/tp = 128/8 is not a multiple of 32, so each scale and zero "
+                        "point is repeated; kernels that accept only some group sizes may refuse it. TP sizes that "
+                        "keep group size 32: [1, 2, 4]."]

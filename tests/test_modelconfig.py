@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from wna16_loader.errors import ConfigError, WNA16Error
+from wna16_loader.formats import FORMATS
 from wna16_loader.modelconfig import (EXPERT_COUNT_KEYS, MoEConfig, Resolved, load_json, read_config_files,
                                       resolve_moe_config, text_config)
 
@@ -346,9 +347,12 @@ def test_embedded_quantization_config_beats_fallback_files(tmp_path: Path) -> No
 
 def test_no_quantization_anywhere_in_folder(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(FLAT))
-    with pytest.raises(ConfigError, match=r"no quantization_config, and no quantize_config\.json or "
-                                          r"quant_config\.json was found"):
+    with pytest.raises(ConfigError) as exc:
         read_config_files(tmp_path)
+    accepted = "; ".join(f"{d.name} (quant_method {' or '.join(repr(m) for m in d.quant_methods)})" for d in FORMATS)
+    assert str(exc.value) == (f"{tmp_path}: config.json has no quantization_config, and the folder has no "
+                              f"quantize_config.json or quant_config.json; this is not a WNA16-quantized "
+                              f"checkpoint. Accepted formats: {accepted}.")
 
 
 def test_bad_json_in_fallback_file_names_the_file(tmp_path: Path) -> None:

@@ -322,3 +322,11 @@ def test_parallel_py_is_where_the_environment_is_read() -> None:
     offenders = _environment_offenders((PACKAGE_DIR / "parallel.py").read_text(encoding="utf-8"), "parallel.py")
     assert any("torch.distributed" in o for o in offenders)
     assert any("os.environ" in o for o in offenders)
+
+
+def test_from_manifest_reads_the_parallel_record() -> None:
+    manifest = {"parallel": {"tp": 2, "ep": 3, "placement": "round_robin"}}
+    assert ParallelConfig.from_manifest(manifest, rank=5) == ParallelConfig(2, 1, 3, 2, "round_robin")
+    with pytest.raises(ShardingError, match=r"from_manifest: the manifest has no 'parallel' record with tp, ep and "
+                                            r"placement \(found \{'tp': 2\}\); pass read_manifest\(OUT\)"):
+        ParallelConfig.from_manifest({"parallel": {"tp": 2}}, rank=0)

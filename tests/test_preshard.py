@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -12,9 +13,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from wna16_loader import LayoutMismatchError, ParallelConfig, load_experts
-from wna16_loader.errors import PreshardError
-from wna16_loader.preshard import LOCK_NAME, MANIFEST_NAME, PLAN_NAME, preshard_checkpoint, verify_output
+from wna16_loader import LayoutMismatchError, ParallelConfig, load_experts, parallel_config
+from wna16_loader.errors import PreshardError, ShardingError
+from wna16_loader.preshard import LOCK_NAME, MANIFEST_NAME, PLAN_NAME, preshard_checkpoint, read_manifest, verify_output
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,6 +207,53 @@ def test_padded_layout_round_trip_manifest_and_verify(tmp_path: Path) -> None:
     layers[2].tensors["w13_qweight"][0, 40] = 0x11  # a padded gate row of tp rank 2 (rows 32..47)
     assert _compare_stitched(prefix, 0, layers, reference, reference.dequantize()) == [
         f"{prefix}: ep rank 0 tp rank 2: the 16 padding columns do not dequantise to exactly 0; re-shard the source"]
+
+
+def test_parallel_config_from_manifest_round_trip(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, placement="round_robin", progress=False)
+    manifest = read_manifest(out)
+    for expected in ParallelConfig.all_ranks(tp_size=2, ep_size=2, expert_placement="round_robin"):
+        config = ParallelConfig.from_manifest(manifest, rank=expected.rank)
+        assert config == expected and parallel_config(out, rank=expected.rank) == expected
+        loaded, direct = load_experts(out, config), load_experts(src, expected)
+        for prefix, layer in direct.items():
+            assert loaded[prefix].spec.experts == layer.spec.experts
+            assert torch.equal(loaded[prefix].w13_qweight, layer.w13_qweight)
+    with pytest.raises(ShardingError, match=r"rank 4 is out of range for tp_size=2 x ep_size=2 = 4 ranks"):
+        ParallelConfig.from_manifest(manifest, rank=4)
+
+
+def test_reduced_group_size_warned_once_by_the_plan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = make_source(tmp_path / "src", "awq")  # G = 32, I = 128: tp 8 leaves 16 columns per rank
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        summary = preshard_checkpoint(src, tmp_path / "out", tp_size=8, dry_run=True, progress=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "tp=8: group size 32 becomes G_eff 16 in 2 layer(s) (model.layers.0.mlp.experts, model.layers.1.mlp.experts): "
+        "I/tp = 128/8 is not a multiple of 32, so each scale and zero point is repeated; kernels that accept only some "
+        "group sizes may refuse it. TP sizes that keep group size 32: [1, 2, 4]."]
+    assert summary.plan.quant["group_size_eff"] == {"model.layers.0.mlp.experts": 16, "model.layers.1.mlp.experts": 16}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        preshard_checkpoint(src, tmp_path / "out", tp_size=4, dry_run=True, progress=False)
+    assert caplog.records == []
+
+
+def test_complete_output_left_alone_until_a_file_changes(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    reference = tree_bytes(out)
+    again = preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    assert again.complete and [r.kept for r in again.ranks] == [r.files for r in again.ranks]
+    victim = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1])  # one byte short: its header no longer matches its size
+    redo = preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    assert not redo.complete and tree_bytes(out) == reference
+    (out / "generation_config.json").unlink()
+    assert not preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False).complete
+    assert tree_bytes(out) == reference
 
 
 def test_non_gated_round_trip_and_verify(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from .modelconfig import MoEConfig
 from .model_load import check_model_complete, install_load_hook, load_model_experts
 from .module import FusedMoEExperts
 from .parallel import ExpertPlacement, ParallelConfig
+from .presharded import parallel_config, read_manifest
 from .reference import Activation, reference_forward
 
 from .version import __version__
@@ -24,5 +25,6 @@ __all__ = [
 ]
 __all__ += [
     "Activation", "ExpertParamMapping", "FusedMoEExperts", "ParamTarget", "ShardId", "TensorStore",
-    "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "reference_forward", "resolve_checkpoint",
+    "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "parallel_config",
+    "read_manifest", "reference_forward", "resolve_checkpoint",
 ]

@@ -6,13 +6,24 @@ Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import re
 import sys
 
 from .errors import CheckpointError, WNA16Error
 from .hub import resolve_checkpoint
+from .logs import log
 from .parallel import ExpertPlacement
-from .preshard import LAYOUTS, describe_layouts, describe_plan, preshard_checkpoint, verify_output
+from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint
+from .preshard.verify import VerifyReport, verify_report
+from .version import __version__
+
+USAGE = """\
+wna16-shard SRC OUT [--tp N] [--ep M] [options]   pre-shard SRC into OUT
+       wna16-shard verify OUT [--source SRC]             re-check an output
+       wna16-shard SRC --plan [--tp N] [--ep M]          compare TP layouts: G_eff, padding, bytes per rank
+       wna16-shard --version | --help"""
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
@@ -25,12 +36,13 @@ examples:
   wna16-shard ./ckpt ./out --ep 8                  # EP only (--tp defaults to 1)
   wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan and how the config resolved, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
+  wna16-shard ./ckpt ./out --tp 2 --force          # rewrite an output that is already complete
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
   wna16-shard org/Model-GPTQ ./out --tp 2 --revision v1  # a Hugging Face repo id (cache first, else download)
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
 
-Load the result with load_experts(OUT, ParallelConfig(...)) using the same tp/ep/placement.
+Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
 exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input.
 """
 
@@ -55,7 +67,7 @@ def parse_size(text: str) -> int:
 
 def shard_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard SRC OUT ...`."""
-    p = argparse.ArgumentParser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
                                 description="Pre-shard a WNA16 MoE checkpoint: write every TP/EP rank's fused expert "
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
@@ -79,8 +91,11 @@ def shard_parser() -> argparse.ArgumentParser:
                         "int32-word and group boundaries)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="write K folders (ranks, common/) in parallel processes (default 1); output is identical")
-    p.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo the "
-                                                          "rest of an interrupted run")
+    redo = p.add_mutually_exclusive_group()
+    redo.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo "
+                                                             "the rest of an interrupted run")
+    redo.add_argument("--force", action="store_true", help="rewrite every file even when OUT already holds this "
+                                                            "output complete (by default: nothing to do)")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
                                                           "the source (exit 1 on problems)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and how each "
@@ -92,6 +107,7 @@ def shard_parser() -> argparse.ArgumentParser:
                                                         "nothing but config and headers, write nothing (also "
                                                         "--dry-run with no OUT)")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary table")
+    p.add_argument("--version", action="version", version=f"wna16-shard (wna16_loader) {__version__}")
     return p
 
 
@@ -115,16 +131,35 @@ def add_revision(p: argparse.ArgumentParser, what: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `wna16-shard` console script; returns the exit code."""
+    """Entry point of the `wna16-shard` console script; returns the exit code.
+
+    Every error is one line on stderr (exit 2); a closed stdout (`| head`) ends quietly."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    _log_warnings_to_stderr()
     try:
         if argv[:1] == ["verify"]:
-            return _verify(verify_parser().parse_args(argv[1:]))
-        parser = shard_parser()
-        return _shard(parser, parser.parse_args(argv))
+            code = _verify(verify_parser().parse_args(argv[1:]))
+        else:
+            parser = shard_parser()
+            code = _shard(parser, parser.parse_args(argv))
+        sys.stdout.flush()
+        return code
     except WNA16Error as exc:
         print(f"wna16-shard: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop writing, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _log_warnings_to_stderr() -> None:
+    """Package warnings (e.g. a reduced group size) as `wna16-shard: warning: ...` lines on stderr."""
+    if not any(getattr(h, "wna16_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("wna16-shard: warning: %(message)s"))
+        handler.setLevel(logging.WARNING)
+        handler.wna16_cli = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -132,14 +167,25 @@ def _verify(args: argparse.Namespace) -> int:
         raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
                               f"pass --source org/name or drop --revision.")
     source = None if args.source is None else resolve_checkpoint(args.source, revision=args.revision)
-    problems = verify_output(args.out, source=source)
-    for problem in problems:
+    return _print_verify(verify_report(args.out, source=source))
+
+
+def _print_verify(report: VerifyReport) -> int:
+    for problem in report.problems:
         print(f"wna16-shard verify: {problem}", file=sys.stderr)
-    if problems:
-        print(f"wna16-shard verify: {len(problems)} problems in {args.out}", file=sys.stderr)
+    if report.problems:
+        print(f"wna16-shard verify: {len(report.problems)} problems in {report.out}", file=sys.stderr)
         return 1
-    print(f"wna16-shard verify: {args.out}: ok")
+    print(f"wna16-shard verify: {report.text()}")
+    if report.source is None:
+        print(f"next: wna16-shard verify {report.out} --source SRC   # also compare every tensor with the source")
+    else:
+        print(f"next: {_load_hint(report.out)}")
     return 0
+
+
+def _load_hint(out: object) -> str:
+    return f"load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -153,15 +199,32 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     summary = preshard_checkpoint(src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
-                                  workers=args.workers)
+                                  workers=args.workers, force=args.force)
     if args.dry_run:
         print(describe_plan(summary.plan))
         return 0
-    if not args.quiet:
-        print(summary.table())
     for problem in summary.problems:
         print(f"wna16-shard verify: {problem}", file=sys.stderr)
+    if not args.quiet:
+        print(_shard_text(summary, args))
     return 1 if summary.problems else 0
+
+
+def _shard_text(summary: ShardSummary, args: argparse.Namespace) -> str:
+    """The summary table (or 'already complete'), what --verify checked, and the next command."""
+    if summary.complete:
+        lines = [f"wna16-shard: {summary.out}: already complete: nothing to do (the manifest matches SRC and the "
+                 f"parameters; every file is present with its recorded header and size). --force rewrites it."]
+    else:
+        lines = [summary.table()]
+    if summary.verified:
+        lines.append(f"verified: {summary.verified}")
+    if summary.problems:
+        return "\n".join(lines)
+    if not args.verify:
+        lines.append(f"next: wna16-shard verify {summary.out} --source {args.src}")
+    lines.append(f"load: {_load_hint(summary.out)}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ CHECKPOINT_FILES = ("config.json", "quantize_config.json", "quant_config.json", 
 def resolve_checkpoint(path_or_repo: str | Path, *, revision: str | None = None) -> Path:
     """The checkpoint folder for a local folder or a Hugging Face repo id (`org/name`, at `revision`)."""
     local = Path(path_or_repo)
+    if local.is_file():
+        raise CheckpointError(f"{local}: a file, not a folder; pass the checkpoint folder holding config.json and "
+                              f"the *.safetensors files (here {local.parent}).")
     if local.is_dir():
         if revision is not None:
             raise CheckpointError(f"{local}: a local folder, but revision={revision!r} was given; a revision "

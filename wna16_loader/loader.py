@@ -15,7 +15,7 @@ from .device import DevicePolicy
 from .fused import FusedExperts, FusedWriter, Ledger
 from .hook import ExpertLoadHook
 from .hub import resolve_checkpoint
-from .logs import rank_logger
+from .logs import rank_logger, warn_reduced_groups
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
 from .plan import CheckpointScan, LayerPlan, plan_layers
@@ -81,6 +81,9 @@ def planned(path: str | Path, parallel: ParallelConfig) -> Iterator[
         scan = CheckpointScan.of(index)
         plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
+        warn_reduced_groups(rank_logger(parallel), group_size=moe.quant.group_size, tp_size=parallel.tp_size,
+                            effective={p.prefix: p.fused.group_size for p in plans},
+                            intermediate=moe.intermediate_size)
         yield moe, index, scan, plans
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .families import GENERIC, Family, family_of
-from .formats import QuantSpec, resolve_quant_spec
+from .formats import QuantSpec, accepted_formats, resolve_quant_spec
 from .layer_rules import compact, layer_count_from_lists, select_moe_layers
 
 EXPERT_COUNT_KEYS = GENERIC.keys.experts
@@ -273,4 +273,8 @@ def read_config_files(folder: str | Path) -> MoEConfig:
             if (folder / name).is_file():
                 qconfig = {"quant_method": method, **load_json(folder / name)}
                 break
+        else:
+            raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
+                              f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
+                              f"formats: {accepted_formats()}.")
     return resolve_moe_config(config, qconfig)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 from .errors import ShardingError
 
@@ -78,6 +78,19 @@ class ParallelConfig:
         """Every rank of the grid, in global rank order."""
         return [cls.from_rank(r, tp_size=tp_size, ep_size=ep_size, expert_placement=expert_placement)
                 for r in range(tp_size * ep_size)]
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], *, rank: int) -> "ParallelConfig":
+        """The config of global `rank` in the layout a `wna16-shard` output was written for.
+
+        `manifest` is the parsed manifest (`read_manifest(OUT)`; `presharded.parallel_config(OUT, rank=r)`
+        reads it for you): its `parallel` record gives tp, ep and the expert placement.
+        """
+        par = manifest.get("parallel") if isinstance(manifest, Mapping) else None
+        if not isinstance(par, Mapping) or not all(key in par for key in ("tp", "ep", "placement")):
+            raise ShardingError(f"ParallelConfig.from_manifest: the manifest has no 'parallel' record with tp, ep "
+                                f"and placement (found {par!r}); pass read_manifest(OUT) of a wna16-shard output.")
+        return cls.from_rank(rank, tp_size=par["tp"], ep_size=par["ep"], expert_placement=par["placement"])
 
     @classmethod
     def from_environment(cls, *, tp_size: int | None = None, ep_size: int = 1, process_group: Any = None,

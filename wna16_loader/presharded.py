@@ -42,20 +42,39 @@ def is_presharded(path: str | Path) -> bool:
     return False
 
 
+def check_output_folder(out: str | Path) -> Path:
+    """`out` as a Path when it is a finished wna16-shard output; else a CheckpointError saying which of
+    "no such folder", "not a folder", "unfinished" or "not a wna16-shard output" it is, and the fix."""
+    out = Path(out)
+    if not out.exists():
+        raise CheckpointError(f"{out}: no such folder; pass the OUT folder of a wna16-shard run.")
+    if not out.is_dir():
+        raise CheckpointError(f"{out}: not a folder (a file); pass the OUT folder of a wna16-shard run.")
+    if not (out / MANIFEST_NAME).is_file():
+        if (out / PLAN_NAME).is_file():
+            raise CheckpointError(f"{out}: an unfinished wna16-shard output ({PLAN_NAME} but no {MANIFEST_NAME}); "
+                                  f"finish it with wna16-shard SRC {out} ... --resume.")
+        raise CheckpointError(f"{out}: not a wna16-shard output (no {MANIFEST_NAME}); pass the OUT folder of a "
+                              f"wna16-shard run.")
+    return out
+
+
 def read_manifest(out: str | Path) -> dict[str, Any]:
     """OUT/wna16_manifest.json, checked for a known schema version."""
-    path = Path(out) / MANIFEST_NAME
+    path = check_output_folder(out) / MANIFEST_NAME
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no manifest; {out} is not a finished wna16-shard output (re-run "
-                              f"wna16-shard with --resume to finish it).") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc}); re-run wna16-shard with --resume.") from None
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise CheckpointError(f"{path}: schema version {manifest.get('schema_version')!r}, this package reads "
                               f"{SCHEMA_VERSION}; re-shard the checkpoint with this version.")
     return manifest
+
+
+def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
+    """The ParallelConfig of global `rank` in the layout `out` (a wna16-shard output) was written for."""
+    return ParallelConfig.from_manifest(read_manifest(out), rank=rank)
 
 
 def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu") -> LoadedExperts:

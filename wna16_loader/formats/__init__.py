@@ -15,6 +15,12 @@ from .spec import Dim, FormatDecl, ModuleFilter, Need, QuantSpec, Role, TensorLa
 FORMATS: tuple[FormatDecl, ...] = (awq.FORMAT, gptq.FORMAT, compressed_tensors.FORMAT, autoround.FORMAT)
 
 
+def accepted_formats() -> str:
+    """The registered formats and the `quant_method` values each answers to, for error messages."""
+    return "; ".join(f"{decl.name} (quant_method {' or '.join(repr(m) for m in decl.quant_methods)})"
+                     for decl in FORMATS)
+
+
 def resolve_quant_spec(qconfig: dict[str, Any]) -> QuantSpec:
     """Detect the format from `quant_method` and parse the rest of the config."""
     if not isinstance(qconfig, dict):
@@ -28,5 +34,5 @@ def resolve_quant_spec(qconfig: dict[str, Any]) -> QuantSpec:
                       f"loads; expected one of {known}.")
 
 
-__all__ = ["FORMATS", "Dim", "FormatDecl", "ModuleFilter", "Need", "QuantSpec", "Role", "TensorLayout",
+__all__ = ["FORMATS", "accepted_formats", "Dim", "FormatDecl", "ModuleFilter", "Need", "QuantSpec", "Role", "TensorLayout",
            "resolve_quant_spec"]

@@ -8,13 +8,17 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import DTYPES
 from ..errors import PreshardError, format_offenders
 from ..presharded import MANIFEST_NAME, PLAN_NAME
-from .planning import ShardPlan, plan_record
+from .planning import ShardPlan, fingerprint_differences, plan_record
 from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
 
 
 JOURNAL_NAME = ".wna16-done.jsonl"
+
+
+DTYPE_NAMES = {code: str(dtype).removeprefix("torch.") for code, dtype in DTYPES.items()}  # "I32" -> "int32"
 
 
 def check_existing(out: Path, plan: ShardPlan) -> None:
@@ -41,14 +45,7 @@ def _differences(recorded: dict[str, Any], plan: ShardPlan) -> list[str]:
     params = recorded.get("params", {})
     diffs = [f"{key}: written {params.get(key)!r}, requested {value!r}"
              for key, value in plan.params.items() if params.get(key) != value]
-    old = {e["name"]: e for e in recorded.get("source", {}).get("files", [])}
-    new = {e["name"]: e for e in plan.fingerprint["files"]}
-    for name in sorted(set(old) | set(new)):
-        if old.get(name) != new.get(name):
-            diffs.append(f"source file {name}: written {old.get(name)}, now {new.get(name)}")
-    if recorded.get("source", {}).get("config_sha256") != plan.fingerprint["config_sha256"]:
-        diffs.append("source config.json changed since the output was written")
-    return diffs
+    return diffs + fingerprint_differences(recorded.get("source", {}), plan.fingerprint)
 
 
 def start(out: Path, plan: ShardPlan, resume: bool) -> dict[str, dict[str, Any]]:
@@ -106,3 +103,46 @@ def append_journal(out: Path, record: dict[str, Any]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def output_complete(out: Path, plan: ShardPlan) -> bool:
+    """Whether OUT already holds this plan's finished output, checked cheaply (nothing is hashed): a
+    manifest with the same parameters and source fingerprint (see check_existing), listing the planned
+    files, each present with the tensor names, dtypes and shapes it records in its header and the size
+    they imply, and every copied file present."""
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        return False
+    manifest = read_json(path)
+    if _differences(manifest, plan):
+        return False
+    try:
+        records = manifest["common"]["files"] + [f for rank in manifest["ranks"] for f in rank["files"]]
+        listed = {rec["path"]: rec["tensors"] for rec in records}
+    except (KeyError, TypeError):
+        return False
+    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    if {p: sorted(t) for p, t in listed.items()} != planned:
+        return False
+    return all(_header_matches(out / p, t) for p, t in listed.items()) and all(
+        (out / name).is_file() for name in plan.copied)
+
+
+def _header_matches(path: Path, tensors: dict[str, Any]) -> bool:
+    """The safetensors header of `path` lists exactly `tensors` (dtype, shape) and the file has the size
+    the header implies."""
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        size = path.stat().st_size
+    except (OSError, ValueError):
+        return False
+    try:
+        header.pop("__metadata__", None)
+        found = {name: (DTYPE_NAMES.get(rec["dtype"]), rec["shape"]) for name, rec in header.items()}
+        want = {name: (rec["dtype"], rec["shape"]) for name, rec in tensors.items()}
+        end = max((rec["data_offsets"][1] for rec in header.values()), default=0)
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return False
+    return found == want and size == 8 + length + end

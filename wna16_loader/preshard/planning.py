@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoint import INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex, nbytes_of
-from ..errors import CompletenessError, PreshardError, format_offenders
+from ..errors import CheckpointError, CompletenessError, PreshardError, format_offenders
 from ..fused import FusedSpec, Ledger
+from ..logs import log, warn_reduced_groups
 from ..modelconfig import MoEConfig, read_config_files
 from ..parallel import ParallelConfig
 from ..plan import CheckpointScan, LayerPlan, plan_layers
@@ -97,7 +98,10 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
     layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
     fall on word and group boundaries.
     """
-    src = Path(src)
+    src = check_source_folder(src)
+    for flag, size in (("--tp", tp_size), ("--ep", ep_size)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise PreshardError(f"{flag} must be >= 1, got {size!r}; e.g. {flag} 2.")
     if max_file_size < 1:
         raise PreshardError(f"max_file_size={max_file_size}: must be a positive number of bytes, e.g. 4GB.")
     if layout not in LAYOUTS:
@@ -112,9 +116,23 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
         fingerprint = source_fingerprint(src, index.files)
     params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
               "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION}
-    return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=_quant_summary(moe, ranks),
+    quant = _quant_summary(moe, ranks)
+    warn_reduced_groups(log, group_size=moe.quant.group_size, effective=quant["group_size_eff"], tp_size=tp_size,
+                        intermediate=moe.intermediate_size)
+    return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src))
+
+
+def check_source_folder(src: str | Path) -> Path:
+    """`src` as a Path when it is a folder; else a CheckpointError naming what it is."""
+    src = Path(src)
+    if not src.is_dir():
+        what = "a file, not a folder" if src.exists() else "no such folder"
+        hint = f" (use its folder, {src.parent})" if src.is_file() else ""
+        raise CheckpointError(f"{src}: {what}; SRC must be the checkpoint folder holding config.json and the "
+                              f"*.safetensors files{hint}.")
+    return src
 
 
 def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, grid: tuple[int, int, str],
@@ -186,6 +204,17 @@ def source_fingerprint(src: Path, files: list[str]) -> dict[str, Any]:
     config = src / "config.json"
     config_hash = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
     return {"files": entries, "config_sha256": config_hash}
+
+
+def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between a recorded source fingerprint and the source's current one, file by file."""
+    old = {e["name"]: e for e in recorded.get("files", [])}
+    new = {e["name"]: e for e in current["files"]}
+    diffs = [f"source file {name}: written {old.get(name)}, now {new.get(name)}"
+             for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    if recorded.get("config_sha256") != current["config_sha256"]:
+        diffs.append("source config.json changed since the output was written")
+    return diffs
 
 
 def _quant_summary(moe: MoEConfig, ranks: tuple[RankPlan, ...]) -> dict[str, Any]:

@@ -8,17 +8,39 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .planning import COMMON_DIR, ShardPlan
+from .planning import COMMON_DIR, RankPlan, ShardPlan
+
+
+def human_size(nbytes: int) -> str:
+    """1536 -> '1.5 KiB' (powers of 1024; bytes below 1 KiB)."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value, unit = float(nbytes), "B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024:
+            break
+    return f"{value:.1f} {unit}"
+
+
+def quant_line(plan: ShardPlan) -> str:
+    """e.g. `gptq 4-bit, group 32 (G_eff 16 in 2 layers), asymmetric, act-order`."""
+    q = plan.quant
+    reduced = [g for g in q["group_size_eff"].values() if g != q["group_size"]]
+    group = "channelwise" if q["group_size"] == -1 else f"group {q['group_size']}"
+    if reduced:
+        group += f" (G_eff {', '.join(str(g) for g in sorted(set(reduced)))} in {len(reduced)} layer(s))"
+    return (f"{q['format']} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}"
+            f"{', act-order' if q['act_order'] else ''}")
 
 
 def describe_plan(plan: ShardPlan) -> str:
-    """A human-readable plan: layout, G_eff per layer, files and bytes per rank."""
+    """A human-readable plan: layout, G_eff per layer, files and sizes per rank, totals."""
     p = plan.params
     lines = [f"source: {plan.source}",
              f"layout: {p['layout']}, tp={p['tp']} ep={p['ep']} placement={p['placement']} -> {len(plan.ranks)} ranks, "
-             f"max file size {p['max_file_size']} bytes",
-             f"quantization: {plan.quant['format']} {plan.quant['bits']}-bit group {plan.quant['group_size']} "
-             f"sym={plan.quant['sym']} act_order={plan.quant['act_order']}"]
+             f"max file size {human_size(p['max_file_size'])}",
+             f"quantization: {quant_line(plan)}"]
     lines += [f"  G_eff {prefix}: {g}" for prefix, g in plan.quant["group_size_eff"].items()]
     if plan.moe.resolution is not None:  # how every model value was found: the first thing to read when a model fails
         lines += ["model config: " + line.strip() if i == 0 else line
@@ -26,8 +48,12 @@ def describe_plan(plan: ShardPlan) -> str:
     groups = [(COMMON_DIR, plan.common)] + [(r.folder, r.files) for r in plan.ranks]
     for folder, files in groups:
         total = sum(f.nbytes for f in files)
-        lines.append(f"{folder}: {len(files)} files, {sum(len(f.tensors) for f in files)} tensors, {total} bytes")
-        lines += [f"    {f.name}: {len(f.tensors)} tensors, {f.nbytes} bytes" for f in files]
+        lines.append(f"{folder}: {len(files)} files, {sum(len(f.tensors) for f in files)} tensors, "
+                     f"{human_size(total)}")
+        lines += [f"    {f.name}: {len(f.tensors)} tensors, {human_size(f.nbytes)}" for f in files]
+    files = plan.all_files()
+    lines.append(f"total: {len(files)} files, {sum(len(f.tensors) for f in files)} tensors, "
+                 f"{human_size(sum(f.nbytes for f in files))}")
     lines.append(f"copied: {', '.join(plan.copied) or '(none)'}")
     return "\n".join(lines)
 
@@ -54,7 +80,8 @@ class Progress:
         elif self.enabled and (time.monotonic() - self.last > 2.0 or self.done >= self.total):
             self.last = time.monotonic()
             pct = 100.0 * self.done / max(self.total, 1)
-            print(f"wna16-shard: {self.done}/{self.total} bytes ({pct:.0f}%), last {label}", file=self.stream)
+            print(f"wna16-shard: {human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), last {label}",
+                  file=self.stream)
 
     def close(self) -> None:
         """Close the bar."""
@@ -84,9 +111,24 @@ class ShardSummary:
     dry_run: bool = False
     problems: tuple[str, ...] = ()
 
+    complete: bool = False  # the output was already complete: nothing was written
+    verified: str = ""  # what verify checked (VerifyReport.text()), when asked and without problems
+
     def table(self) -> str:
-        """One row per folder: files, tensors, bytes, seconds (and files kept by resume)."""
-        rows = [f"{'folder':<24} {'files':>5} {'tensors':>7} {'bytes':>14} {'kept':>4} {'seconds':>8}"]
-        rows += [f"{r.name:<24} {r.files:>5} {r.tensors:>7} {r.bytes:>14} {r.kept:>4} {r.seconds:>8.2f}"
-                 for r in self.ranks]
+        """The format line, then one row per folder: files, tensors, size, group size (G_eff), files kept by
+        resume, seconds; and a total row."""
+        groups = {r.folder: _group_sizes(r) for r in self.plan.ranks}
+        rows = [f"format: {quant_line(self.plan)}; layout {self.plan.params['layout']}",
+                f"{'folder':<24} {'files':>5} {'tensors':>7} {'size':>10} {'group':>6} {'kept':>4} {'seconds':>8}"]
+        rows += [f"{r.name:<24} {r.files:>5} {r.tensors:>7} {human_size(r.bytes):>10} {groups.get(r.name, '-'):>6} "
+                 f"{r.kept:>4} {r.seconds:>8.2f}" for r in self.ranks]
+        rows.append(f"{'total':<24} {sum(r.files for r in self.ranks):>5} {sum(r.tensors for r in self.ranks):>7} "
+                    f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>6} {sum(r.kept for r in self.ranks):>4} "
+                    f"{sum(r.seconds for r in self.ranks):>8.2f}")
         return "\n".join(rows)
+
+
+def _group_sizes(rank: RankPlan) -> str:
+    """The group sizes of a rank's layers as written: G_eff for fused, the source's G for checkpoint slices."""
+    sizes = sorted({spec.group_size for spec in rank.layers.values()})
+    return ",".join("chan" if g == -1 else str(g) for g in sizes) or "-"

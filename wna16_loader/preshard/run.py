@@ -2,29 +2,33 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from ..errors import PreshardError
 from ..presharded import MANIFEST_NAME
-from .journal import JOURNAL_NAME, check_existing, start
+from .journal import JOURNAL_NAME, check_existing, output_complete, start
 from .manifest import build_manifest
-from .planning import make_plan
-from .progress import ShardSummary
+from .planning import COMMON_DIR, ShardPlan, make_plan
+from .progress import RankSummary, ShardSummary
 from .safefiles import copy_file, make_dir, output_lock, write_json_atomic
-from .verify import verify_output
+from .verify import verify_report
 from .writing import write_all
 
 
 def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_size: int = 1,
                         placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
                         verify: bool = False, dry_run: bool = False, progress: bool = True,
-                        layout: str = "fused", workers: int = 1) -> ShardSummary:
+                        layout: str = "fused", workers: int = 1, force: bool = False) -> ShardSummary:
     """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
     layout: "fused" (load_experts' tensors) or "checkpoint" (source tensors sliced per rank, source names
     and format). dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
     verify: re-read the output and compare it with the source; problems land in the summary.
     workers: folders written in parallel processes (output identical to workers=1).
+    An `out` that already holds this plan's finished output (same parameters and source; files present with
+    the recorded headers and sizes) is left untouched and the summary says `complete`; force=True rewrites it.
     Raises a WNA16Error subclass on bad input, a locked or foreign `out`, changed parameters or a failed write.
     """
     out = Path(out)
@@ -38,6 +42,8 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     make_dir(out)
     with output_lock(out):
         check_existing(out, plan)
+        if not force and output_complete(out, plan):
+            return _complete(out, plan, verify)
         journal = start(out, plan, resume)
         summaries = write_all(out, plan, journal, progress, workers)
         records = {rec["path"]: rec for rec in journal.values()}
@@ -45,8 +51,24 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
             copy_file(plan.source / name, out / name)
         write_json_atomic(out / MANIFEST_NAME, build_manifest(plan, records))
         (out / JOURNAL_NAME).unlink(missing_ok=True)
-    problems = tuple(verify_output(out, source=plan.source)) if verify else ()
-    return ShardSummary(out=out, plan=plan, ranks=summaries, problems=problems)
+    return replace(ShardSummary(out=out, plan=plan, ranks=summaries), **_verified(out, plan, verify))
+
+
+def _complete(out: Path, plan: ShardPlan, verify: bool) -> ShardSummary:
+    """The summary of an output that was already complete (nothing written)."""
+    ranks = [RankSummary(COMMON_DIR, len(plan.common), sum(len(f.tensors) for f in plan.common),
+                         sum(f.nbytes for f in plan.common), 0.0, kept=len(plan.common))]
+    ranks += [RankSummary(r.folder, len(r.files), sum(len(f.tensors) for f in r.files), sum(f.nbytes for f in r.files),
+                          0.0, kept=len(r.files)) for r in plan.ranks]
+    return replace(ShardSummary(out=out, plan=plan, ranks=tuple(ranks), complete=True), **_verified(out, plan, verify))
+
+
+def _verified(out: Path, plan: ShardPlan, verify: bool) -> dict[str, Any]:
+    """The summary's `problems` and `verified` fields after verify_report against the source (if asked)."""
+    if not verify:
+        return {}
+    report = verify_report(out, source=plan.source)
+    return {"problems": report.problems, "verified": "" if report.problems else report.text()}
 
 
 def check_out_not_in_source(src: Path, out: Path) -> None:

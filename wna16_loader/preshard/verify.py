@@ -3,6 +3,7 @@ tensor against the source (common bytes, checkpoint-layout slices, fused experts
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -10,34 +11,97 @@ import torch
 from safetensors import safe_open
 
 from ..checkpoint import CheckpointIndex
-from ..errors import WNA16Error
+from ..errors import CheckpointError, WNA16Error
 from ..fused import FusedExperts
 from ..loader import load_experts
 from ..parallel import ParallelConfig
 from ..presharded import load_presharded, read_manifest
 from ..presliced import materialize
 from .manifest import tensor_record
-from .planning import make_plan
+from .planning import fingerprint_differences, make_plan, source_fingerprint
+from .progress import human_size
 from .safefiles import sha256_file
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What a verification checked and every problem it found.
+
+    files, tensors, nbytes: checked against the manifest's sha256s; experts: (layer, expert) pairs
+    compared with the source (0 without a source); common: common tensors compared byte for byte.
+    """
+
+    out: Path
+    layout: str
+    files: int
+    tensors: int
+    nbytes: int
+    experts: int = 0
+    layers: int = 0
+    common: int = 0
+    source: Path | None = None
+    problems: tuple[str, ...] = ()
+
+    def text(self) -> str:
+        """One line saying what was checked, e.g. `18 files, 42 tensors (1.2 MiB) match their sha256`."""
+        line = (f"{self.out}: ok: {self.files} files ({human_size(self.nbytes)} on disk), {self.tensors} tensors "
+                f"match the manifest's sha256")
+        if self.source is not None:
+            how = "reassembled over TP" if self.layout == "fused" else "sliced"
+            line += (f"; {self.experts} experts in {self.layers} layer(s) {how} exactly equal {self.source}, "
+                     f"{self.common} common tensors byte-identical")
+        return line
 
 
 def verify_output(out: str | Path, source: str | Path | None = None) -> list[str]:
     """Every problem with a pre-shard output: missing files, hash mismatches; with `source`, also
-    expert weights that do not reassemble exactly and common tensors that differ from the source."""
-    out = Path(out)
+    expert weights that do not reassemble exactly and common tensors that differ from the source.
+    An unreadable output or a source it was not written from is one problem."""
     try:
-        manifest = read_manifest(out)
+        return list(verify_report(out, source).problems)
     except WNA16Error as exc:
         return [str(exc)]
+
+
+def verify_report(out: str | Path, source: str | Path | None = None) -> VerifyReport:
+    """verify_output's checks and what they covered. Raises CheckpointError when `out` is not a finished
+    wna16-shard output, or when `source` is not the checkpoint it was written from: its fingerprint (file
+    sizes and headers, config.json) differs from the recorded one (checked before any tensor is compared),
+    or a common tensor differs from the source's."""
+    out = Path(out)
+    manifest = read_manifest(out)
+    if source is not None:
+        check_source_matches(out, manifest, Path(source))
     records = manifest["common"]["files"] + [rec for rank in manifest["ranks"] for rec in rank["files"]]
     problems = [p for rec in records for p in _verify_file(out, rec)]
-    if source is not None and not problems:
-        problems += _verify_common(out, manifest, Path(source))
-        if manifest["params"].get("layout", "fused") == "checkpoint":
-            problems += _verify_sliced(out, manifest, Path(source))
-        else:
-            problems += _verify_experts(out, manifest, Path(source))
-    return problems
+    layout = manifest["params"].get("layout", "fused")
+    report = VerifyReport(out, layout, len(records), sum(len(rec["tensors"]) for rec in records),
+                          sum((out / rec["path"]).stat().st_size for rec in records if (out / rec["path"]).is_file()))
+    if source is None or problems:
+        return replace(report, problems=tuple(problems))
+    _check_common(out, manifest, Path(source))
+    problems += (_verify_sliced if layout == "checkpoint" else _verify_experts)(out, manifest, Path(source))
+    experts = {p: set() for rank in manifest["ranks"] for p in rank["layers"]}
+    for rank in manifest["ranks"]:
+        for prefix, rec in rank["layers"].items():
+            experts[prefix].update(rec["experts"])
+    return replace(report, source=Path(source), problems=tuple(problems), layers=len(experts),
+                 experts=sum(len(e) for e in experts.values()),
+                 common=sum(len(rec["tensors"]) for rec in manifest["common"]["files"]))
+
+
+def check_source_matches(out: Path, manifest: dict[str, Any], source: Path) -> None:
+    """The source's fingerprint (file names, sizes, header hashes, config.json) must be the recorded one."""
+    if not source.is_dir():
+        raise CheckpointError(f"--source {source}: no such folder; pass the checkpoint folder {out} was "
+                              f"written from.")
+    with CheckpointIndex(source) as index:
+        current = source_fingerprint(source, index.files)
+    diffs = fingerprint_differences(manifest.get("source", {}), current)
+    if diffs:
+        more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
+        raise CheckpointError(f"--source {source} is not the checkpoint {out} was written from: "
+                              f"{'; '.join(diffs[:2])}{more}. Pass the original source folder, or re-shard.")
 
 
 def _verify_file(out: Path, rec: dict[str, Any]) -> list[str]:
@@ -56,16 +120,21 @@ def _verify_file(out: Path, rec: dict[str, Any]) -> list[str]:
     return [f"{rec['path']}: sha256 differs from the manifest ({detail}); re-shard to repair it"]
 
 
-def _verify_common(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
-    problems = []
+def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
+    """Every common/ tensor must equal the source's, byte for byte. Called once every output file matches its
+    manifest hash, so a difference means the source is not the checkpoint that was written: one error."""
+    differ = []
     with CheckpointIndex(source) as index:
         for rec in manifest["common"]["files"]:
             with safe_open(str(out / rec["path"]), framework="pt") as handle:
                 for name in handle.keys():
                     ref = index.refs.get(name)
                     if ref is None or tensor_record(index.read(ref)) != tensor_record(handle.get_tensor(name)):
-                        problems.append(f"{rec['path']}: tensor {name} is not byte-identical to the source")
-    return problems
+                        differ.append(name)
+    if differ:
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise CheckpointError(f"--source {source} is not the checkpoint {out} was written from: tensor {differ[0]} "
+                              f"differs from its copy in common/{more}. Pass the original source folder, or re-shard.")
 
 
 def _verify_sliced(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
