@@ -39,10 +39,14 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
 
 
 class TensorReader(Protocol):
-    """What the readers here need: `read(ref, index)` -> `tensor[index]` on the CPU (a CheckpointIndex,
-    or the hook's store of tensors handed over by an engine)."""
+    """What the readers here need (a CheckpointIndex, or the hook's store of tensors handed over by an
+    engine): `view(ref, index)` -> `tensor[index]` on the CPU, possibly file pages (copied before it is
+    kept or sent to a device); `gather(refs, indices, pin=)` -> those slices stacked into fresh memory."""
 
-    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
+    def view(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
+
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
+               pin: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -120,7 +124,7 @@ def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sourc
     once for the whole batch.
     """
     storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row) for src in sources]
-    raw = torch.stack([reader.read(src.tensors[layout.role], index) for src, index in zip(sources, storage)])
+    raw = reader.gather([src.tensors[layout.role] for src in sources], storage)
     tensor = _unpacked(raw, spec, layout, spans, lead=1)
     if pick is not None and Dim.GROUP in layout.dims:
         axis = 1 + layout.dims.index(Dim.GROUP)  # selected next to the expert dim: rows, not a last-dim gather
@@ -235,8 +239,8 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     step = max(1, (QWEIGHT_CHUNK_BYTES if upload_to is None else UPLOAD_CHUNK_BYTES) // (4 * words))
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
-        raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], storage_index(
-            layout, spans, spec.pack_factor, src.expert_row)) for src in sources[chunk]], upload_to)
+        raw = _stacked(reader, [src.tensors[Role.QWEIGHT] for src in sources[chunk]], [storage_index(
+            layout, spans, spec.pack_factor, src.expert_row) for src in sources[chunk]], upload_to)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
 
@@ -246,7 +250,7 @@ def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, so
     """Words that already hold the fused bytes: one view of each expert's slice (no copy here)."""
     for i, src in enumerate(sources):
         index = storage_index(layout, spans, spec.pack_factor, src.expert_row)
-        words = reader.read(src.tensors[Role.QWEIGHT], index)
+        words = reader.view(src.tensors[Role.QWEIGHT], index)
         yield QweightPiece(slice(i, i + 1), Span(0, len(spans[Dim.N])), _as_fused(words.unsqueeze(0), layout))
 
 
@@ -269,16 +273,16 @@ def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, s
         for start, stop in zip(cuts, cuts[1:]):
             part = {**spans, Dim.N: Span(start, stop)}
             index = storage_index(layout, part, per_word, src.expert_row)
-            raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], index)], None)
+            raw = _stacked(reader, [src.tensors[Role.QWEIGHT]], [index], None)
             yield QweightPiece(slice(i, i + 1), Span(start - n.start, stop - n.start),
                                _converted_qweight(raw, spec, layout, part))
 
 
-def _stacked(slices: list[torch.Tensor], upload_to: torch.device | None) -> torch.Tensor:
+def _stacked(reader: TensorReader, refs: list[TensorRef], indices: list[tuple[slice | int, ...]],
+             upload_to: torch.device | None) -> torch.Tensor:
     """Stack file slices into ordinary memory (pinned for a CUDA/HIP target) and send them to `upload_to`."""
     pin = upload_to is not None and upload_to.type == "cuda" and torch.cuda.is_available()
-    host = torch.empty((len(slices), *slices[0].shape), dtype=slices[0].dtype, pin_memory=pin)
-    torch.stack(slices, out=host)  # the one copy out of the mapping: never DMA from a safetensors mmap
+    host = reader.gather(refs, indices, pin=pin)  # the one copy out of the mapping: never DMA from a mmap
     return host if upload_to is None else host.to(upload_to, non_blocking=True)
 
 
