@@ -7,6 +7,7 @@ goes through safetensors (the read path before the mapping).
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,25 @@ def test_load_is_byte_identical_to_safetensors_reads(tmp_path, monkeypatch, case
                 other = theirs[prefix].tensors[name]
                 assert tensor.dtype == other.dtype and torch.equal(tensor.view(torch.uint8), other.view(torch.uint8)), \
                     (prefix, name)
+
+
+@pytest.mark.parametrize("layout", ("fused", "checkpoint"))
+def test_preshard_is_byte_identical_to_safetensors_reads(tmp_path, monkeypatch, layout):
+    from wna16_loader.preshard import preshard_checkpoint
+    from wna16_loader.presharded import read_manifest
+
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", bits=4, group_size=32, symmetric=False), num_experts=4, hidden=128,
+                     intermediate=128, num_layers=2, files=2, references=False)
+    preshard_checkpoint(src, tmp_path / "ours", tp_size=2, ep_size=2, layout=layout, progress=False)
+    with monkeypatch.context() as patch:
+        readers: dict[int, SafetensorsReader] = {}
+        reader = lambda index: readers.setdefault(id(index), SafetensorsReader(index))  # noqa: E731
+        patch.setattr(CheckpointIndex, "view", lambda self, ref, index=(): reader(self).view(ref, index))
+        patch.setattr(CheckpointIndex, "gather", lambda self, refs, indices, pin=False:
+                      reader(self).gather(refs, indices))
+        preshard_checkpoint(src, tmp_path / "theirs", tp_size=2, ep_size=2, layout=layout, progress=False)
+    hashes = lambda out: {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+                          for p in sorted(out.rglob("*.safetensors"))}
+    assert hashes(tmp_path / "ours") == hashes(tmp_path / "theirs") and len(hashes(tmp_path / "ours")) > 4
+    assert read_manifest(tmp_path / "ours") == read_manifest(tmp_path / "theirs")

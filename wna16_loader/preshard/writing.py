@@ -118,7 +118,7 @@ def _tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointInde
     """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
     if rank is None:
         return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),
-                            lambda n: index.read(index.refs[n]))
+                            lambda n: index.view(index.refs[n]))  # written straight from the mapping
     if rank.sliced:
         return TensorSource(lambda n: (rank.sliced[n].shape, rank.sliced[n].dtype),
                             lambda n: materialize(index, rank.sliced[n]))
@@ -193,7 +193,7 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
         digest.update(chunk)
     records = {}
     for name, (shape, dtype) in metas.items():
-        tensor = fetch(name).detach().cpu().contiguous()
+        tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
         assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         handle.write(data)
