@@ -20,9 +20,8 @@ import math
 import mmap
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -31,9 +30,9 @@ from .errors import CheckpointError
 Index = tuple[slice | int, ...]
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor of a file header: safetensors dtype name, shape and absolute byte span in the file."""
+class HeaderEntry(NamedTuple):
+    """One tensor of a file header: safetensors dtype name, shape and absolute byte span in the file
+    (a named tuple: a header holds thousands)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -119,13 +118,13 @@ def _parse_header(path: Path, prefix: bytes, handle, size: int,  # noqa: ANN001 
 def _entry(path: Path, name: str, raw: object, start: int, size: int, itemsizes: dict[str, int]) -> HeaderEntry:
     """One header entry with absolute offsets; its span must fit the file and match dtype x shape."""
     try:
-        dtype, shape, (begin, end) = raw["dtype"], tuple(int(d) for d in raw["shape"]), raw["data_offsets"]
+        dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]
+        entry = HeaderEntry(dtype, shape, start + begin, start + end)
+        want = math.prod(shape) * itemsizes[dtype] if dtype in itemsizes else end - begin
     except (TypeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {raw!r} ({exc}); expected "
                               f"dtype, shape and data_offsets.") from None
-    entry = HeaderEntry(dtype, shape, start + int(begin), start + int(end))
-    want = math.prod(shape) * itemsizes[dtype] if dtype in itemsizes else entry.end - entry.begin
-    if not start <= entry.begin <= entry.end <= size or entry.end - entry.begin != want:
+    if not start <= entry.begin <= entry.end <= size or end - begin != want:
         raise CheckpointError(f"{path}: tensor {name!r} spans bytes [{begin}, {end}) of the data section, but "
                               f"{dtype} {list(shape)} needs {want} bytes and the data section holds "
                               f"{size - start}; the file is corrupt or truncated.")

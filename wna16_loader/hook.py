@@ -29,11 +29,11 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
 from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweights
 from .formats import Role
-from .fused import FusedWriter, Ledger
+from .fused import FusedWriter, Ledger, Slot
 from .modelconfig import MoEConfig
 from .mapping import ShardId, default_alias
 from .names import Proj, Source, parse_expert_name
-from .plan import STACKED_SOURCES, LayerPlan, expert_key_problem, source_tensors
+from .plan import ROLE_NAMES, STACKED_SOURCES, LayerPlan, expert_key_problem, source_tensors
 from .sharding import LayerGeometry
 
 MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
@@ -239,9 +239,9 @@ class ExpertLoadHook:
         experts at a time."""
         for proj in Proj:
             for experts, sources in _plan_runs(plan, proj):
-                for expert, src in zip(experts, sources):
+                for expert, src in zip(experts, sources):  # slots built from plain strings: one tuple each
                     for role, ref in src.tensors.items():
-                        self.ledger.record(self.prefix, expert, proj, role, ref.name)
+                        self.ledger.record_slot(Slot(self.prefix, expert, proj.value, ROLE_NAMES[role]), ref.name)
                     self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
                     self.tensors += len(src.tensors)
                 self.write(index, writer, experts, proj, sources)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, FormatError
-from .extract import SourceTensors, check_header
+from .extract import SourceTensors, check_header, expected_shape
 from .formats import Role
-from .fused import FusedSpec, Ledger
+from .fused import FusedSpec, Ledger, Slot
 from .modelconfig import MoEConfig
 from .names import ExpertTensorKey, Proj, Source, parse_expert_name
 from .parallel import ParallelConfig
@@ -86,15 +87,14 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     local = set(geometry.experts)
     entries = _group_entries(index, moe, keys, local, ledger)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
+    required = tuple(lay.role.value for lay in moe.quant.layouts if moe.quant.required(lay))
     for expert in sorted(local):
         for proj in Proj:
             candidates = [_source(moe, entries[ek], ek, expert) for ek in _candidates(entries, expert, proj)]
-            _record(ledger, moe, prefix, expert, proj, candidates)
+            _record(ledger, required, prefix, expert, proj.value, candidates)
             if candidates:
                 sources[(expert, proj)] = candidates[0]
-    for src in sources.values():  # each tensor's own dtype/shape error before any cross-tensor check
-        for role, ref in src.tensors.items():
-            check_header(ref, moe.quant.layout(role), moe.quant, src, moe.num_experts)
+    check_headers(moe, sources.values())  # each tensor's own dtype/shape error before any cross-tensor check
     fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources))
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
 
@@ -166,12 +166,32 @@ def _source(moe: MoEConfig, tensors: dict, entry: EntryKey, expert: int) -> Sour
     return source_tensors(moe, entry[1], tensors, expert if entry[0] is None else None)
 
 
-def _record(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj,
+def _record(ledger: Ledger, required: tuple[str, ...], prefix: str, expert: int, proj: str,
             candidates: list[SourceTensors]) -> None:
-    expect_projection(ledger, moe, prefix, expert, proj)
+    """The ledger's slots of one (expert, projection): every required role expected, every tensor recorded."""
+    ledger.expected.update(Slot(prefix, expert, proj, role) for role in required)
     for src in candidates:
         for role, ref in src.tensors.items():
-            ledger.record(prefix, expert, proj, role, ref.name)
+            ledger.record_slot(Slot(prefix, expert, proj, ROLE_NAMES[role]), ref.name)
+
+
+ROLE_NAMES = {role: role.value for role in Role}  # enum .value is a descriptor call; this is a dict hit
+
+
+def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors]) -> None:
+    """dtype and shape of every tensor of `sources` against the layout and config: the expected shape of
+    each (source kind, stacked or not, role) is computed once for the batch and compared with the
+    header table; a mismatch raises `check_header`'s own error for that tensor."""
+    wanted: dict[tuple[Source, bool, Role], tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
+    for src in sources:
+        for role, ref in src.tensors.items():
+            key = (src.source, src.expert_row is None, role)
+            if key not in wanted:
+                layout = moe.quant.layout(role)
+                wanted[key] = (layout.dtypes, expected_shape(layout, moe.quant, src, moe.num_experts))
+            dtypes, shape = wanted[key]
+            if ref.shape != shape or ref.dtype not in dtypes:
+                check_header(ref, moe.quant.layout(role), moe.quant, src, moe.num_experts)
 
 
 def _scale_dtype(prefix: str, sources: dict[tuple[int, Proj], SourceTensors]) -> torch.dtype:
