@@ -10,8 +10,8 @@ import re
 import sys
 
 from .errors import WNA16Error
-from .parallel import ExpertPlacement
-from .preshard import LAYOUTS, describe_plan, preshard_checkpoint, verify_output
+from .parallel import ExpertPlacement, ShardJob
+from .preshard import LAYOUTS, describe_plan, preshard_checkpoint, preshard_distributed, verify_output
 
 UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
@@ -25,6 +25,7 @@ examples:
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
+  torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
 Load the result with load_experts(OUT, ParallelConfig(...)) using the same tp/ep/placement.
 exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input.
@@ -72,6 +73,11 @@ def shard_parser() -> argparse.ArgumentParser:
                         "int32-word and group boundaries)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="write K folders (ranks, common/) in parallel processes (default 1); output is identical")
+    p.add_argument("--distributed", action="store_true",
+                   help="rank-parallel: run under torchrun (or with torch.distributed's env:// variables set); "
+                        "each process writes the output ranks r with r %% K == its rank, process 0 also common/ "
+                        "and the manifest; the output is identical. Implied when torchrun starts several "
+                        "processes. On several machines OUT must be one shared filesystem.")
     p.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo the "
                                                           "rest of an interrupted run")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
@@ -117,6 +123,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
+    job = ShardJob.from_environment()
+    if job.processes > 1 and not args.dry_run:  # --distributed with one process is a plain run
+        return _shard_distributed(args, job)
     summary = preshard_checkpoint(args.src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
@@ -129,6 +138,30 @@ def _shard(args: argparse.Namespace) -> int:
     for problem in summary.problems:
         print(f"wna16-shard verify: {problem}", file=sys.stderr)
     return 1 if summary.problems else 0
+
+
+def _shard_distributed(args: argparse.Namespace, job: ShardJob) -> int:
+    """One process of a rank-parallel run (gloo over torchrun's rendezvous when not set up yet)."""
+    import torch.distributed as dist
+
+    started = job.processes > 1 and not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo")
+    try:
+        summary = preshard_distributed(args.src, args.out, job, tp_size=args.tp, ep_size=args.ep,
+                                       placement=args.placement, max_file_size=args.max_file_size,
+                                       resume=args.resume, layout=args.layout)
+    finally:
+        if started:
+            dist.destroy_process_group()
+    if job.process != 0:
+        return 0
+    if not args.quiet:
+        print(summary.table())
+    problems = verify_output(args.out, source=args.src) if args.verify else []
+    for problem in problems:
+        print(f"wna16-shard verify: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

@@ -104,6 +104,27 @@ class ParallelConfig:
     from_process_group = from_environment
 
 
+@dataclass(frozen=True)
+class ShardJob:
+    """Which process of a rank-parallel `wna16-shard` run this is: process p of K writes the output
+    ranks r with r % K == p (and p = 0 also common/ and the manifest)."""
+
+    process: int = 0
+    processes: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.process < self.processes:
+            raise ShardingError(f"ShardJob: process {self.process} outside 0..{self.processes - 1}; the process "
+                                f"index must be below the process count (torchrun's RANK < WORLD_SIZE).")
+
+    @classmethod
+    def from_environment(cls, process_group: Any = None) -> "ShardJob":
+        """Build from torch.distributed (optionally `process_group`), accelerate or torchrun's environment,
+        like `ParallelConfig.from_environment`; a single process when none is set up."""
+        process, processes = _detect_rank_and_world(process_group)
+        return cls(process, processes)
+
+
 def _detect_rank_and_world(process_group: Any) -> tuple[int, int]:
     """(rank, world size) from torch.distributed, accelerate or torchrun's environment."""
     import torch.distributed as dist

@@ -30,6 +30,7 @@ Modules, one job each (imports point down this list):
 | writing    | safetensors serialisation, streaming and hashing, parallel folders   |
 | verify     | hashes, and every tensor against the source                          |
 | run        | `preshard_checkpoint`: the whole run in order                        |
+| distributed| `preshard_distributed`: the run split over torch.distributed processes|
 
 The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,
 below the loader; it is re-exported here.
@@ -41,6 +42,7 @@ from ..presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded
 from .journal import JOURNAL_NAME
 from .planning import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
 from .progress import RankSummary, ShardSummary, describe_plan
+from .distributed import preshard_distributed
 from .run import preshard_checkpoint
 from .safefiles import LOCK_NAME
 from .verify import verify_output
@@ -48,5 +50,5 @@ from .verify import verify_output
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
     "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_plan", "is_presharded", "load_presharded",
-    "make_plan", "preshard_checkpoint", "rank_folder", "read_manifest", "split_files", "verify_output",
+    "make_plan", "preshard_checkpoint", "preshard_distributed", "rank_folder", "read_manifest", "split_files", "verify_output",
 ]

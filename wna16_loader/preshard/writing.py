@@ -41,7 +41,7 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
     try:
         if workers <= 1:
             state = {"written": 0, "kill_after": KILL_AFTER_FILES}
-            results = [_write_group(out, plan, g, journal, state, meter.advance) for g in groups]
+            results = [write_group(out, plan, g, journal, state, meter.advance) for g in groups]
         else:
             results = _write_parallel(out, plan, groups, journal, workers)
             for summary, _ in results:
@@ -60,11 +60,11 @@ def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journa
     """One job per folder in a 'spawn' process pool; results in folder order."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(groups)), mp_context=context) as pool:
-        futures = [pool.submit(_write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
+        futures = [pool.submit(write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
         return [future.result() for future in futures]
 
 
-def _write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
+def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
                  state: dict[str, int], advance: Callable[[int, str], None] | None = None
                  ) -> tuple[RankSummary, list[dict[str, Any]]]:
     """Write one folder's files (common/ when `group` is None, else rank `group`), one file at a time;
