@@ -123,9 +123,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    job = ShardJob.from_environment()
-    if job.processes > 1 and not args.dry_run:  # --distributed with one process is a plain run
-        return _shard_distributed(args, job)
+    if (args.distributed or ShardJob.from_environment().processes > 1) and not args.dry_run:
+        return _shard_distributed(args)  # one process: the same run, no process group needed
     summary = preshard_checkpoint(args.src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
@@ -140,20 +139,12 @@ def _shard(args: argparse.Namespace) -> int:
     return 1 if summary.problems else 0
 
 
-def _shard_distributed(args: argparse.Namespace, job: ShardJob) -> int:
-    """One process of a rank-parallel run (gloo over torchrun's rendezvous when not set up yet)."""
-    import torch.distributed as dist
-
-    started = job.processes > 1 and not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo")
-    try:
+def _shard_distributed(args: argparse.Namespace) -> int:
+    """One process of a rank-parallel run (joining torchrun's rendezvous with gloo when needed)."""
+    with ShardJob.joined() as job:
         summary = preshard_distributed(args.src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,
                                        resume=args.resume, layout=args.layout)
-    finally:
-        if started:
-            dist.destroy_process_group()
     if job.process != 0:
         return 0
     if not args.quiet:

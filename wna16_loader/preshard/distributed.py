@@ -19,14 +19,12 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from ..errors import PreshardError
 from ..parallel import ShardJob
 from ..presharded import MANIFEST_NAME
 from .journal import JOURNAL_NAME, check_existing, start
 from .manifest import build_manifest
-from .planning import make_plan
+from .planning import ShardPlan, make_plan
 from .progress import ShardSummary
 from .run import check_out_not_in_source
 from .safefiles import copy_file, make_dir, output_lock, write_json_atomic
@@ -40,9 +38,10 @@ def owner(group: int | None, processes: int) -> int:
 
 def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_size: int, ep_size: int = 1,
                          placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
-                         layout: str = "fused", process_group: Any = None) -> ShardSummary:
+                         layout: str = "fused") -> ShardSummary:
     """`preshard_checkpoint` split over the processes of `job` (every process calls it with the same
-    arguments; torch.distributed must be initialised). Process 0's summary lists every folder."""
+    arguments; torch.distributed must be initialised when there are several). Process 0's summary lists
+    every folder."""
     out = Path(out)
     check_out_not_in_source(Path(src), out)
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
@@ -51,14 +50,13 @@ def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_
     if lead:
         make_dir(out)
     with output_lock(out) if lead else nullcontext():
-        journal = _started(out, plan, resume, lead, process_group)
+        journal = _started(out, plan, resume, job)
         mine = [g for g in [None, *range(len(plan.ranks))] if owner(g, job.processes) == job.process]
         try:
             done: Any = [(g, *write_group(out, plan, g, journal, {"written": 0, "kill_after": 0})) for g in mine]
         except Exception as exc:  # every process must reach the gather, or the others wait forever
             done = f"process {job.process}: {type(exc).__name__}: {exc}"
-        gathered: list[Any] = [None] * job.processes
-        dist.all_gather_object(gathered, done, group=process_group)
+        gathered = job.all_gather(done)
         failed = [item for item in gathered if isinstance(item, str)]
         if failed:
             raise PreshardError("rank-parallel wna16-shard failed; no manifest was written (re-run with --resume):\n"
@@ -70,20 +68,20 @@ def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_
                 copy_file(plan.source / name, out / name)
             write_json_atomic(out / MANIFEST_NAME, build_manifest(plan, journal))
             (out / JOURNAL_NAME).unlink(missing_ok=True)
-        dist.barrier(group=process_group)
+        job.barrier()
     return ShardSummary(out=out, plan=plan, ranks=tuple(summary for _, summary, _ in results))
 
 
-def _started(out: Path, plan: Any, resume: bool, lead: bool, process_group: Any) -> dict[str, dict[str, Any]]:
+def _started(out: Path, plan: ShardPlan, resume: bool, job: ShardJob) -> dict[str, dict[str, Any]]:
     """Process 0 checks and starts the output; everyone gets its journal (or its error)."""
-    box: list[Any] = [None]
-    if lead:
+    journal: Any = None
+    if job.process == 0:
         try:
             check_existing(out, plan)
-            box[0] = start(out, plan, resume)
+            journal = start(out, plan, resume)
         except PreshardError as exc:
-            box[0] = str(exc)
-    dist.broadcast_object_list(box, src=0, group=process_group)
-    if isinstance(box[0], str):
-        raise PreshardError(box[0])
-    return box[0]
+            journal = str(exc)
+    journal = job.broadcast(journal)
+    if isinstance(journal, str):
+        raise PreshardError(journal)
+    return journal
