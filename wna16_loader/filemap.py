@@ -47,9 +47,9 @@ class MappedFile:
         """`itemsizes`: bytes per element of every known dtype name (entries of other dtypes are kept
         unchecked, for the caller to refuse by name)."""
         self.path = path
+        self.metadata, self.entries = read_header(path, itemsizes)
         with open(path, "rb") as handle:
             self.size = os.fstat(handle.fileno()).st_size
-            self.metadata, self.entries = _parse_header(path, handle.read(8), handle, self.size, itemsizes)
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         self._flat: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
@@ -95,6 +95,29 @@ def gather(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtyp
     if out is None:
         return stacked.clone(memory_format=torch.contiguous_format)
     return out.copy_(stacked)
+
+
+def read_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+    """A safetensors file's metadata and header entries (absolute spans, each checked), without mapping it."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        return _parse_header(path, handle.read(8), handle, size, itemsizes)
+
+
+def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
+    """Fill the contiguous CPU tensor `out` with the bytes of `path` from byte `begin` (pread: the kernel
+    copies from the page cache into `out`'s memory, e.g. a pinned staging buffer; no mapping)."""
+    if not out.numel():
+        return
+    buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+    with open(path, "rb", buffering=0) as handle:
+        done = 0
+        while done < len(buffer):
+            got = os.preadv(handle.fileno(), [buffer[done:]], begin + done)
+            if got <= 0:
+                raise CheckpointError(f"{path}: ended at byte {begin + done} inside a tensor of {len(buffer)} bytes "
+                                      f"starting at {begin}; the file is truncated.")
+            done += got
 
 
 def _parse_header(path: Path, prefix: bytes, handle, size: int,  # noqa: ANN001 (an open binary file)

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from .checkpoint import DTYPES, ITEMSIZES
 from .errors import CheckpointError, LayoutMismatchError
+from .filemap import HeaderEntry, read_header, read_into
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .parallel import ParallelConfig
 from .results import LoadedExperts, LoadReport
@@ -85,33 +86,41 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     return result
 
 
-def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], int]:
-    tensors: dict[str, torch.Tensor] = {}
+def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, tuple[Path, HeaderEntry]], int]:
+    """Where every tensor of the rank's files lies (each header parsed and its spans checked); nothing read."""
+    located: dict[str, tuple[Path, HeaderEntry]] = {}
     for rec in records:
         path = out / rec["path"]
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in {out / MANIFEST_NAME} but missing; re-run wna16-shard "
                                   f"with --resume to rewrite it.")
-        with safe_open(str(path), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
+        located.update((name, (path, entry)) for name, entry in read_header(path, ITEMSIZES)[1].items())
+    return located, sum(entry.end - entry.begin for _, entry in located.values())
 
 
-def _layer_tensors(out: str | Path, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor],
+def _layer_tensors(out: str | Path, prefix: str, spec: FusedSpec, located: dict[str, tuple[Path, HeaderEntry]],
                    device: torch.device | str) -> dict[str, torch.Tensor]:
     """The layer's fused tensors, checked against the spec's shapes and dtypes, on `device`.
 
-    Each tensor is copied out of the file mapping into the writer's staging buffer
-    (pinned for a GPU) and moved in one copy per parameter: never DMA from a mapping.
+    Each tensor's bytes are read (pread, straight from the page cache) into the writer's staging
+    buffer, pinned for a GPU, or into a pinned buffer first for a parameter that lives on the device:
+    never DMA from a mapping. The writer then moves each in one copy.
     """
     writer = FusedWriter(prefix, spec, device)
     for name, (shape, dtype) in spec.shapes().items():
-        tensor = tensors.get(f"{prefix}.{name}")
-        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
+        path, entry = located.get(f"{prefix}.{name}", (None, None))
+        if entry is None or entry.shape != shape or DTYPES.get(entry.dtype) != dtype:
+            found = None if entry is None else (list(entry.shape), str(DTYPES.get(entry.dtype, entry.dtype)))
             raise CheckpointError(f"{out}: tensor {prefix}.{name} should be {list(shape)} {dtype}, found {found}; "
                                   f"run `wna16-shard verify {out}` and re-shard.")
-        writer.put_whole(name, tensor)
+        target = writer.staging[name]
+        direct = target.device.type == "cpu" and target.is_contiguous()
+        host = target if direct else torch.empty(shape, dtype=dtype, pin_memory=target.device.type == "cuda")
+        read_into(path, entry.begin, host)
+        if direct:
+            writer.bytes_written += host.numel() * host.element_size()
+        else:
+            writer.put_whole(name, host)
     return writer.finish().tensors
 
 
