@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""Device benchmark: host-to-device bandwidth and per-rank load time on a GPU (CUDA or ROCm).
+"""Device benchmark: host-to-device bandwidth and per-rank device loads (CUDA or ROCm), each checked exact.
 
-Usage: python scripts/bench_device.py --workdir /tmp/wna16-bench --size full --reps 3 --json device.json
+Usage: python scripts/bench_device.py --workdir /tmp/wna16-bench --size small --reps 3 --json device.json
 
-Measures, on one checkpoint per format (the same ones scripts/bench.py builds):
+Measures, on one checkpoint per format (the ones scripts/bench.py builds), on one device (default: the
+last visible GPU, cuda:{count-1}):
   h2d        GB/s of sending every expert tensor of the checkpoint to the device,
-             (a) from pinned host memory (the loader's staging: one copy out of the file mapping, then
-                 the transfer; both parts timed) and
+             (a) staged: one copy out of the file mapping into pinned host memory, then the transfer
+                 (what the loader does; both parts timed, and the transfer alone) and
              (b) directly from the safetensors mapping (pageable memory: the driver stages it itself);
-  load       load_experts(device=...) for every rank at TP = 1, 2, 4, 8, with the weights converted on
-             the device (the default) and on the host, each checked equal to the CPU load.
-
-`--device cpu` runs every step on the CPU (the numbers then mean nothing; it checks the script).
+  load       load_experts(device=...) for EVERY rank at TP = 1, 2, 4, 8, weights converted on the device
+             (the default) and on the host, and the rank's wna16-shard output at the largest TP: median
+             and slowest rank; every rank's device load is checked bit-identical to its CPU load.
+Device and pinned-host caches are emptied before every repetition; the bytes allocated on any other
+GPU are recorded (must be 0). With `--tests-junit`, the pass/fail counts of a pytest run are added.
+`--device cpu` runs every step on the CPU, `--stand-in` on the GPU stand-in of the tests (cuda:N tensors on
+the CPU, with its checks): the numbers then mean nothing; both check the script without a GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,27 +35,35 @@ from safetensors import safe_open
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-import bench  # noqa: E402  (the checkpoint builder and contenders of the CPU benchmark)
-from wna16_loader import ParallelConfig, load_experts  # noqa: E402
+import bench  # noqa: E402  (the checkpoint builder of the CPU benchmark)
+from wna16_loader import LoadedExperts, ParallelConfig, load_experts  # noqa: E402
+from wna16_loader.device import DevicePolicy  # noqa: E402
+from wna16_loader.preshard import preshard_checkpoint  # noqa: E402
+from wna16_loader.standin import StandIn  # noqa: E402
 
 
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (nothing to wait for on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def empty_caches(policy: DevicePolicy) -> None:
+    """Free what earlier repetitions left: Python garbage, glibc's heap, the device and pinned-host caches."""
+    bench.release_freed_memory()
+    if policy.gpu:
+        policy.synchronize()
+        torch.cuda.empty_cache()
+        host_empty = getattr(torch._C, "_host_emptyCache", None)  # the pinned-memory cache (recent PyTorch)
+        if host_empty is not None:
+            host_empty()
 
 
-def timed(fn: Callable[[], Any], device: torch.device, reps: int) -> dict[str, float]:
-    """median / min seconds of `fn` over `reps` runs, device work included."""
-    seconds = []
+def timed(fn: Callable[[], Any], policy: DevicePolicy, reps: int) -> tuple[dict[str, float], Any]:
+    """(median / min seconds of `fn` over `reps` runs with device work included, the last run's result)."""
+    seconds, result = [], None
     for _ in range(reps):
-        bench.release_freed_memory()
-        synchronize(device)
+        result = None
+        empty_caches(policy)
         start = time.perf_counter()
-        fn()
-        synchronize(device)
+        result = fn()
+        policy.synchronize()
         seconds.append(time.perf_counter() - start)
-    return {"median": statistics.median(seconds), "min": min(seconds)}
+    return {"median": statistics.median(seconds), "min": min(seconds)}, result
 
 
 def mapped_tensors(path: Path) -> list[torch.Tensor]:
@@ -62,59 +75,125 @@ def mapped_tensors(path: Path) -> list[torch.Tensor]:
     return out
 
 
-def h2d(path: Path, device: torch.device, reps: int) -> dict[str, Any]:
+def h2d(path: Path, policy: DevicePolicy, reps: int) -> dict[str, Any]:
     """Transfer bandwidth of the expert bytes: pinned staging against a direct copy from the mapping."""
     tensors = mapped_tensors(path)
     total = sum(t.numel() * t.element_size() for t in tensors)
-    pin = device.type == "cuda"
-    pinned = [torch.empty_like(t, pin_memory=pin) for t in tensors]
+    with policy.scope():
+        pinned = [policy.host_buffer(tuple(t.shape), t.dtype) for t in tensors]
 
     def stage() -> None:
         for src, dst in zip(tensors, pinned):
             dst.copy_(src)
 
-    def send_pinned() -> None:
-        for buf in pinned:
-            buf.to(device, non_blocking=True)
+    def staged_send() -> list[torch.Tensor]:
+        stage()
+        return [policy.upload(buf) for buf in pinned]
 
-    def send_mapped() -> None:
-        for t in tensors:
-            t.to(device)
+    def send_pinned() -> list[torch.Tensor]:
+        return [policy.upload(buf) for buf in pinned]
+
+    def send_mapped() -> list[torch.Tensor]:
+        return [t.to(policy.target) for t in tensors]  # what the loader never does: measured for comparison
 
     out: dict[str, Any] = {"bytes": total}
-    for label, fn in (("stage into pinned", stage), ("pinned -> device", send_pinned),
+    for label, fn in (("mapped -> pinned -> device", staged_send), ("pinned -> device", send_pinned),
                       ("mapped -> device (direct)", send_mapped)):
-        t = timed(fn, device, reps)
+        with policy.scope():
+            t, _ = timed(fn, policy, reps)
         out[label] = {**t, "gb_per_s": total / t["median"] / 1e9}
     return out
 
 
-def loads(path: Path, device: torch.device, reps: int) -> dict[str, Any]:
-    """Per-rank load time on `device`, weights converted there and on the host; checked against the CPU."""
+def check_equal(cpu: LoadedExperts, loaded: LoadedExperts, policy: DevicePolicy, what: str) -> None:
+    """Every tensor of `loaded` lies on the full target device and equals the CPU load bit for bit."""
+    assert sorted(cpu) == sorted(loaded), what
+    for prefix, layer in cpu.items():
+        for name, tensor in layer.tensors.items():
+            moved = loaded[prefix].tensors[name]
+            if moved.device != policy.target or not torch.equal(moved.cpu(), tensor):
+                raise SystemExit(f"MISMATCH {what} {prefix}.{name}: on {moved.device}, target {policy.target}")
+
+
+class CpuLoads(dict[tuple[int, int], LoadedExperts]):
+    """The CPU load of each (TP, rank) of one checkpoint, made once: the reference of every device load."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def __missing__(self, key: tuple[int, int]) -> LoadedExperts:
+        self[key] = load_experts(self.path, ParallelConfig(*key))
+        return self[key]
+
+
+def ranks(cpu: CpuLoads, tp: int, policy: DevicePolicy, reps: int, load: Callable[..., LoadedExperts],
+          what: str) -> dict[str, Any]:
+    """Time `load(parallel)` for every rank of TP `tp`; each rank's result checked against its CPU load."""
+    medians = []
+    for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=1):
+        t, result = timed(lambda: load(parallel), policy, reps)
+        medians.append(t["median"])
+        check_equal(cpu[(tp, parallel.rank)], result, policy, f"{what} rank {parallel.rank}")
+    return {"median_rank_s": statistics.median(medians), "max_rank_s": max(medians), "ranks": tp, "checked": tp}
+
+
+def loads(path: Path, policy: DevicePolicy, reps: int, workdir: Path, deadline: float) -> dict[str, Any]:
+    """Per-rank device loads at every TP, both conversions, and from a wna16-shard output (what does not
+    start before `deadline`, a perf_counter time, is recorded as skipped)."""
     out: dict[str, Any] = {}
-    for tp in [1] + bench.valid_tps(path):
-        for convert_on_device in (True, False):
-            medians = []
-            for rank in range(tp):
-                cfg = ParallelConfig(tp, rank)
-                t = timed(lambda: load_experts(path, cfg, device=device, convert_on_device=convert_on_device),
-                          device, reps)
-                medians.append(t["median"])
-            check_equal(path, ParallelConfig(tp, tp - 1), device, convert_on_device)
-            key = f"tp{tp} {'device' if convert_on_device else 'host'} conversion"
-            out[key] = {"median_rank": statistics.median(medians), "max_rank": max(medians), "ranks": tp}
+    cpu, tps = CpuLoads(path), [1] + bench.valid_tps(path)
+    for tp in tps:
+        for convert in (True, False):
+            key = f"tp{tp} {'device' if convert else 'host'} conversion"
+            out[key] = {"skipped": "time budget"} if time.perf_counter() > deadline else \
+                ranks(cpu, tp, policy, reps, lambda p, c=convert: load_experts(
+                    path, p, device=policy.target, convert_on_device=c), f"{path.name} {key}")
+    sharded = workdir / f"{path.name}-tp{tps[-1]}"
+    if time.perf_counter() > deadline:
+        out[f"tp{tps[-1]} pre-sharded"] = {"skipped": "time budget"}
+        return out
+    if not (sharded / "wna16_manifest.json").is_file():
+        preshard_checkpoint(path, sharded, tp_size=tps[-1], progress=False)
+    out[f"tp{tps[-1]} pre-sharded"] = ranks(cpu, tps[-1], policy, reps, lambda p: load_experts(
+        sharded, p, device=policy.target), f"{sharded.name}")
     return out
 
 
-def check_equal(path: Path, cfg: ParallelConfig, device: torch.device, convert_on_device: bool) -> None:
-    """The device load must be bit-identical to the CPU load."""
-    on_cpu = load_experts(path, cfg)
-    on_device = load_experts(path, cfg, device=device, convert_on_device=convert_on_device)
-    for prefix, layer in on_cpu.items():
-        for name, tensor in layer.tensors.items():
-            moved = on_device[prefix].tensors[name]
-            if moved.device.type != device.type or not torch.equal(moved.cpu(), tensor):
-                raise SystemExit(f"MISMATCH {path.name} {cfg} {prefix}.{name} (convert_on_device={convert_on_device})")
+def other_devices(policy: DevicePolicy) -> dict[str, int]:
+    """Bytes the caching allocator holds on every GPU but the target (the loader must leave them alone)."""
+    if not policy.gpu:
+        return {}
+    return {f"cuda:{i}": torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())
+            if i != policy.target.index}
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    """tests / failures / errors / skipped of a pytest --junitxml file."""
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    assert suite is not None, f"{path}: no testsuite"
+    return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+
+
+def table(results: dict[str, Any]) -> str:
+    """A short plain-text summary of the JSON."""
+    lines = [f"device {results['device']} ({results['runtime']}, target {results['target']}), size {results['size']}"]
+    if "tests" in results:
+        t = results["tests"]
+        lines.append(f"GPU tests: {t['tests'] - t['failures'] - t['errors'] - t['skipped']} passed, "
+                     f"{t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped")
+    lines.append(f"other GPUs: {results['other_devices'] or 'none'}")
+    for fmt, res in results["formats"].items():
+        lines.append(f"[{fmt}] H2D GB/s: " + ", ".join(f"{k} {v['gb_per_s']:.1f}" for k, v in res["h2d"].items()
+                                                     if isinstance(v, dict)))
+        for key, v in res["load"].items():
+            if "skipped" in v:
+                lines.append(f"[{fmt}] {key:<26} skipped ({v['skipped']})")
+                continue
+            lines.append(f"[{fmt}] {key:<26} median rank {v['median_rank_s'] * 1e3:8.1f} ms, slowest "
+                         f"{v['max_rank_s'] * 1e3:8.1f} ms, {v['checked']}/{v['ranks']} ranks exact")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -123,23 +202,46 @@ def main() -> None:
     parser.add_argument("--size", choices=sorted(bench.SIZES), default="small")
     parser.add_argument("--formats", default="gptq,awq,ct", help="comma-separated subset of gptq,awq,ct")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--device", default="cuda", help="cuda (also ROCm), cuda:N, or cpu for a dry run")
+    parser.add_argument("--device", default=None, help="cuda:N (also ROCm; default: the last GPU) or cpu (dry run)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--tests-junit", type=Path, help="a pytest --junitxml file to include in the summary")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new TP size after this many seconds (the rest is recorded as skipped)")
+    parser.add_argument("--stand-in", action="store_true", help="dry run on 2 simulated GPUs (no GPU needed)")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if args.stand_in:
+        with StandIn(count=2, forbid_mapped=False):  # the benchmark measures a direct copy from the mapping
+            run(args)
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    """The benchmark for parsed `args`."""
+    if args.device is None and not torch.cuda.is_available():
         raise SystemExit("no CUDA or ROCm device is visible: nothing to measure (use --device cpu for a dry run)")
+    policy = DevicePolicy.of(args.device or f"cuda:{torch.cuda.device_count() - 1}")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    runtime = f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}"
-    results: dict[str, Any] = {"device": name, "runtime": runtime, "size": args.size, "formats": {}}
+    runtime = "CPU" if not policy.gpu else f"HIP {torch.version.hip}" if torch.version.hip else \
+        f"CUDA {torch.version.cuda}"
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(policy.target) if policy.gpu else "cpu",
+                               "runtime": runtime, "target": str(policy.target), "torch": torch.__version__,
+                               "size": args.size, "reps": args.reps, "formats": {}}
+    if args.tests_junit:
+        results["tests"] = junit_counts(args.tests_junit)
+    deadline = time.perf_counter() + args.budget_s
     for fmt in args.formats.split(","):
         path = bench.build_checkpoint(args.workdir, fmt, args.size)
-        load_experts(path, ParallelConfig(1, 0), device=device)  # warm the page cache, the kernels, the allocator
-        results["formats"][fmt] = {"h2d": h2d(path, device, args.reps), "load": loads(path, device, args.reps)}
+        load_experts(path, ParallelConfig(1, 0), device=policy.target)  # warm the page cache and the kernels
+        results["formats"][fmt] = {"h2d": h2d(path, policy, args.reps),
+                                   "load": loads(path, policy, args.reps, args.workdir, deadline)}
         print(json.dumps({fmt: results["formats"][fmt]}, indent=1), flush=True)
+    results["other_devices"] = {k: v for k, v in other_devices(policy).items() if v}
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    if results["other_devices"]:
+        raise SystemExit(f"memory allocated on other GPUs than {policy.target}: {results['other_devices']}")
 
 
 if __name__ == "__main__":

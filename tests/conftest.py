@@ -2,7 +2,7 @@
 
 `reassemble` is the independent check used by the fixture and loader tests: it
 loads each rank with its own `ParallelConfig`, dequantises the fused layout,
-splits w13 into gate (rows 0..I_p-1) and up (rows I_p..), and concatenates the
+splits w13 into gate (rows 0..I_p-1) and up (rows I_p..; all rows when not gated), and concatenates the
 TP slices (gate/up along rows, down along columns). `expected_experts` computes
 the expert placement from the spec, independently of the package.
 """
@@ -59,14 +59,16 @@ def stitch(loads: dict[tuple[int, int], LoadedExperts], tp: int) -> tuple[Weight
             deq = layer.dequantize()
             assert deq.w13.dtype == torch.float32 and deq.w2.dtype == torch.float32
             ids = layer.expert_ids.tolist()
-            part = deq.w13.shape[1] // 2
-            assert deq.w2.shape[2] == part, f"{prefix}: w13 rows {deq.w13.shape[1]} vs w2 columns {deq.w2.shape[2]}"
+            part = deq.w2.shape[2]
+            halves = ("gate", "up") if layer.gated else ("up",)
+            assert deq.w13.shape[1] == len(halves) * part, \
+                f"{prefix}: w13 rows {deq.w13.shape[1]} vs w2 columns {part} (gated={layer.gated})"
             for slot, expert in enumerate(ids):
                 owners[(prefix, expert)][tp_rank].append(ep_rank)
-                if tp_rank in slices[(prefix, expert, "gate")]:
+                if tp_rank in slices[(prefix, expert, "down")]:
                     continue  # a duplicate owner; the owner map reports it
-                slices[(prefix, expert, "gate")][tp_rank] = deq.w13[slot, :part]
-                slices[(prefix, expert, "up")][tp_rank] = deq.w13[slot, part:]
+                for i, half in enumerate(halves):
+                    slices[(prefix, expert, half)][tp_rank] = deq.w13[slot, i * part:(i + 1) * part]
                 slices[(prefix, expert, "down")][tp_rank] = deq.w2[slot]
     weights: Weights = {}
     for key, parts in slices.items():

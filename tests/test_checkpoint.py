@@ -118,11 +118,43 @@ def test_symlink_outside_the_folder_refused(tmp_path):
 
 def test_tensor_in_two_files(tmp_path):
     single(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
     save_file({"model.embed_tokens.weight": torch.zeros(2, 2, dtype=torch.float16)},
               str(tmp_path / "extra.safetensors"))
     with pytest.raises(CheckpointError, match=r"tensor 'model\.embed_tokens\.weight' is stored twice, in "
-                                              r"extra\.safetensors and model\.safetensors"):
+                                              r"extra\.safetensors and weights\.safetensors"):
         load_experts(tmp_path, TP1)
+
+
+def test_stray_safetensors_beside_model_safetensors_is_not_read(tmp_path):
+    """Hugging Face rule: without an index, model.safetensors alone when it exists. A reference dump with
+    expert-like names (and a duplicate of a model tensor) beside it must not enter the load."""
+    single(tmp_path)
+    save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(64, 64),
+               "model.embed_tokens.weight": torch.zeros(2, 2, dtype=torch.float16)},
+              str(tmp_path / "reference.safetensors"))
+    with CheckpointIndex(tmp_path) as index:
+        assert index.files == ["model.safetensors"]
+        assert not any(ref.file == "reference.safetensors" for ref in index.refs.values())
+    assert len(load_experts(tmp_path, TP1)) == 1
+
+
+def test_every_safetensors_without_index_or_model_safetensors(tmp_path):
+    index = sharded(tmp_path)
+    (tmp_path / INDEX_FILE).unlink()
+    with CheckpointIndex(tmp_path) as ckpt:
+        assert ckpt.files == SHARDS
+        assert set(ckpt.refs) == set(index["weight_map"])
+    assert len(load_experts(tmp_path, TP1)) == 3
+
+
+def test_index_wins_over_model_safetensors(tmp_path):
+    sharded(tmp_path)
+    save_file({"model.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(64, 64)},
+              str(tmp_path / "model.safetensors"))
+    with CheckpointIndex(tmp_path) as index:
+        assert index.files == SHARDS
+    assert len(load_experts(tmp_path, TP1)) == 3
 
 
 def test_tensor_in_two_indexed_files(tmp_path):
@@ -230,6 +262,7 @@ def test_not_a_folder(tmp_path):
 
 def test_unknown_dtype(tmp_path):
     single(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "weights.safetensors")
     save_file({"model.extra": torch.zeros(2, dtype=torch.complex64)}, str(tmp_path / "extra.safetensors"))
     with pytest.raises(CheckpointError, match=r"tensor 'model\.extra' has dtype 'C64'"):
         CheckpointIndex(tmp_path)

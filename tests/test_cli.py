@@ -64,8 +64,28 @@ def test_bad_input_and_bad_usage_exit_2(tmp_path: Path) -> None:
 
 def test_bad_usage_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:  # argparse's own exit 2, in-process to save an interpreter start
-        main([str(tmp_path), str(tmp_path / "out")])
+        main([str(tmp_path)])
+    assert exc.value.code == 2 and "OUT" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main([str(tmp_path), str(tmp_path / "out"), "--tp", "two"])
     assert exc.value.code == 2 and "--tp" in capsys.readouterr().err
+
+
+def test_ep_only_run_needs_no_tp(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--ep", "2", "--quiet"]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("rank-")) == [
+        "rank-00000-of-00002", "rank-00001-of-00002"]
+    assert '"tp": 1' in (out / MANIFEST_NAME).read_text()
+
+
+def test_dry_run_prints_how_the_config_resolved(source: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(source), str(tmp_path / "out"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "model config: family row: qwen3_moe (wna16_loader/families.py); decoder config: top level" in out
+    assert "  routed expert count       = 4  <- num_experts (row qwen3_moe)" in out
+    assert "  MoE layers                = [0]  <- rule decoder_sparse_step: decoder_sparse_step=1, " in out
 
 
 def test_in_process_codes(source: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -324,6 +324,17 @@ def test_autoround_awq_packing(method: str, packing: str) -> None:
     assert spec.symmetric is False
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_autoround_own_packing_is_gptq_layout_with_true_zero_points(bits: int) -> None:
+    """auto-round 0.15 `packing_format: "auto_round"`: qweight packed along K as GPTQ, qzeros hold z (no z - 1)."""
+    spec = resolve_quant_spec(_ar(packing_format="auto_round", bits=bits, group_size=64, sym=False))
+    assert spec.format_name == "gptq"
+    assert spec.layouts == gptq.LAYOUTS
+    assert spec.zero_word_bias is False
+    assert spec.checkpoint_format == "auto_round"
+    assert (spec.bits, spec.group_size, spec.symmetric, spec.act_order) == (bits, 64, False, False)
+
+
 def test_autoround_awq_packing_8_bit() -> None:
     with pytest.raises(ConfigError, match=r"AWQ packing with bits=8 is not supported"):
         resolve_quant_spec(_ar(packing_format="auto_awq", bits=8))
@@ -333,7 +344,7 @@ def test_autoround_awq_packing_8_bit() -> None:
 def test_autoround_unknown_packing(packing) -> None:
     with pytest.raises(ConfigError, match=rf"AutoRound packing_format={packing!r} is not supported; expected one of "
                                           r"\['auto_gptq', 'auto_round:auto_gptq', 'auto_round:gptqmodel', "
-                                          r"'auto_awq', 'auto_round:auto_awq'\]"):
+                                          r"'auto_awq', 'auto_round:auto_awq', 'auto_round'\]"):
         resolve_quant_spec(_ar(packing_format=packing))
 
 
@@ -406,6 +417,8 @@ EXPECTED_FIXTURES = {
                            act_order=False, zero_word_bias=False),
     "ct_w8_channel_sym": dict(format_name="compressed-tensors", bits=8, group_size=-1, symmetric=True,
                               act_order=False, zero_word_bias=False),
+    "autoround_w8_g64_asym": dict(format_name="gptq", bits=8, group_size=64, symmetric=False, act_order=False,
+                                  zero_word_bias=False),
 }
 
 

@@ -534,7 +534,8 @@ def manual_forward(ckpt: SyntheticCheckpoint, hidden: torch.Tensor, ids: torch.T
                    activation: Activation) -> torch.Tensor:
     """Token by token from the synthetic float32 references: sum_k w_k * down(act(gate x) * up x)."""
     act = {Activation.SILU: torch.nn.functional.silu,
-           Activation.GELU_TANH: lambda x: torch.nn.functional.gelu(x, approximate="tanh")}[activation]
+           Activation.GELU_TANH: lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+           Activation.RELU2: lambda x: torch.clamp(x, min=0) ** 2}[activation]
     out = torch.zeros_like(hidden)
     for t in range(hidden.shape[0]):
         for k in range(ids.shape[1]):
@@ -576,3 +577,65 @@ def test_load_model_experts_from_a_presharded_output(tmp_path):
         for name, tensor in direct.tensors.items():
             assert torch.equal(getattr(model.experts, name), tensor), name
         assert model.experts.ledger_report() == []
+
+
+# ---------------------------------------------------------------------- non-gated experts (Nemotron-H)
+
+def nemotron_checkpoint(folder: Path) -> SyntheticCheckpoint:
+    """Nemotron-3-Nano's published config.json at test sizes: pattern "MEM*E" (MoE layers 1 and 4), 4 experts
+    of up_proj / down_proj only (relu2), H = I = 64."""
+    import json
+
+    from wna16_loader.synthetic import write_family_checkpoint
+
+    config = json.loads((Path(__file__).parent / "fixtures/configs/nemotron_h-nano-30b-a3b.json").read_text())
+    config.update(hybrid_override_pattern="MEM*E", num_hidden_layers=5, hidden_size=64, moe_intermediate_size=64,
+                  n_routed_experts=4, num_experts_per_tok=2)
+    return write_family_checkpoint(folder, config, quant_config("gptq", bits=4, group_size=32, symmetric=False))
+
+
+def test_non_gated_engine_load_uses_w3_and_w2_only(tmp_path: Path) -> None:
+    ckpt = nemotron_checkpoint(tmp_path)
+    assert ckpt.prefixes == ("backbone.layers.1.mixer.experts", "backbone.layers.4.mixer.experts")
+    moe = read_moe_config(tmp_path)
+    names = [name for name, _ in checkpoint_tensors(tmp_path)]
+    assert {t.shard_id.value for name in names for t in expert_param_mapping(moe)(name)} == {"w3", "w2"}
+    for parallel in ParallelConfig.all_ranks(tp_size=2, ep_size=2):
+        model, _ = model_for(tmp_path, parallel)
+        assert engine_load(model, moe, list(checkpoint_tensors(tmp_path))) == 2 * 2 * 2 * 3  # layers experts projs roles
+        check_model_complete(model)
+        assert_equal_to_load_experts(model, tmp_path, parallel)
+        for module in experts_of(model).values():
+            assert (module.gated, module.activation) == (False, Activation.RELU2)
+            assert module.w13_qweight.shape == (2, 32, 32) and module.w13_scales.shape == (2, 32, 2)
+            assert module.w13_qzeros.shape == (2, 16, 2)
+
+
+def test_non_gated_refuses_a_gate_shard_id(tmp_path: Path) -> None:
+    nemotron_checkpoint(tmp_path)
+    model, moe = model_for(tmp_path, ParallelConfig(1, 0))
+    module = experts_of(model)["backbone.layers.1.mixer.experts"]
+    name, tensor = next((n, t) for n, t in checkpoint_tensors(tmp_path)
+                        if n == "backbone.layers.1.mixer.experts.0.up_proj.qweight")
+    with pytest.raises(FormatError, match=r"backbone\.layers\.1\.mixer\.experts\.0\.up_proj\.qweight: shard_id 'w1' "
+                                          r"means gate, but nemotron_h experts are not gated; their tensors come "
+                                          r"with shard_id \['w3', 'w2'\]"):
+        module.weight_loader(module.w13_qweight, tensor, name, "w1", 0)
+
+
+def test_non_gated_forward_rank_sum_equals_relu2_reference(tmp_path: Path) -> None:
+    ckpt = nemotron_checkpoint(tmp_path)
+    hidden, ids, weights = routing(tokens=16, num_experts=4, top_k=2)
+    prefix = ckpt.prefixes[1]
+    want = torch.zeros_like(hidden)
+    for t in range(hidden.shape[0]):
+        for k in range(ids.shape[1]):
+            up, down = (ckpt.references[(prefix, int(ids[t, k]), n)] for n in ("up", "down"))
+            want[t] += weights[t, k] * (down @ torch.relu(up @ hidden[t]) ** 2)
+    for tp, ep in ((1, 1), (2, 2)):
+        total = torch.zeros_like(want)
+        for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep):
+            model, _ = model_for(tmp_path, parallel)
+            load_model_experts(model, tmp_path, parallel)
+            total += experts_of(model)[prefix](hidden, ids, weights)
+        torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"tp={tp} ep={ep}")

@@ -115,6 +115,9 @@ def test_relative_imports_resolve() -> None:
     ("wna16_loader.loader", "wna16_loader.preshard"),
     ("wna16_loader.fused", "wna16_loader.loader"),
     ("wna16_loader.sharding", "wna16_loader.checkpoint"),
+    ("wna16_loader.device", "wna16_loader.checkpoint"),  # the device policy sits under checkpoint IO and the writer
+    ("wna16_loader.device", "wna16_loader.fused"),
+    ("wna16_loader.standin", "wna16_loader.device"),  # the test stand-in needs nothing of the package
 ])
 def test_layers_point_down(low: str, high: str) -> None:
     """The read side of a pre-sharded output and the load results sit below the loader, and so on."""

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wna16_loader.errors import ConfigError, WNA16Error
-from wna16_loader.modelconfig import (EXPERT_COUNT_KEYS, MoEConfig, is_moe_layer, load_json, read_config_files,
+from wna16_loader.modelconfig import (EXPERT_COUNT_KEYS, MoEConfig, Resolved, load_json, read_config_files,
                                       resolve_moe_config, text_config)
 
 GPTQ_Q = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False}
@@ -205,9 +205,12 @@ def test_alias_order_first_key_wins() -> None:
     assert moe.num_experts == 8
 
 
-def test_is_moe_layer_rules_combine() -> None:
-    config = {"first_k_dense_replace": 2, "moe_layer_freq": 2, "mlp_only_layers": [4]}
-    assert [layer for layer in range(10) if is_moe_layer(config, layer)] == [2, 6, 8]
+def test_two_layer_rules_that_disagree_name_both_keys() -> None:
+    with pytest.raises(ConfigError, match=r"first_k_dense_replace=2, moe_layer_freq=2 makes layers \[2, 4, 6, 8\] "
+                                          r"MoE layers, but mlp_only_layers=\[4\] gives \[0-3, 5-9\] \(10 layers\); "
+                                          r"the two keys disagree"):
+        _resolve({"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 10, "num_experts": 4,
+                  "num_experts_per_tok": 2, "first_k_dense_replace": 2, "moe_layer_freq": 2, "mlp_only_layers": [4]})
 
 
 @pytest.mark.parametrize("folder", sorted(
@@ -234,7 +237,9 @@ def test_no_expert_count_key_names_every_key_tried() -> None:
 
 def test_no_top_k_key() -> None:
     with pytest.raises(ConfigError, match=r"experts per token \(top-k\); tried \['num_experts_per_tok', "
-                                          r"'top_k_experts', 'moe_top_k', 'moe_k'\]"):
+                                          r"'top_k_experts', 'moe_top_k', 'moe_k', 'moe_topk', 'num_experts_per_token'\]\. Add "
+                                          r"one of them to config\.json \(model_type=None\), or add the key to the "
+                                          r"'generic' row of the families table \(wna16_loader/families\.py\)"):
         _resolve({"hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_experts": 4})
 
 
@@ -351,3 +356,75 @@ def test_bad_json_in_fallback_file_names_the_file(tmp_path: Path) -> None:
     (tmp_path / "quant_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"quant_config\.json: not valid JSON"):
         read_config_files(tmp_path)
+
+
+# ---------------------------------------------------------------- per-layer values, counts, the record
+
+
+def test_per_layer_list_needs_one_value_per_layer() -> None:
+    with pytest.raises(ConfigError, match=r"config\.json: moe_topk lists 3 values \(experts per token \(top-k\)\) but "
+                                          r"the decoder has 4 layers; a per-layer list needs one value per layer\."):
+        _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_experts": 8,
+                  "moe_topk": [2, 2, 2], "moe_intermediate_size": 32})
+
+
+def test_per_layer_list_entries_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match=r"moe_intermediate_size\[1\]=0 \(expert intermediate size\) must be a "
+                                          r"positive integer"):
+        _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_experts": 8,
+                  "moe_topk": 2, "moe_intermediate_size": [32, 0]})
+
+
+def test_per_layer_top_k_checked_per_layer() -> None:
+    with pytest.raises(ConfigError, match=r"top-k = 9 is larger than the expert count 8 \(layer 1\)"):
+        _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_experts": 8,
+                  "moe_topk": [2, 9], "moe_intermediate_size": 32})
+
+
+def test_layer_count_and_per_layer_list_disagree() -> None:
+    with pytest.raises(ConfigError, match=r"num_hidden_layers=6 but hybrid_override_pattern lists 5 layers; the two "
+                                          r"keys disagree"):
+        _resolve({"model_type": "nemotron_h", "hidden_size": 64, "num_hidden_layers": 6, "n_routed_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "hybrid_override_pattern": "MEM*E"})
+
+
+def test_zero_experts_count_toward_top_k_only() -> None:
+    moe = _resolve({"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2, "n_routed_experts": 4,
+                    "zero_expert_num": 4, "moe_topk": 6, "expert_ffn_hidden_size": 32})
+    assert (moe.num_experts, moe.zero_experts, moe.top_k) == (4, 4, 6)
+    with pytest.raises(ConfigError, match=r"zero_expert_num=-1 \(zero experts\) must be an integer >= 0"):
+        _resolve({"model_type": "longcat_flash", "hidden_size": 64, "num_layers": 2, "n_routed_experts": 4,
+                  "zero_expert_num": -1, "moe_topk": 2, "expert_ffn_hidden_size": 32})
+
+
+def test_alias_model_type_of_a_nested_decoder() -> None:
+    """A text-only Gemma 4 checkpoint (model_type gemma4_text at the top level) uses the gemma4 row."""
+    text = dict(gemma4_26b_a4b_config()["text_config"])
+    moe = _resolve(text)
+    assert (moe.family, moe.top_k, moe.intermediate_size) == ("gemma4", 8, 704)
+    assert moe.resolution.decoder == "top level"
+
+
+def test_resolution_records_every_value() -> None:
+    moe = resolve_moe_config(gemma4_26b_a4b_config())
+    rec = moe.resolution
+    assert (rec.family, rec.decoder) == ("gemma4", "text_config")
+    assert [v.what for v in rec.values] == ["hidden size", "decoder layer count", "MoE layers", "routed expert count",
+                                            "experts per token (top-k)", "expert intermediate size",
+                                            "zero (identity) experts", "gated", "activation"]
+    assert rec["experts per token (top-k)"] == Resolved("experts per token (top-k)", 8, "top_k_experts (row gemma4)",
+                                                        "top_k_experts")
+    assert rec["MoE layers"].source == ("rule enable_moe_block: enable_moe_block=True (every layer when true, none "
+                                        "when false)")
+    assert moe == resolve_moe_config(gemma4_26b_a4b_config())  # the record does not take part in equality
+
+
+def test_unknown_wrapper_around_a_known_decoder() -> None:
+    """A multimodal wrapper the table does not know, around a qwen3_moe decoder: the decoder's row is used."""
+    config = {"model_type": "some_vl_wrapper", "vision_config": {"hidden_size": 32},
+              "text_config": {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                              "intermediate_size": 128}}
+    moe = _resolve(config)
+    assert (moe.family, moe.resolution.decoder, moe.num_experts, moe.intermediate_size) == ("qwen3_moe", "text_config",
+                                                                                           4, 32)

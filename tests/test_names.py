@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from wna16_loader.names import (MODULES, PROJ_ALIASES, ROOTS, ExpertTensorKey, Proj, Source, experts_prefix_for,
-                                parse_expert_name)
+                                layer_of_prefix, parse_expert_name, prefix_at_layer)
 
-ALL_ROOTS = ("model", "model.language_model", "language_model.model")
-ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", None)
+ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone")
+ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
     "up_proj": Source.UP, "w3": Source.UP,
@@ -18,7 +18,7 @@ ALIASES = {
 
 
 def test_declared_tables_match_the_spelling_this_file_tests() -> None:
-    assert ROOTS == ALL_ROOTS
+    assert set(ROOTS) == set(ALL_ROOTS)
     assert set(MODULES) == {m for m in ALL_MODULES if m}
     assert PROJ_ALIASES == ALIASES
 
@@ -130,7 +130,34 @@ def test_source_projs() -> None:
     "model.layers.x.mlp.experts.0.gate_proj.qweight",  # non-numeric layer
     "model.layers.0.mlp.experts.a.gate_proj.qweight",  # non-numeric expert
     "model.layers.0.mlp.experts.0.gate_proj.q-weight",  # bad suffix character
+    "xbackbone.layers.0.mixer.experts.0.up_proj.qweight",  # a root must match in full
+    "backbone.layers.0.mixerx.experts.0.up_proj.qweight",  # so must a module
+    "backbone.layers.0.mixer.experts.0.up_projx.qweight",  # and a projection
+    "backbone.layers.0.mixer.up_proj.qweight",  # Nemotron-H dense MLP
+    "backbone.layers.0.mixer.shared_experts.up_proj.qweight",  # Nemotron-H shared expert
+    "model.layers.0.mlps.0.gate_proj.qweight",  # LongCat dense MLPs
     "",
 ])
 def test_non_expert_names_return_none(name: str) -> None:
     assert parse_expert_name(name) is None
+
+
+@pytest.mark.parametrize("name,prefix,layer,expert,source", [
+    ("backbone.layers.7.mixer.experts.3.up_proj.qweight", "backbone.layers.7.mixer.experts", 7, 3, Source.UP),
+    ("model.layers.2.feed_forward.experts.1.w1.qweight", "model.layers.2.feed_forward.experts", 2, 1, Source.GATE),
+    ("language_model.model.layers.0.feed_forward.experts.15.down_proj.scales",
+     "language_model.model.layers.0.feed_forward.experts", 0, 15, Source.DOWN),
+])
+def test_family_roots_and_modules_from_the_table(name, prefix, layer, expert, source) -> None:
+    key = parse_expert_name(name)
+    assert key is not None
+    assert (key.experts_prefix, key.layer, key.expert, key.source) == (prefix, layer, expert, source)
+
+
+def test_prefix_helpers() -> None:
+    assert layer_of_prefix("backbone.layers.12.mixer.experts") == 12
+    assert layer_of_prefix("model.layers.12.mlp") is None
+    assert prefix_at_layer("backbone.layers.12.mixer.experts", 3) == "backbone.layers.3.mixer.experts"
+    assert prefix_at_layer("model.language_model.layers.0.experts", 29) == "model.language_model.layers.29.experts"
+    with pytest.raises(ValueError, match="is not an experts prefix"):
+        prefix_at_layer("model.layers.1.mlp", 2)

@@ -177,3 +177,23 @@ def test_load_with_other_layout_raises(tmp_path: Path) -> None:
         load_experts(out, ParallelConfig(tp_size=4, tp_rank=0))
     with pytest.raises(LayoutMismatchError, match="round_robin"):
         load_experts(out, ParallelConfig(2, 0, 2, 0, expert_placement="round_robin"))
+
+
+def test_non_gated_round_trip_and_verify(tmp_path: Path) -> None:
+    """Nemotron-H's non-gated experts (w13 = up rows only) through wna16-shard, both layouts, and verify."""
+    from test_hook import nemotron_checkpoint
+
+    src = nemotron_checkpoint(tmp_path / "src").folder
+    for layout in ("fused", "checkpoint"):
+        out = tmp_path / layout
+        preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False, layout=layout)
+        for pc in ParallelConfig.all_ranks(tp_size=2, ep_size=2) if layout == "fused" else ():
+            fast, direct = load_experts(out, pc), load_experts(src, pc)
+            assert list(fast) == list(direct) == ["backbone.layers.1.mixer.experts", "backbone.layers.4.mixer.experts"]
+            for prefix, layer in direct.items():
+                assert fast[prefix].spec == layer.spec and layer.spec.gated is False
+                assert layer.spec.activation == "relu2"
+                assert all(torch.equal(fast[prefix].tensors[n], t) for n, t in layer.tensors.items())
+        assert verify_output(out, source=src) == []
+    manifest = json.loads((tmp_path / "fused" / MANIFEST_NAME).read_text())
+    assert "'gated': False" in repr(manifest) or '"gated": false' in json.dumps(manifest)

@@ -5,6 +5,7 @@ from .errors import (CheckpointError, CompletenessError, ConfigError, FormatErro
 from .formats import QuantSpec
 from .fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec
 from .hook import TensorStore
+from .hub import resolve_checkpoint
 from .mapping import ExpertParamMapping, ParamTarget, ShardId, expert_param_mapping
 from .loader import load_experts, read_moe_config
 from .results import LoadedExperts, LoadReport
@@ -23,5 +24,5 @@ __all__ = [
 ]
 __all__ += [
     "Activation", "ExpertParamMapping", "FusedMoEExperts", "ParamTarget", "ShardId", "TensorStore",
-    "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "reference_forward",
+    "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "reference_forward", "resolve_checkpoint",
 ]

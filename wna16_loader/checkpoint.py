@@ -25,6 +25,7 @@ from .errors import CheckpointError, format_offenders
 from .filemap import Index, MappedFile, gather
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -166,7 +167,9 @@ def _inside(folder: Path, entry: str) -> Path:
 
 
 def _shard_files(folder: Path) -> list[str]:
-    """The safetensors files of a checkpoint, from its index file or by listing the folder."""
+    """The safetensors files of a checkpoint, by the Hugging Face rule: the files of
+    model.safetensors.index.json when it exists; else model.safetensors alone when it exists (a stray
+    *.safetensors beside it, e.g. a reference dump, is not part of the model); else every *.safetensors."""
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory).")
     index_path = folder / INDEX_FILE
@@ -176,7 +179,7 @@ def _shard_files(folder: Path) -> list[str]:
             if not _inside(folder, file).is_file():
                 raise CheckpointError(f"{index_path}: names {file!r}, which does not exist in {folder}.")
         return files
-    files = sorted(p.name for p in folder.glob("*.safetensors"))
+    files = [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
     for file in files:
         _inside(folder, file)
     if files:

@@ -6,10 +6,12 @@ Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import re
 import sys
 
-from .errors import WNA16Error
+from .errors import CheckpointError, WNA16Error
+from .hub import resolve_checkpoint
 from .parallel import ExpertPlacement, ShardJob
 from .preshard import LAYOUTS, describe_plan, preshard_checkpoint, preshard_distributed, verify_output
 
@@ -20,10 +22,12 @@ SHARD_EPILOG = """\
 examples:
   wna16-shard ./Qwen3-30B-A3B-GPTQ ./out-tp4 --tp 4
   wna16-shard ./Mixtral-AWQ ./out --tp 2 --ep 4 --placement round_robin --max-file-size 2GB
-  wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan, write nothing
+  wna16-shard ./ckpt ./out --ep 8                  # EP only (--tp defaults to 1)
+  wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan and how the config resolved, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
+  wna16-shard org/Model-GPTQ ./out --tp 2 --revision v1  # a Hugging Face repo id (cache first, else download)
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
   torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
@@ -57,10 +61,13 @@ def shard_parser() -> argparse.ArgumentParser:
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
                                 epilog=SHARD_EPILOG)
-    p.add_argument("src", metavar="SRC", help="source checkpoint folder (safetensors + config.json)")
+    p.add_argument("src", metavar="SRC", help="source checkpoint folder (safetensors + config.json), or a Hugging "
+                                              "Face repo id org/name (cached snapshot first, else only configs, "
+                                              "index and *.safetensors are downloaded)")
+    add_revision(p, "SRC")
     p.add_argument("out", metavar="OUT", help="output folder (created; must be empty or a run with the same "
                                               "parameters)")
-    p.add_argument("--tp", type=int, required=True, metavar="N", help="tensor-parallel size, e.g. --tp 4")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1), e.g. --tp 4")
     p.add_argument("--ep", type=int, default=1, metavar="M", help="expert-parallel size (default 1), e.g. --ep 2")
     p.add_argument("--placement", choices=[p.value for p in ExpertPlacement], default="linear",
                    help="how experts are dealt to EP ranks: linear = consecutive blocks, round_robin = id %% ep "
@@ -82,8 +89,9 @@ def shard_parser() -> argparse.ArgumentParser:
                                                           "rest of an interrupted run")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
                                                           "the source (exit 1 on problems)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and write "
-                                                           "nothing")
+    p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and how each "
+                                                           "model config value resolved (key, rule, families-table "
+                                                           "row); write nothing")
     p.add_argument("--quiet", action="store_true", help="no progress and no summary table")
     return p
 
@@ -95,8 +103,16 @@ def verify_parser() -> argparse.ArgumentParser:
                                             "against its manifest.", epilog=VERIFY_EPILOG)
     p.add_argument("out", metavar="OUT", help="a wna16-shard output folder")
     p.add_argument("--source", metavar="SRC", help="the source checkpoint: also check that the experts reassemble "
-                                                   "exactly and that common/ is byte-identical")
+                                                   "exactly and that common/ is byte-identical (a folder or "
+                                                   "a Hugging Face repo id org/name)")
+    add_revision(p, "--source")
     return p
+
+
+def add_revision(p: argparse.ArgumentParser, what: str) -> None:
+    """The --revision option of a repo-id argument."""
+    p.add_argument("--revision", metavar="REV", help=f"branch, tag or commit when {what} is a Hugging Face repo id "
+                                                     f"(default: main); not allowed with a local folder")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = verify_output(args.out, source=args.source)
+    if args.source is None and args.revision is not None:
+        raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
+                              f"pass --source org/name or drop --revision.")
+    source = None if args.source is None else resolve_checkpoint(args.source, revision=args.revision)
+    problems = verify_output(args.out, source=source)
     for problem in problems:
         print(f"wna16-shard verify: {problem}", file=sys.stderr)
     if problems:
@@ -123,9 +143,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
+    src = resolve_checkpoint(args.src, revision=args.revision)
     if (args.distributed or ShardJob.from_environment().processes > 1) and not args.dry_run:
-        return _shard_distributed(args)  # one process: the same run, no process group needed
-    summary = preshard_checkpoint(args.src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
+        return _shard_distributed(args, src)  # one process: the same run, no process group needed
+    summary = preshard_checkpoint(src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
                                   workers=args.workers)
@@ -139,17 +160,17 @@ def _shard(args: argparse.Namespace) -> int:
     return 1 if summary.problems else 0
 
 
-def _shard_distributed(args: argparse.Namespace) -> int:
+def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
     """One process of a rank-parallel run (joining torchrun's rendezvous with gloo when needed)."""
     with ShardJob.joined() as job:
-        summary = preshard_distributed(args.src, args.out, job, tp_size=args.tp, ep_size=args.ep,
+        summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,
                                        resume=args.resume, layout=args.layout)
     if job.process != 0:
         return 0
     if not args.quiet:
         print(summary.table())
-    problems = verify_output(args.out, source=args.src) if args.verify else []
+    problems = verify_output(args.out, source=src) if args.verify else []
     for problem in problems:
         print(f"wna16-shard verify: {problem}", file=sys.stderr)
     return 1 if problems else 0

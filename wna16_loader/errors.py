@@ -46,3 +46,7 @@ def format_offenders(items: list[str], *, limit: int = 20) -> str:
 
 class PreshardError(WNA16Error):
     """A pre-sharded output folder is locked, foreign, or was written with other parameters."""
+
+
+class DeviceError(WNA16Error):
+    """A requested device does not exist or this PyTorch build cannot drive it."""

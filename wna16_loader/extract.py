@@ -23,6 +23,7 @@ from typing import Iterator, Protocol, Sequence
 import torch
 
 from .checkpoint import TensorRef
+from .device import DevicePolicy
 from .errors import FormatError
 from .formats import Dim, QuantSpec, Role, TensorLayout
 from .names import Proj, Source
@@ -214,7 +215,7 @@ class QweightPiece:
 
 
 def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceTensors], spans: dict[Dim, Span],
-                  *, upload_to: torch.device | None = None) -> Iterator[QweightPiece]:
+                  *, upload: DevicePolicy | None = None) -> Iterator[QweightPiece]:
     """The weights of a batch of experts in the fused byte packing, piece by piece.
 
     | words packed along K, cut on word boundaries | already the fused packing: a view of the words    |
@@ -223,24 +224,25 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     | anything else                                | unpacked, trimmed and repacked                     |
 
     On the host, views come one expert at a time and conversions work on about QWEIGHT_CHUNK_BYTES
-    of words (several experts, or slabs of N words of one large expert). With `upload_to` (a GPU), the
-    raw words of UPLOAD_CHUNK_BYTES of experts are copied out of the file mapping into one (pinned)
-    host buffer, sent in one non-blocking copy, and converted there by the same tensor operations.
+    of words (several experts, or slabs of N words of one large expert). With `upload` (the policy of a GPU
+    that converts weights), the raw words of UPLOAD_CHUNK_BYTES of experts are copied out of the file
+    mapping into one pinned host buffer, sent in one non-blocking copy, and converted on the device by
+    the same tensor operations.
     """
     layout = spec.layout(Role.QWEIGHT)
     fused, whole = _words_are_fused(layout, spec, spans), Span(0, len(spans[Dim.N]))
-    if upload_to is None and fused:
+    if upload is None and fused:
         yield from _fused_views(reader, spec, layout, sources, spans)
         return
     words = _words_per_expert(layout, spec, spans)
-    if upload_to is None and _nibble_path(layout, spec, spans) and 4 * words > QWEIGHT_CHUNK_BYTES:
+    if upload is None and _nibble_path(layout, spec, spans) and 4 * words > QWEIGHT_CHUNK_BYTES:
         yield from _nibble_slabs(reader, spec, layout, sources, spans)
         return
-    step = max(1, (QWEIGHT_CHUNK_BYTES if upload_to is None else UPLOAD_CHUNK_BYTES) // (4 * words))
+    step = max(1, (QWEIGHT_CHUNK_BYTES if upload is None else UPLOAD_CHUNK_BYTES) // (4 * words))
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
-        raw = _stacked(reader, [src.tensors[Role.QWEIGHT] for src in sources[chunk]], [storage_index(
-            layout, spans, spec.pack_factor, src.expert_row) for src in sources[chunk]], upload_to)
+        raw = _stacked([reader.view(src.tensors[Role.QWEIGHT], storage_index(
+            layout, spans, spec.pack_factor, src.expert_row)) for src in sources[chunk]], upload)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
 
@@ -273,17 +275,17 @@ def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, s
         for start, stop in zip(cuts, cuts[1:]):
             part = {**spans, Dim.N: Span(start, stop)}
             index = storage_index(layout, part, per_word, src.expert_row)
-            raw = _stacked(reader, [src.tensors[Role.QWEIGHT]], [index], None)
+            raw = _stacked([reader.view(src.tensors[Role.QWEIGHT], index)], None)
             yield QweightPiece(slice(i, i + 1), Span(start - n.start, stop - n.start),
                                _converted_qweight(raw, spec, layout, part))
 
 
-def _stacked(reader: TensorReader, refs: list[TensorRef], indices: list[tuple[slice | int, ...]],
-             upload_to: torch.device | None) -> torch.Tensor:
-    """Stack file slices into ordinary memory (pinned for a CUDA/HIP target) and send them to `upload_to`."""
-    pin = upload_to is not None and upload_to.type == "cuda" and torch.cuda.is_available()
-    host = reader.gather(refs, indices, pin=pin)  # the one copy out of the mapping: never DMA from a mmap
-    return host if upload_to is None else host.to(upload_to, non_blocking=True)
+def _stacked(slices: list[torch.Tensor], upload: DevicePolicy | None) -> torch.Tensor:
+    """Stack file slices into ordinary memory, or into `upload`'s pinned host buffer and send them to its device."""
+    shape = (len(slices), *slices[0].shape)
+    host = torch.empty(shape, dtype=slices[0].dtype) if upload is None else upload.host_buffer(shape, slices[0].dtype)
+    torch.stack(slices, out=host)  # the one copy out of the mapping: never DMA from a safetensors mmap
+    return host if upload is None else upload.upload(host)
 
 
 def _as_fused(words: torch.Tensor, layout: TensorLayout) -> torch.Tensor:

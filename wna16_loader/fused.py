@@ -15,6 +15,10 @@ P8 = 8 / b values per byte):
 | w2_g_idx    | int32  | [E_l, I_p] (act-order)                       |
 | expert_ids  | int32  | [E_l]                                        |
 
+Non-gated experts (`gated=False`, e.g. Nemotron-H: down(act(up(x)))) keep the same
+conventions with only the up rows in w13: w13_qweight [E_l, I_p, H/P8], w13_scales
+[E_l, I_p, ceil(H/G_eff)], w13_qzeros [E_l, I_p/P8, ceil(H/G_eff)].
+
 Weights pack along K (4-bit byte j = q[2j] + 16*q[2j+1]); zero points pack
 along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
 """
@@ -26,6 +30,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from .device import DevicePolicy
 from .errors import CompletenessError, FormatError, format_offenders
 from .extract import PAGE_BYTES, ProjectionParams
 from .formats import QuantSpec, Role
@@ -52,28 +57,41 @@ class FusedSpec:
     has_zero_point: bool
     act_order: bool
     scale_dtype: torch.dtype
+    gated: bool = True  # False: w13 holds only the up projection
+    activation: str | None = None  # the experts' activation as the config names it (e.g. "silu", "relu2")
 
     @classmethod
-    def of(cls, geometry: LayerGeometry, quant: QuantSpec, scale_dtype: torch.dtype) -> "FusedSpec":
-        """The fused layout for `geometry` under `quant`."""
+    def of(cls, geometry: LayerGeometry, quant: QuantSpec, scale_dtype: torch.dtype, *,
+           gated: bool = True, activation: str | None = None) -> "FusedSpec":
+        """The fused layout for `geometry` under `quant` (`gated=False`: w13 holds up only)."""
         w13_groups = (geometry.fused_groups(geometry.hidden) if not geometry.act_order
                       else -(-geometry.hidden // geometry.group_size))
         return cls(experts=geometry.experts, hidden=geometry.hidden, part=geometry.part,
                    intermediate=geometry.intermediate, bits=quant.bits, group_size=geometry.group_eff,
                    w13_groups=w13_groups, w2_groups=geometry.w2_groups, has_zero_point=not quant.symmetric,
-                   act_order=geometry.act_order, scale_dtype=scale_dtype)
+                   act_order=geometry.act_order, scale_dtype=scale_dtype, gated=gated, activation=activation)
+
+    @property
+    def projections(self) -> tuple[Proj, ...]:
+        """The projections this layout holds, in w13 row order then down."""
+        return layer_projections(self.gated)
+
+    @property
+    def w13_rows(self) -> int:
+        """Rows of w13: 2*I_p (gate, up) or I_p (up only)."""
+        return (2 if self.gated else 1) * self.part
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
         e, h, i, per_byte = len(self.experts), self.hidden, self.part, 8 // self.bits
         out = {
-            "w13_qweight": ((e, 2 * i, h // per_byte), torch.uint8),
+            "w13_qweight": ((e, self.w13_rows, h // per_byte), torch.uint8),
             "w2_qweight": ((e, h, i // per_byte), torch.uint8),
-            "w13_scales": ((e, 2 * i, self.w13_groups), self.scale_dtype),
+            "w13_scales": ((e, self.w13_rows, self.w13_groups), self.scale_dtype),
             "w2_scales": ((e, h, self.w2_groups), self.scale_dtype),
         }
         if self.has_zero_point:
-            out["w13_qzeros"] = ((e, 2 * i // per_byte, self.w13_groups), torch.uint8)
+            out["w13_qzeros"] = ((e, self.w13_rows // per_byte, self.w13_groups), torch.uint8)
             out["w2_qzeros"] = ((e, h // per_byte, self.w2_groups), torch.uint8)
         if self.act_order:
             out["w13_g_idx"] = ((e, h), torch.int32)
@@ -82,12 +100,18 @@ class FusedSpec:
         return out
 
 
+def layer_projections(gated: bool) -> tuple[Proj, ...]:
+    """The projections of a gated (gate, up, down) or non-gated (up, down) expert."""
+    return (Proj.GATE, Proj.UP, Proj.DOWN) if gated else (Proj.UP, Proj.DOWN)
+
+
 @dataclass(frozen=True)
 class DequantizedExperts:
-    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H], w2 [E_l, H, I_p]."""
+    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H] (non-gated: [E_l, I_p, H]), w2 [E_l, H, I_p]."""
 
     w13: torch.Tensor
     w2: torch.Tensor
+    gated: bool = True  # False: w13 holds the up rows only
 
 
 class FusedExperts:
@@ -108,6 +132,8 @@ class FusedExperts:
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
+    activation = property(lambda self: self.spec.activation, doc="The experts' activation, as the config names it.")
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
@@ -120,6 +146,7 @@ class FusedExperts:
                            self.tensors.get("w13_g_idx"), bits=self.bits, group_size=self.group_size),
             w2=dequantize(self.tensors["w2_qweight"], self.tensors["w2_scales"], self.tensors.get("w2_qzeros"),
                           self.tensors.get("w2_g_idx"), bits=self.bits, group_size=self.group_size),
+            gated=self.spec.gated,
         )
 
 
@@ -149,25 +176,31 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor
 class FusedWriter:
     """Writes projection shards into one layer's fused parameters.
 
-    On the CPU the staging buffers are the parameters. For a GPU target, weights are
-    converted on the device by default (`upload_to`: raw words go up in large pinned
-    chunks, and the qweight parameters are allocated there); every other parameter is
-    staged in pinned host memory and `finish` moves each in one non-blocking copy. With
-    `convert_on_device=False` the weights too are converted and staged on the host.
+    Where each parameter is staged is the `DevicePolicy`'s decision: on the CPU the staging
+    buffers are the parameters. For a GPU target, weights are converted on the device by
+    default (`upload_to`: raw words go up in large pinned chunks, and the qweight parameters
+    are allocated there); every other parameter is staged in pinned host memory and `finish`
+    moves each in one non-blocking copy. With `convert_on_device=False` the weights are
+    converted and staged in ordinary host memory. Nothing here synchronises: the load that
+    owns the writer calls `policy.synchronize()` once at its end.
     """
 
     def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str, *,
                  staging: dict[str, torch.Tensor] | None = None, convert_on_device: bool = True) -> None:
-        """`staging`: existing tensors to write into directly (e.g. a module's parameters, on any
-        device), one per name of `spec.shapes()`; `finish` is then not needed."""
-        self.prefix, self.spec, self.device = prefix, spec, torch.device(device)
-        if staging is None:
-            staging = staging_buffers(spec, self.device, convert_on_device=convert_on_device)
+        """`staging`: existing tensors to write into directly (e.g. a module's parameters, all on
+        `device`), one per name of `spec.shapes()`; `finish` is then not needed."""
+        self.prefix, self.spec = prefix, spec
+        self.policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
+        self.device = self.policy.target
+        external = staging is not None
+        with self.policy.scope():
+            staging = staging if staging is not None else staging_buffers(spec, self.policy)
         assert {n: tuple(t.shape) for n, t in staging.items()} == {n: s for n, (s, _) in spec.shapes().items()}, \
             f"{prefix}: staging tensors do not match the layout {spec.shapes()}"
         self.staging = staging
-        weights = staging["w13_qweight"].device
-        self.upload_to = weights if convert_on_device and weights.type != "cpu" else None
+        self.device_bound = frozenset(name for name in staging if self.policy.gpu and
+                                      (external or self.policy.on_device(name)))
+        self.upload_to = self.policy.upload_to
         self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
         self._slots = {expert: i for i, expert in enumerate(spec.experts)}
         self._g_idx_owner: dict[int, str] = {}
@@ -178,7 +211,7 @@ class FusedWriter:
         if proj is Proj.DOWN:
             return "w2", slice(None), slice(None)
         part, per_byte = self.spec.part, 8 // self.spec.bits
-        half = 0 if proj is Proj.GATE else 1
+        half = 0 if proj is Proj.GATE or not self.spec.gated else 1
         return "w13", slice(half * part, (half + 1) * part), slice(half * part // per_byte, (half + 1) * part // per_byte)
 
     def slots(self, experts: Sequence[int]) -> slice:
@@ -227,21 +260,24 @@ class FusedWriter:
             for i, expert in enumerate(experts):
                 self._put_w13_g_idx([expert], g_idx[i:i + 1], labels[i:i + 1])
             return
-        differs = (self.staging["w13_g_idx"][self.slots(experts)] != g_idx).any(1)
+        staged = self.staging["w13_g_idx"][self.slots(experts)]
+        differs = (staged != g_idx.to(staged.device)).any(1)  # compared where the staged row lives
         if bool(differs.any()):
             i = int(differs.nonzero()[0, 0])
             raise FormatError(f"{labels[i]}: its g_idx differs from that of {owned[i]}; gate and up of one expert "
                               f"share w13_g_idx and must carry the same act-order permutation.")
 
     def put_whole(self, name: str, value: torch.Tensor) -> None:
-        """Copy a whole fused parameter (e.g. from a pre-sharded file) into its staging buffer.
-
-        The copy also takes the data out of a safetensors mmap into ordinary (pinned) memory.
-        """
+        """Copy a whole fused parameter (e.g. a view of a pre-sharded file's mapping) into its staging
+        tensor: on the host, one copy; onto the device, through a pinned buffer and one non-blocking copy."""
         target = self.staging[name]
         assert target.shape == value.shape and target.dtype == value.dtype, \
             f"{self.prefix}.{name}: {list(value.shape)} {value.dtype} vs {list(target.shape)} {target.dtype}"
-        target.copy_(value)
+        if name in self.device_bound:
+            with self.policy.scope():
+                self.policy.send(target, self.policy.host_copy(value))
+        else:
+            target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()
 
     def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor, *, as_bytes: bool = False) -> None:
@@ -252,32 +288,29 @@ class FusedWriter:
         if as_bytes and value.dtype != target.dtype:
             target = target.view(value.dtype)
         assert target.shape == value.shape, f"{self.prefix}.{name}: shard {list(value.shape)} vs slot {list(target.shape)}"
-        if target.device.type != "cpu" and value.device.type == "cpu":
-            value = value.clone(memory_format=torch.contiguous_format)  # never DMA from a file mapping
-        copy_transposing(target, value)
+        if name in self.device_bound and value.device.type == "cpu":  # never DMA from a file mapping
+            with self.policy.scope():  # pinned memory in the target's context
+                host = self.policy.host_buffer(tuple(value.shape), value.dtype)
+                copy_transposing(host, value)
+                self.policy.send(target, host)
+        else:
+            copy_transposing(target, value)
         self.bytes_written += value.numel() * value.element_size()
 
     def finish(self) -> FusedExperts:
-        """Move the parameters staged on the host to the device (one copy each) and return the layer."""
-        if self.device.type == "cpu":
+        """Move the parameters staged on the host to the device (one copy each, queued: the load
+        synchronises once at its end) and return the layer."""
+        if not self.policy.gpu:
             return FusedExperts(self.prefix, self.spec, self.staging)
-        moved = {name: buf if buf.device.type != "cpu" else buf.to(self.device, non_blocking=True)
-                 for name, buf in self.staging.items()}
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with self.policy.scope():
+            moved = {name: buf if name in self.device_bound else self.policy.upload(buf)
+                     for name, buf in self.staging.items()}
         return FusedExperts(self.prefix, self.spec, moved)
 
 
-def staging_buffers(spec: FusedSpec, device: torch.device, *, convert_on_device: bool) -> dict[str, torch.Tensor]:
-    """Empty tensors for every fused parameter: on the CPU for a CPU target; for a GPU target the
-    weights on the device (when converted there) and the rest in pinned host memory."""
-    pin = device.type == "cuda" and torch.cuda.is_available()
-    out = {}
-    for name, (shape, dtype) in spec.shapes().items():
-        on_device = device.type != "cpu" and convert_on_device and name.endswith("_qweight")
-        out[name] = torch.empty(shape, dtype=dtype, device=device) if on_device else \
-            torch.empty(shape, dtype=dtype, pin_memory=pin)
-    return out
+def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Tensor]:
+    """Empty tensors for every fused parameter, where `policy` stages each (see device.py)."""
+    return {name: policy.staging(name, shape, dtype) for name, (shape, dtype) in spec.shapes().items()}
 
 
 STAGED_ROWS = 64  # source rows moved per block through a buffer whose rows are not a page apart
@@ -341,6 +374,7 @@ class Ledger:
     expected: set[Slot] = field(default_factory=set)
     written: dict[Slot, list[str]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
@@ -358,10 +392,15 @@ class Ledger:
         """Forget every write and rejection (the expected slots stay)."""
         self.written.clear()
         self.unexpected.clear()
+        self.absent.clear()
 
     def reject(self, name: str, why: str) -> None:
         """Note a tensor that has no slot."""
         self.unexpected.append(f"{name} ({why})")
+
+    def lack(self, what: str, why: str) -> None:
+        """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
+        self.absent.append(f"{what} ({why})")
 
     def missing(self) -> list[Slot]:
         """Expected slots not written yet, sorted."""
@@ -369,7 +408,7 @@ class Ledger:
 
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
-        missing = [f"missing: {slot}" for slot in self.missing()]
+        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
         dups = [f"written {len(names)} times: {slot} from {names}"
                 for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]

@@ -14,6 +14,8 @@ experts are refused before anything is kept or converted.
 | "w3"     | up         | w13 rows [I_p, 2*I_p)             |
 | "w2"     | down       | w2, row-parallel along I          |
 
+Non-gated experts (e.g. Nemotron-H) have no "w1": "w3" fills w13 rows [0, I_p).
+
 `ExpertParamMapping` maps a checkpoint name to the fused parameters it feeds in
 O(1) (one regex match, dict lookups).
 """
@@ -29,11 +31,11 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
 from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweights
 from .formats import Role
-from .fused import FusedWriter, Ledger, Slot
+from .fused import FusedWriter, Ledger, layer_projections
 from .modelconfig import MoEConfig
 from .mapping import ShardId, default_alias
 from .names import Proj, Source, parse_expert_name
-from .plan import ROLE_NAMES, STACKED_SOURCES, LayerPlan, expert_key_problem, source_tensors
+from .plan import STACKED_SOURCES, LayerPlan, expert_key_problem, sizes_source_tensors
 from .sharding import LayerGeometry
 
 MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
@@ -65,9 +67,10 @@ class TensorStore:
             del self._holds[ref.name], self._tensors[ref.name]
 
     def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
-        """`tensor[index]` (basic slices and ints), on the CPU (a view of a CPU tensor)."""
+        """`tensor[index]` (basic slices and ints), on the CPU."""
         tensor = self._tensors[ref.name]
-        return (tensor[index] if index else tensor).to("cpu")
+        out = (tensor[index] if index else tensor).to("cpu")
+        return out
 
     view = read  # the TensorReader name: the held tensor is the caller's, so a view is as safe as it
 
@@ -130,6 +133,10 @@ class ExpertLoadHook:
                shard_id: str | ShardId, expert_id: int | None) -> bool:
         """Take one whole checkpoint tensor; False (nothing kept or converted) when no local expert needs it."""
         proj = ShardId.parse(shard_id, weight_name).proj
+        if proj not in self.projections:
+            raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but "
+                              f"{self.moe.family} experts are not gated; their tensors come with shard_id "
+                              f"{[ShardId.of_proj(p).value for p in self.projections]}.")
         arrival = self._resolve(weight_name, proj, expert_id)
         experts = self.geometry.experts if arrival.expert is None else \
             ((arrival.expert,) if arrival.expert in self.local else ())
@@ -139,7 +146,7 @@ class ExpertLoadHook:
         ref = TensorRef(weight_name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype)
         row = None if arrival.expert is not None else experts[0]
         check_header(ref, self.moe.quant.layout(arrival.role), self.moe.quant,
-                     source_tensors(self.moe, arrival.source, {arrival.role: ref}, row), self.moe.num_experts)
+                     self._source(arrival.source, {arrival.role: ref}, row), self.geometry.num_experts)
         self.aliases[proj] = (arrival.alias, arrival.expert is None)
         for expert in experts:
             self._arrive(fused, loaded, ref, expert, proj, arrival)
@@ -173,12 +180,22 @@ class ExpertLoadHook:
             raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but the "
                               f"tensor holds {[p.value for p in source.projs]}; use shard_id "
                               f"{[ShardId.of_proj(p).value for p in source.projs]}.")
+        count = self.geometry.num_experts
         if expert is None and source not in STACKED_SOURCES:
             raise FormatError(f"{weight_name}: no expert id, and only gate_up_proj and down_proj tensors stack "
-                              f"over experts; pass expert_id (0..{self.moe.num_experts - 1}).")
-        if expert is not None and not 0 <= expert < self.moe.num_experts:
-            raise FormatError(f"{weight_name}: expert id {expert} is outside 0..{self.moe.num_experts - 1} "
-                              f"(the config declares {self.moe.num_experts} experts).")
+                              f"over experts; pass expert_id (0..{count - 1}).")
+        if expert is not None and not 0 <= expert < count:
+            raise FormatError(f"{weight_name}: expert id {expert} is outside 0..{count - 1} "
+                              f"(the config declares {count} experts).")
+
+    @property
+    def projections(self) -> tuple[Proj, ...]:
+        """The projections of this layer's experts (no gate for non-gated experts)."""
+        return layer_projections(self.moe.gated)
+
+    def _source(self, source: Source, refs: dict[Role, TensorRef], row: int | None) -> SourceTensors:
+        """SourceTensors at this layer's own sizes."""
+        return sizes_source_tensors(self.geometry.hidden, self.geometry.intermediate, source, refs, row)
 
     def _arrive(self, writer: FusedWriter, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
                 arrival: Arrival) -> None:
@@ -197,7 +214,7 @@ class ExpertLoadHook:
             self.store.release(entry.refs[arrival.role])
         entry.refs[arrival.role] = self.store.hold(ref, loaded)
         if self.required <= entry.refs.keys():
-            self.write(self.store, writer, (expert,), proj, (source_tensors(self.moe, entry.source, entry.refs, row),))
+            self.write(self.store, writer, (expert,), proj, (self._source(entry.source, entry.refs, row),))
             for held in entry.refs.values():
                 self.store.release(held)
             self.written[key] = self.pending.pop(key)
@@ -207,7 +224,7 @@ class ExpertLoadHook:
         """A role for a written projection: a duplicate (the ledger reports it) or an optional tensor to check."""
         if role in done.refs:
             return
-        src = source_tensors(self.moe, done.source, {role: ref}, done.expert_row)
+        src = self._source(done.source, {role: ref}, done.expert_row)
         check_dropped_role(TensorStore.of(ref, loaded), self.moe.quant, src, self.geometry.slice(proj), role)
         done.refs[role] = ref
 
@@ -220,10 +237,12 @@ class ExpertLoadHook:
         cut = self.geometry.slice(proj)
         params = read_params(reader, self.moe.quant, sources, cut, allow_nonfinite=self.allow_nonfinite)
         before = writer.bytes_written
-        writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
-        spans, _ = rank_spans(sources[0], cut)
-        for piece in read_qweights(reader, self.moe.quant, sources, spans, upload_to=writer.upload_to):
-            writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
+        upload = writer.policy if writer.upload_to is not None else None
+        with writer.policy.scope():  # uploads and device conversion run in the target's context
+            writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
+            spans, _ = rank_spans(sources[0], cut)
+            for piece in read_qweights(reader, self.moe.quant, sources, spans, upload=upload):
+                writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
         self.bytes_written += writer.bytes_written - before
 
     def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:
@@ -237,11 +256,11 @@ class ExpertLoadHook:
     def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
         """Read and write every projection of a `plan_layer` plan (the `load_experts` path), a run of
         experts at a time."""
-        for proj in Proj:
+        for proj in plan.fused.projections:
             for experts, sources in _plan_runs(plan, proj):
-                for expert, src in zip(experts, sources):  # slots built from plain strings: one tuple each
+                for expert, src in zip(experts, sources):
                     for role, ref in src.tensors.items():
-                        self.ledger.record_slot(Slot(self.prefix, expert, proj.value, ROLE_NAMES[role]), ref.name)
+                        self.ledger.record(self.prefix, expert, proj, role, ref.name)
                     self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
                     self.tensors += len(src.tensors)
                 self.write(index, writer, experts, proj, sources)

@@ -11,8 +11,10 @@ from typing import Iterator
 import torch
 
 from .checkpoint import CheckpointIndex
+from .device import DevicePolicy
 from .fused import FusedExperts, FusedWriter, Ledger
 from .hook import ExpertLoadHook
+from .hub import resolve_checkpoint
 from .logs import rank_logger
 from .modelconfig import MoEConfig, read_config_files
 from .parallel import ParallelConfig
@@ -20,26 +22,34 @@ from .plan import CheckpointScan, LayerPlan, plan_layers
 from .presharded import is_presharded, load_presharded
 from .results import LoadedExperts, LoadReport
 
-def read_moe_config(path: str | Path) -> MoEConfig:
-    """The resolved description of a checkpoint: config keys, quantization and experts prefixes."""
+def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
+    """The resolved description of a checkpoint: config keys, quantization and experts prefixes.
+    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
+    path = resolve_checkpoint(path, revision=revision)
     moe = read_config_files(path)
     with CheckpointIndex(path) as index:
         prefixes = tuple(CheckpointScan.of(index).layers)
     return replace(moe, experts_prefixes=prefixes)
 
 
-def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
-                 allow_nonfinite_scales: bool = False, convert_on_device: bool = True) -> LoadedExperts:
+def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
+                 device: torch.device | str = "cpu", allow_nonfinite_scales: bool = False,
+                 convert_on_device: bool = True) -> LoadedExperts:
     """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
 
     Tensors of non-local experts are never read; each local projection is read as
     the slice covering the rank's columns, converted, and written once into the
-    fused layout on `device`. On a GPU the weights' raw words go up in large pinned chunks
-    and are converted there (`convert_on_device=False`: converted on the host, then copied).
-    Raises a WNA16Error subclass on any bad input.
+    fused layout on `device` ("cpu", "cuda" or "cuda:N"; ROCm devices are "cuda" in PyTorch too).
+    On a GPU the weights' raw words go up in large pinned chunks and are converted there
+    (`convert_on_device=False`: converted on the host, then copied); the load synchronises the
+    device once, at its end. Raises a WNA16Error subclass on any bad input (DeviceError for a
+    device this PyTorch cannot drive).
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
+    `path` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     """
+    policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
+    path = resolve_checkpoint(path, revision=revision)
     if is_presharded(path):
         return load_presharded(path, parallel, device=device)
     start = time.perf_counter()
@@ -53,6 +63,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, device: torch.de
             tensors += count
             written += nbytes
         bytes_read = index.bytes_read
+    policy.synchronize()
     result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=bytes_read, bytes_written=written,
                                   start=start)
     result.ignored = scan.others
@@ -75,7 +86,8 @@ def planned(path: str | Path, parallel: ParallelConfig) -> Iterator[
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
                allow_nonfinite: bool, *, convert_on_device: bool = True) -> tuple[FusedExperts, int, int]:
-    """Read, convert and write every local projection of one layer (the hook's own write path)."""
+    """Read, convert and write every local projection of one layer (the hook's own write path); device
+    copies are queued, not waited for (the caller synchronises once)."""
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
     hook = ExpertLoadHook(plan.prefix, moe, plan.geometry, Ledger(), allow_nonfinite=allow_nonfinite)
     hook.load_plan(index, writer, plan)

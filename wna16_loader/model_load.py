@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Iterable
 
 from torch import nn
 
 from .errors import CompletenessError, LayoutMismatchError, format_offenders
-from .loader import load_experts, planned
+from .hub import resolve_checkpoint
+from .loader import planned
 from .logs import rank_logger
 from .module import FusedMoEExperts
 from .parallel import ParallelConfig
 from .plan import LayerPlan
-from .presharded import is_presharded
+from .presharded import is_presharded, rank_record, rank_specs, read_rank
 from .results import LoadReport
 
 
@@ -30,25 +32,33 @@ def experts_modules(model: nn.Module) -> dict[str, FusedMoEExperts]:
     return found
 
 
+SYNC_HOOK = "_wna16_sync_hook"  # the handle of the model's post-hook that synchronises once per load_state_dict
+
+
 def install_load_hook(model: nn.Module) -> list[FusedMoEExperts]:
     """Let `model.load_state_dict(sd, strict=False)` take per-expert checkpoint names.
 
     Afterwards keys like `model.layers.0.mlp.experts.3.gate_proj.qweight` fill the
     fused parameters through the weight loader, and the returned missing/unexpected
     keys name checkpoint tensors: missing = this rank's slots still unfilled,
-    unexpected = keys no parameter takes. Tensors of non-local experts are consumed.
+    unexpected = keys no parameter takes. Tensors of non-local experts are consumed. The model
+    synchronises the experts' devices once, after the whole state dict is in.
     """
     modules = list(experts_modules(model).values())
     if not modules:
         raise CompletenessError(f"{type(model).__name__}: no FusedMoEExperts modules to hook; build them first.")
     for module in modules:
         module.install_load_hook()
+    if not isinstance(model, FusedMoEExperts) and SYNC_HOOK not in model.__dict__:  # its own hook syncs a module
+        model.__dict__[SYNC_HOOK] = model.register_load_state_dict_post_hook(
+            lambda root, _: synchronize(experts_modules(root).values()))
     return modules
 
 
 def check_model_complete(model: nn.Module) -> None:
     """Check every FusedMoEExperts ledger after an engine-driven load; one summary log line per rank."""
     modules = list(experts_modules(model).values())
+    synchronize(modules)
     problems = [item for module in modules for item in module.ledger_report()]
     if problems:
         raise CompletenessError(f"the expert load is incomplete or inconsistent: {len(problems)} problems\n"
@@ -60,15 +70,18 @@ def check_model_complete(model: nn.Module) -> None:
             sum(len(m.spec.experts) for m in modules), sum(m.hook.tensors for m in modules), written / 2**20)
 
 
-def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig) -> LoadReport:
+def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig, *,
+                       revision: str | None = None) -> LoadReport:
     """Fill every FusedMoEExperts of `model` with `parallel`'s share of the checkpoint.
 
     The same plan and slice reads as `load_experts`: non-local experts are never
     read, each local projection is read as the slice covering the rank's columns
     and written straight into the module's parameters. Every module's ledger must
     end complete; call `reset_load()` on the modules to load them a second time.
+    `checkpoint_folder` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     """
     start = time.perf_counter()
+    checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision)
     modules = experts_modules(model)
     _check_parallel(modules, parallel)
     if is_presharded(checkpoint_folder):
@@ -79,6 +92,7 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
         for plan in plans:
             modules[plan.prefix].load_plan(index, plan)
         bytes_read = index.bytes_read
+    synchronize(modules.values())
     for module in modules.values():
         module.check_complete()
     report = LoadReport.of(plans, scan, tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()),
@@ -90,18 +104,32 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
 
 def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Path,
                           parallel: ParallelConfig) -> LoadReport:
-    """Fill the modules from a wna16-shard output: the rank's fused tensors, copied as they are."""
-    layers = load_experts(folder, parallel)
-    problems = [f"output layer {p} has no FusedMoEExperts in the model" for p in sorted(set(layers) - set(modules))]
-    problems += [f"module {p} is not in the pre-sharded output" for p in sorted(set(modules) - set(layers))]
+    """Fill the modules from a wna16-shard output, layer by layer: each fused tensor is copied from the rank
+    file's mapping into its parameter (nothing of the rank is held in host memory besides one tensor)."""
+    start = time.perf_counter()
+    rank = rank_record(folder, parallel)
+    specs = rank_specs(rank)
+    problems = [f"output layer {p} has no FusedMoEExperts in the model" for p in sorted(set(specs) - set(modules))]
+    problems += [f"module {p} is not in the pre-sharded output" for p in sorted(set(modules) - set(specs))]
     if problems:
         raise CompletenessError(f"{folder}: the model's FusedMoEExperts and the output's MoE layers differ:\n"
                                 f"{format_offenders(problems)}")
-    for prefix, fused in layers.items():
-        modules[prefix].load_fused(fused, source=str(folder))
-        modules[prefix].check_complete()
-    rank_logger(parallel).info("loaded pre-sharded output into the model: %s", layers.report)
-    return layers.report
+    tensors, nbytes = read_rank(folder, rank)
+    for prefix, spec in specs.items():
+        modules[prefix].load_fused(spec, tensors, source=str(folder))
+    synchronize(modules.values())
+    for module in modules.values():
+        module.check_complete()
+    report = LoadReport(layers=len(specs), experts=sum(len(s.experts) for s in specs.values()), tensors=len(tensors),
+                        bytes_read=nbytes, bytes_written=nbytes, seconds=time.perf_counter() - start)
+    rank_logger(parallel).info("loaded pre-sharded output into the model: %s", report)
+    return report
+
+
+def synchronize(modules: Iterable[FusedMoEExperts]) -> None:
+    """Wait once for the device work queued by loads into `modules` (once per device they live on)."""
+    for module in {str(m.w13_qweight.device): m for m in modules}.values():
+        module.synchronize()
 
 
 def _check_parallel(modules: dict[str, FusedMoEExperts], parallel: ParallelConfig) -> None:

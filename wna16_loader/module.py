@@ -21,14 +21,16 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointIndex
+from .device import DevicePolicy
 from .errors import CompletenessError, LayoutMismatchError
 from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
 from .hook import ExpertLoadHook
 from .mapping import ExpertParamMapping, ParamTarget, ShardId
 from .modelconfig import MoEConfig
-from .names import Proj
+from .names import layer_of_prefix
 from .parallel import ParallelConfig
 from .plan import LayerPlan, expect_projection, layer_geometry
+from .presharded import put_layer
 from .reference import Activation, reference_forward
 from .statedict import StateDictHooks
 
@@ -52,14 +54,16 @@ class FusedMoEExperts(nn.Module):
 
     def __init__(self, moe: MoEConfig, prefix: str, parallel: ParallelConfig, *,
                  device: torch.device | str | None = None, scale_dtype: torch.dtype = torch.float16,
-                 activation: Activation = Activation.SILU, allow_nonfinite_scales: bool = False) -> None:
+                 activation: Activation | None = None, allow_nonfinite_scales: bool = False) -> None:
+        """`activation`: None takes the config's (`moe.activation`, SiLU when it names none)."""
         super().__init__()
-        self.moe, self.prefix, self.parallel, self.activation = moe, prefix, parallel, activation
-        self.geometry = layer_geometry(moe, parallel)
-        self.spec = FusedSpec.of(self.geometry, moe.quant, scale_dtype)
+        self.moe, self.prefix, self.parallel = moe, prefix, parallel
+        self.activation = activation or Activation.from_config(moe.activation)
+        self.geometry = layer_geometry(moe, parallel, layer_of_prefix(prefix))
+        self.spec = FusedSpec.of(self.geometry, moe.quant, scale_dtype, gated=moe.gated, activation=moe.activation)
         self.ledger = Ledger()
         for expert in self.spec.experts:
-            for proj in Proj:
+            for proj in self.spec.projections:
                 expect_projection(self.ledger, moe, prefix, expert, proj)
         self.hook = ExpertLoadHook(prefix, moe, self.geometry, self.ledger, allow_nonfinite=allow_nonfinite_scales)
         self.mapping = ExpertParamMapping(moe, prefix)
@@ -76,11 +80,12 @@ class FusedMoEExperts(nn.Module):
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
 
     def extra_repr(self) -> str:
         return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I_p={self.spec.part}, bits={self.bits}, "
                 f"group_size={self.group_size}, zero_point={self.has_zero_point}, act_order={self.act_order}, "
-                f"activation={self.activation.value}")
+                f"activation={self.activation.value}, gated={self.gated}")
 
     # ------------------------------------------------------------------ materialisation
 
@@ -149,16 +154,25 @@ class FusedMoEExperts(nn.Module):
         with torch.no_grad():
             self.hook.load_plan(index, self._fused_writer(), plan)
 
-    def load_fused(self, fused: FusedExperts, *, source: str) -> None:
-        """Copy an already fused layer (e.g. from a wna16-shard output) into the parameters; fills the ledger."""
-        if fused.spec != self.spec:
-            raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {fused.spec} but the module was built "
+    def load_fused(self, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, source: str) -> None:
+        """Copy one already fused layer into the parameters, tensor by tensor, and fill the ledger.
+
+        `tensors`: the layer's fused tensors by full name (`<prefix>.w13_qweight`, ...), e.g. views of a
+        wna16-shard output's file mappings (`presharded.read_rank`): each is copied out of the mapping
+        (through a pinned buffer and one non-blocking copy for a GPU), nothing else is held.
+        """
+        if spec != self.spec:
+            raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {spec} but the module was built "
                                       f"as {self.spec}; build it with the ParallelConfig the output was sharded for.")
         with torch.no_grad():
-            for name, tensor in fused.tensors.items():
-                getattr(self, name).copy_(tensor)
+            put_layer(source, self._fused_writer(), tensors)
         for slot in self.ledger.missing():
             self.ledger.record_slot(slot, f"{source}:{self.prefix}")
+
+    def synchronize(self) -> None:
+        """Wait for the device work queued by loads into this module (nothing on the CPU or meta)."""
+        if not self.w13_qweight.is_meta:
+            DevicePolicy.of(self.w13_qweight.device).synchronize()
 
     def ledger_report(self) -> list[str]:
         """Every missing, duplicated or unexpected slot so far (empty when complete)."""

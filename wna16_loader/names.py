@@ -1,9 +1,9 @@
 """Checkpoint tensor names: parsed once into typed keys.
 
 This is the only module that matches tensor names. A routed-expert tensor name is
-`{root}.layers.{L}[.{module}].experts.[{e}.]{proj}.{suffix}` with root `model`,
-`model.language_model` or `language_model.model`; without `{e}` the tensor is
-stacked over experts (`[E, ...]`).
+`{root}.layers.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`, with the roots, modules
+and projection names of the families table (families.py) matched in full; without
+`{e}` the tensor is stacked over experts (`[E, ...]`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+
+from .families import all_rows
 
 
 class Proj(enum.Enum):
@@ -42,27 +44,31 @@ _SOURCE_PROJS = {
     Source.GATE_UP: (Proj.GATE, Proj.UP),
 }
 
-PROJ_ALIASES: dict[str, Source] = {
-    "gate_proj": Source.GATE,
-    "w1": Source.GATE,
-    "up_proj": Source.UP,
-    "w3": Source.UP,
-    "down_proj": Source.DOWN,
-    "w2": Source.DOWN,
-    "gate_up_proj": Source.GATE_UP,
-}
 
-ROOTS = ("model", "model.language_model", "language_model.model")
-MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward")
+def _union(values: list) -> tuple:
+    return tuple(dict.fromkeys(values))
 
-_EXPERT_RE = re.compile(
-    r"^(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)"
-    r"\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
-        roots="|".join(re.escape(r) for r in ROOTS),
-        modules="|".join(MODULES),
-        projs="|".join(PROJ_ALIASES),
-    )
-)
+
+def _aliases() -> dict[str, Source]:
+    """Projection tensor name -> what it carries, over every row; a name must mean one thing everywhere."""
+    out: dict[str, Source] = {}
+    for family in all_rows():
+        for name, kind in family.projections:
+            if out.setdefault(name, Source(kind)) is not Source(kind):
+                raise AssertionError(f"families table: {name!r} is {out[name]} in one row, {kind!r} in {family.name}")
+    return out
+
+
+PROJ_ALIASES: dict[str, Source] = _aliases()
+ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots])
+MODULES: tuple[str, ...] = _union([m for family in all_rows() for m in family.modules if m is not None])
+
+_PREFIX = r"(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
+    roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES))
+_PREFIX_RE = re.compile(f"^{_PREFIX}$")
+_EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
+    prefix=_PREFIX, projs="|".join(re.escape(p) for p in PROJ_ALIASES)))
+
 
 @dataclass(frozen=True)
 class ExpertTensorKey:
@@ -105,3 +111,17 @@ def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
     """Build an experts prefix, e.g. `model.layers.3.mlp.experts`."""
     middle = f".{module}" if module else ""
     return f"{root}.layers.{layer}{middle}.experts"
+
+
+def layer_of_prefix(prefix: str) -> int | None:
+    """The decoder layer of an experts prefix (e.g. 3 for `model.layers.3.mlp.experts`), None for other names."""
+    match = _PREFIX_RE.match(prefix)
+    return None if match is None else int(match.group("layer"))
+
+
+def prefix_at_layer(prefix: str, layer: int) -> str:
+    """The experts prefix of decoder layer `layer` in the naming of `prefix` (another layer's experts prefix)."""
+    match = _PREFIX_RE.match(prefix)
+    if match is None:
+        raise ValueError(f"{prefix!r} is not an experts prefix")
+    return prefix[:match.start("layer")] + str(layer) + prefix[match.end("layer"):]

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, FormatError
-from .extract import SourceTensors, check_header, expected_shape
+from .extract import SourceTensors, check_header
 from .formats import Role
-from .fused import FusedSpec, Ledger, Slot
+from .fused import FusedSpec, Ledger, layer_projections
 from .modelconfig import MoEConfig
-from .names import ExpertTensorKey, Proj, Source, parse_expert_name
+from .names import ExpertTensorKey, Proj, Source, parse_expert_name, prefix_at_layer
 from .parallel import ParallelConfig
 from .sharding import LayerGeometry
 
@@ -64,11 +63,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     if not scan.layers:
         raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
                               f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
-    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items()}
-    for layer in moe.moe_layers:
-        if layer not in found:
-            ledger.reject(f"layer {layer}", "the config makes it a MoE layer but the checkpoint has no expert "
-                                            "tensors for it")
+    report_missing_layers(moe, scan, ledger)
     plans = []
     for prefix, keys in scan.layers.items():
         layer = keys[0].layer
@@ -80,37 +75,53 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     return plans
 
 
+def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
+    """Every MoE layer of the config without expert tensors in the checkpoint, as a *missing* entry."""
+    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items()}
+    example = next(iter(found.values()), None)
+    why = "every layer" if moe.resolution is None else moe.resolution["MoE layers"].source
+    for layer in moe.moe_layers:
+        if layer not in found and example is not None:
+            ledger.lack(f"{prefix_at_layer(example, layer)} (all experts of layer {layer})",
+                        f"the config makes layer {layer} a MoE layer ({why}) but the checkpoint has no expert "
+                        f"tensors for it")
+
+
 def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
                keys: list[ExpertTensorKey], ledger: Ledger) -> LayerPlan:
     """Plan one layer: EP filter, header checks, ledger entries."""
-    geometry = layer_geometry(moe, parallel)
+    layer = keys[0].layer
+    geometry = layer_geometry(moe, parallel, layer)
     local = set(geometry.experts)
     entries = _group_entries(index, moe, keys, local, ledger)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
-    required = tuple(lay.role.value for lay in moe.quant.layouts if moe.quant.required(lay))
     for expert in sorted(local):
-        for proj in Proj:
-            candidates = [_source(moe, entries[ek], ek, expert) for ek in _candidates(entries, expert, proj)]
-            _record(ledger, required, prefix, expert, proj.value, candidates)
+        for proj in layer_projections(moe.gated):
+            candidates = [_source(geometry, entries[ek], ek, expert) for ek in _candidates(entries, expert, proj)]
+            _record(ledger, moe, prefix, expert, proj, candidates)
             if candidates:
                 sources[(expert, proj)] = candidates[0]
-    check_headers(moe, sources.values())  # each tensor's own dtype/shape error before any cross-tensor check
-    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources))
+    for src in sources.values():  # each tensor's own dtype/shape error before any cross-tensor check
+        for role, ref in src.tensors.items():
+            check_header(ref, moe.quant.layout(role), moe.quant, src, geometry.num_experts)
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources), gated=moe.gated,
+                         activation=moe.activation)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
 
 
-def layer_geometry(moe: MoEConfig, parallel: ParallelConfig) -> LayerGeometry:
-    """The validated sizes of one MoE layer of `moe` on `parallel`'s rank."""
-    return LayerGeometry(hidden=moe.hidden_size, intermediate=moe.intermediate_size, num_experts=moe.num_experts,
+def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None = None) -> LayerGeometry:
+    """The validated sizes of MoE layer `layer` of `moe` on `parallel`'s rank (None: the first MoE layer's)."""
+    values = moe.layer(layer) if layer is not None else moe.layer(moe.moe_layers[0] if moe.moe_layers else 0)
+    return LayerGeometry(hidden=moe.hidden_size, intermediate=values.intermediate_size, num_experts=values.num_experts,
                          bits=moe.quant.bits, group_size=moe.quant.group_size, act_order=moe.quant.act_order,
                          parallel=parallel)
 
 
-def source_tensors(moe: MoEConfig, source: Source, tensors: dict[Role, TensorRef],
-                   expert_row: int | None) -> SourceTensors:
-    """SourceTensors of one checkpoint source (`expert_row`: the row of a stacked tensor, else None)."""
-    n_one = moe.hidden_size if source is Source.DOWN else moe.intermediate_size
-    k_total = moe.intermediate_size if source is Source.DOWN else moe.hidden_size
+def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors: dict[Role, TensorRef],
+                         expert_row: int | None) -> SourceTensors:
+    """SourceTensors of one checkpoint source of a layer with sizes H = `hidden`, I = `intermediate`."""
+    n_one = hidden if source is Source.DOWN else intermediate
+    k_total = intermediate if source is Source.DOWN else hidden
     return SourceTensors(source=source, tensors=tensors, expert_row=expert_row, n_total=n_one * len(source.projs),
                          k_total=k_total)
 
@@ -145,10 +156,13 @@ def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
     shared by the planner, the engine hook and the name mapping."""
     if moe.quant.layout_for_suffix(key.suffix) is None:
         return f"suffix {key.suffix!r} is not a {moe.quant.format_name} expert tensor"
+    if not moe.gated and Proj.GATE in key.source.projs:
+        return f"a {key.source.value} tensor, but {moe.family} experts are not gated (up and down projections only)"
     if key.expert is None and key.source not in STACKED_SOURCES:
         return f"a stacked {key.source.value} tensor; only gate_up_proj and down_proj stack"
-    if key.expert is not None and key.expert >= moe.num_experts:
-        return f"expert id {key.expert} >= expert count {moe.num_experts}"
+    count = moe.layer(key.layer).num_experts
+    if key.expert is not None and key.expert >= count:
+        return f"expert id {key.expert} >= expert count {count}"
     if not moe.quant.modules.covers(key.module_name):
         return "its module is excluded by the quantization config (targets/ignore)"
     return None
@@ -162,36 +176,17 @@ def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[
     return [ek for source in SOURCES_OF[proj] for ek in ((expert, source), (None, source)) if ek in entries]
 
 
-def _source(moe: MoEConfig, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:
-    return source_tensors(moe, entry[1], tensors, expert if entry[0] is None else None)
+def _source(geometry: LayerGeometry, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:
+    return sizes_source_tensors(geometry.hidden, geometry.intermediate, entry[1], tensors,
+                                expert if entry[0] is None else None)
 
 
-def _record(ledger: Ledger, required: tuple[str, ...], prefix: str, expert: int, proj: str,
+def _record(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj,
             candidates: list[SourceTensors]) -> None:
-    """The ledger's slots of one (expert, projection): every required role expected, every tensor recorded."""
-    ledger.expected.update(Slot(prefix, expert, proj, role) for role in required)
+    expect_projection(ledger, moe, prefix, expert, proj)
     for src in candidates:
         for role, ref in src.tensors.items():
-            ledger.record_slot(Slot(prefix, expert, proj, ROLE_NAMES[role]), ref.name)
-
-
-ROLE_NAMES = {role: role.value for role in Role}  # enum .value is a descriptor call; this is a dict hit
-
-
-def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors]) -> None:
-    """dtype and shape of every tensor of `sources` against the layout and config: the expected shape of
-    each (source kind, stacked or not, role) is computed once for the batch and compared with the
-    header table; a mismatch raises `check_header`'s own error for that tensor."""
-    wanted: dict[tuple[Source, bool, Role], tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
-    for src in sources:
-        for role, ref in src.tensors.items():
-            key = (src.source, src.expert_row is None, role)
-            if key not in wanted:
-                layout = moe.quant.layout(role)
-                wanted[key] = (layout.dtypes, expected_shape(layout, moe.quant, src, moe.num_experts))
-            dtypes, shape = wanted[key]
-            if ref.shape != shape or ref.dtype not in dtypes:
-                check_header(ref, moe.quant.layout(role), moe.quant, src, moe.num_experts)
+            ledger.record(prefix, expert, proj, role, ref.name)
 
 
 def _scale_dtype(prefix: str, sources: dict[tuple[int, Proj], SourceTensors]) -> torch.dtype:

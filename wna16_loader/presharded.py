@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from .checkpoint import DTYPES, ITEMSIZES
+from .device import DevicePolicy
 from .errors import CheckpointError, LayoutMismatchError
-from .filemap import HeaderEntry, read_header, read_into
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .parallel import ParallelConfig
 from .results import LoadedExperts, LoadReport
@@ -59,8 +59,30 @@ def read_manifest(out: str | Path) -> dict[str, Any]:
 
 
 def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu") -> LoadedExperts:
-    """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion."""
+    """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion. On a GPU each
+    parameter is allocated there and filled through a pinned buffer in one non-blocking copy; the load
+    synchronises once, at its end."""
     start = time.perf_counter()
+    policy = DevicePolicy.of(device)
+    rank = rank_record(out, parallel)
+    tensors, nbytes = read_rank(out, rank)
+    result = LoadedExperts()
+    for prefix, spec in rank_specs(rank).items():
+        with policy.scope():
+            staging = {name: policy.empty(shape, dtype) for name, (shape, dtype) in spec.shapes().items()}
+        writer = FusedWriter(prefix, spec, policy.target, staging=staging)
+        put_layer(out, writer, tensors)
+        result[prefix] = FusedExperts(prefix, spec, writer.staging)
+    policy.synchronize()
+    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
+                               tensors=len(tensors), bytes_read=nbytes, bytes_written=nbytes,
+                               seconds=time.perf_counter() - start)
+    return result
+
+
+def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
+    """The manifest's record of `parallel`'s rank (files, layers), after checking that the output is a
+    fused one written for `parallel`'s layout."""
     manifest = read_manifest(out)
     if manifest["params"].get("layout", "fused") != "fused":
         raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
@@ -74,54 +96,43 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
                                   f"{requested}; load with the written layout, or re-shard the source with "
                                   f"wna16-shard --tp {parallel.tp_size} --ep {parallel.ep_size} "
                                   f"--placement {requested['placement']}.")
-    rank = manifest["ranks"][parallel.rank]
-    tensors, nbytes = _read_rank_files(Path(out), rank["files"])
-    result = LoadedExperts()
-    for prefix, rec in rank["layers"].items():
-        spec = spec_from_record(rec)
-        result[prefix] = FusedExperts(prefix, spec, _layer_tensors(out, prefix, spec, tensors, device))
-    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
-                               tensors=len(tensors), bytes_read=nbytes, bytes_written=nbytes,
-                               seconds=time.perf_counter() - start)
-    return result
+    return manifest["ranks"][parallel.rank]
 
 
-def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, tuple[Path, HeaderEntry]], int]:
-    """Where every tensor of the rank's files lies (each header parsed and its spans checked); nothing read."""
-    located: dict[str, tuple[Path, HeaderEntry]] = {}
+def rank_specs(rank: dict[str, Any]) -> dict[str, FusedSpec]:
+    """The layout of every layer of a rank record, in file order."""
+    return {prefix: spec_from_record(rec) for prefix, rec in rank["layers"].items()}
+
+
+def read_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
+    """Every tensor of a rank record's files as a view of its file mapping (nothing copied), and their bytes."""
+    return _read_rank_files(Path(out), rank["files"])
+
+
+def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], int]:
+    tensors: dict[str, torch.Tensor] = {}
     for rec in records:
         path = out / rec["path"]
         if not path.is_file():
             raise CheckpointError(f"{path}: listed in {out / MANIFEST_NAME} but missing; re-run wna16-shard "
                                   f"with --resume to rewrite it.")
-        located.update((name, (path, entry)) for name, entry in read_header(path, ITEMSIZES)[1].items())
-    return located, sum(entry.end - entry.begin for _, entry in located.values())
+        with safe_open(str(path), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _layer_tensors(out: str | Path, prefix: str, spec: FusedSpec, located: dict[str, tuple[Path, HeaderEntry]],
-                   device: torch.device | str) -> dict[str, torch.Tensor]:
-    """The layer's fused tensors, checked against the spec's shapes and dtypes, on `device`.
-
-    Each tensor's bytes are read (pread, straight from the page cache) into the writer's staging
-    buffer, pinned for a GPU, or into a pinned buffer first for a parameter that lives on the device:
-    never DMA from a mapping. The writer then moves each in one copy.
-    """
-    writer = FusedWriter(prefix, spec, device)
-    for name, (shape, dtype) in spec.shapes().items():
-        path, entry = located.get(f"{prefix}.{name}", (None, None))
-        if entry is None or entry.shape != shape or DTYPES.get(entry.dtype) != dtype:
-            found = None if entry is None else (list(entry.shape), str(DTYPES.get(entry.dtype, entry.dtype)))
+def put_layer(out: str | Path, writer: FusedWriter, tensors: dict[str, torch.Tensor]) -> None:
+    """Put one layer's fused tensors (views of the rank files' mappings), checked against the writer's
+    spec, into its staging: `put_whole` copies each out of the mapping (through a pinned buffer and one
+    non-blocking copy for a device): never DMA from a mapping."""
+    prefix = writer.prefix
+    for name, (shape, dtype) in writer.spec.shapes().items():
+        tensor = tensors.get(f"{prefix}.{name}")
+        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
             raise CheckpointError(f"{out}: tensor {prefix}.{name} should be {list(shape)} {dtype}, found {found}; "
                                   f"run `wna16-shard verify {out}` and re-shard.")
-        target = writer.staging[name]
-        direct = target.device.type == "cpu" and target.is_contiguous()
-        host = target if direct else torch.empty(shape, dtype=dtype, pin_memory=target.device.type == "cuda")
-        read_into(path, entry.begin, host)
-        if direct:
-            writer.bytes_written += host.numel() * host.element_size()
-        else:
-            writer.put_whole(name, host)
-    return writer.finish().tensors
+        writer.put_whole(name, tensor)
 
 
 def spec_record(spec: FusedSpec) -> dict[str, Any]:

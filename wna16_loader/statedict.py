@@ -7,21 +7,39 @@ instead of fused parameter names, and refuses a fused state dict saved by anothe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
 from .errors import LayoutMismatchError
+from .fused import FusedSpec
+from .hook import ExpertLoadHook
+from .mapping import ExpertParamMapping
 
-if TYPE_CHECKING:  # the module owns its hooks; this import is for type hints only
-    from .module import FusedMoEExperts
+
+class HookedExperts(Protocol):
+    """What the hooks use of a FusedMoEExperts (an nn.Module with these members)."""
+
+    prefix: str
+    spec: FusedSpec
+    hook: ExpertLoadHook
+    mapping: ExpertParamMapping
+    expert_ids: torch.Tensor
+    _parameters: dict[str, Any]
+    weight_loader: Callable[..., bool]
+    _register_load_state_dict_pre_hook: Callable[..., Any]
+    register_load_state_dict_post_hook: Callable[..., Any]
+
+    def attach_loaders(self) -> None: ...
+
+    def synchronize(self) -> None: ...
 
 
 class StateDictHooks:
     """The load_state_dict pre- and post-hooks of one FusedMoEExperts (registered on construction)."""
 
-    def __init__(self, module: "FusedMoEExperts") -> None:
+    def __init__(self, module: HookedExperts) -> None:
         self.module = module
         self.call: tuple[str, int] | None = None  # (load_state_dict prefix, tensors consumed)
         self.handles = [module._register_load_state_dict_pre_hook(self.consume),
@@ -47,6 +65,8 @@ class StateDictHooks:
         prefix, consumed = self.call or ("", 0)
         self.call = None
         module.attach_loaders()  # assign=True replaces parameters
+        if not prefix:  # the module is the root of this load_state_dict: the load ends here
+            module.synchronize()
         if not module.expert_ids.is_meta and module.expert_ids.tolist() != list(module.spec.experts):
             raise LayoutMismatchError(f"{prefix}expert_ids: the state dict holds experts "
                                       f"{module.expert_ids.tolist()} but this rank owns {list(module.spec.experts)}; "

@@ -162,27 +162,28 @@ def model_config(family: Family, quant_config: dict[str, Any], *, num_experts: i
     return {**text, "quantization_config": quant_config}
 
 
-def _layer_tensors(gen: torch.Generator, spec: QuantSpec, family: Family, prefix: str, sizes: tuple[int, int, int],
-                   scale_dtype: torch.dtype, stacked: bool,
+def _layer_tensors(gen: torch.Generator, spec: QuantSpec, proj_names: dict[str, str], prefix: str,
+                   sizes: tuple[int, int, int], scale_dtype: torch.dtype, stacked: bool,
                    refs: dict[tuple[str, int, str], torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Every expert tensor of one MoE layer; fills `refs` unless it is None."""
+    """Every expert tensor of one MoE layer; fills `refs` unless it is None. `proj_names` maps "gate" / "up" /
+    "down" to the checkpoint's projection names (no "gate": non-gated experts)."""
     num_experts, hidden, inter = sizes
     out: dict[str, torch.Tensor] = {}
     per_expert: list[tuple[QuantizedProjection, QuantizedProjection]] = []
     for e in range(num_experts):
         shared = act_order_g_idx(gen, hidden, spec.group_size) if spec.act_order else None
-        gate = random_projection(gen, inter, hidden, spec, scale_dtype, shared)
-        up = random_projection(gen, inter, hidden, spec, scale_dtype, shared)
+        projs = {name: random_projection(gen, inter, hidden, spec, scale_dtype, shared)
+                 for name in ("gate", "up") if name in proj_names}
         down_g = act_order_g_idx(gen, inter, spec.group_size) if spec.act_order else None
-        down = random_projection(gen, hidden, inter, spec, scale_dtype, down_g)
+        projs["down"] = random_projection(gen, hidden, inter, spec, scale_dtype, down_g)
         if refs is not None:
-            for name, proj in (("gate", gate), ("up", up), ("down", down)):
-                refs[(prefix, e, name)] = proj.dequantize(spec.group_size)
-        per_expert.append((stack_projections([gate, up]), down))
+            refs.update({(prefix, e, name): proj.dequantize(spec.group_size) for name, proj in projs.items()})
+        per_expert.append((stack_projections([projs["gate"], projs["up"]]) if "gate" in projs else projs["up"],
+                           projs["down"]))
         if not stacked:
-            for proj_name, proj in zip(family.proj_names, (gate, up, down)):
+            for name, proj in projs.items():
                 for suffix, tensor in encode_projection(spec, proj).items():
-                    out[f"{prefix}.{e}.{proj_name}.{suffix}"] = tensor
+                    out[f"{prefix}.{e}.{proj_names[name]}.{suffix}"] = tensor
     if stacked:
         for proj_name, index in (("gate_up_proj", 0), ("down_proj", 1)):
             encoded = [encode_projection(spec, pair[index]) for pair in per_expert]
@@ -191,11 +192,11 @@ def _layer_tensors(gen: torch.Generator, spec: QuantSpec, family: Family, prefix
     return out
 
 
-def _other_tensors(gen: torch.Generator, family: Family, layer: int, moe: bool, num_experts: int,
+def _other_tensors(gen: torch.Generator, root: str, module: str | None, layer: int, moe: bool, num_experts: int,
                    hidden: int) -> dict[str, torch.Tensor]:
     """Router, attention, norms, shared experts and dense MLPs: tensors the loader must leave alone."""
-    base = f"{family.root}.layers.{layer}"
-    module = family.module or "mlp"
+    base = f"{root}.layers.{layer}"
+    module = module or "mlp"
     out = {f"{base}.input_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
            f"{base}.self_attn.q_proj.weight": torch.randn(hidden, hidden, generator=gen).to(torch.float16)}
     if moe:
@@ -217,7 +218,8 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
     when files > 1. `references=False` skips the float32 references (4 bytes per
     weight), for benchmark-sized checkpoints.
     """
-    from .modelconfig import is_moe_layer, text_config
+    from .layer_rules import select_moe_layers
+    from .modelconfig import text_config
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -230,17 +232,53 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
     shards[0]["model.embed_tokens.weight"] = torch.randn(32, hidden, generator=gen).to(torch.float16)
     prefixes = []
+    moe_layers = select_moe_layers(text_config(config), num_layers)[0]
     for layer in range(num_layers):
-        moe = is_moe_layer(text_config(config), layer)
+        moe = layer in moe_layers
         shard = shards[layer % files]
-        shard.update(_other_tensors(gen, fam, layer, moe, num_experts, hidden))
+        shard.update(_other_tensors(gen, fam.root, fam.module, layer, moe, num_experts, hidden))
         if moe:
             prefix = experts_prefix_for(fam.root, layer, fam.module)
             prefixes.append(prefix)
-            shard.update(_layer_tensors(gen, spec, fam, prefix, (num_experts, hidden, intermediate), scale_dtype,
+            names = dict(zip(("gate", "up", "down"), fam.proj_names))
+            shard.update(_layer_tensors(gen, spec, names, prefix, (num_experts, hidden, intermediate), scale_dtype,
                                         stacked, refs))
     _save(folder, config, shards)
     return SyntheticCheckpoint(folder=folder, spec=spec, references=refs or {}, prefixes=tuple(prefixes))
+
+
+def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_config: dict[str, Any], *,
+                            files: int = 1, scale_dtype: torch.dtype = torch.float16,
+                            seed: int = 0) -> SyntheticCheckpoint:
+    """Write a checkpoint for a real `config` (a config.json of any family of the table) and return its
+    references: expert tensors for every MoE layer the config names, at each layer's own sizes, under the
+    family's root, module and projection names (up and down only for non-gated families)."""
+    from .families import BY_MODEL_TYPE, GENERIC
+    from .modelconfig import resolve_moe_config
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**config, "quantization_config": quant_config}
+    moe = resolve_moe_config(config)
+    row = BY_MODEL_TYPE.get(moe.family, GENERIC)
+    names = {kind: next(n for n, k in row.projections if k == kind) for kind in ("gate", "up", "down")
+             if any(k == kind for _, k in row.projections)}
+    root, module = row.roots[0], row.modules[0]
+    gen = torch.Generator().manual_seed(seed)
+    refs: dict[tuple[str, int, str], torch.Tensor] = {}
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
+    prefixes = []
+    for layer in range(moe.num_layers):
+        values = moe.layer(layer)
+        shard = shards[layer % files]
+        shard.update(_other_tensors(gen, root, module, layer, layer in moe.moe_layers, values.num_experts,
+                                    moe.hidden_size))
+        if layer in moe.moe_layers:
+            prefixes.append(experts_prefix_for(root, layer, module))
+            shard.update(_layer_tensors(gen, moe.quant, names, prefixes[-1], (values.num_experts, moe.hidden_size,
+                                        values.intermediate_size), scale_dtype, False, refs))
+    _save(folder, config, shards)
+    return SyntheticCheckpoint(folder=folder, spec=moe.quant, references=refs, prefixes=tuple(prefixes))
 
 
 def _save(folder: Path, config: dict[str, Any], shards: list[dict[str, torch.Tensor]]) -> None:

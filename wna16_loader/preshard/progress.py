@@ -20,6 +20,9 @@ def describe_plan(plan: ShardPlan) -> str:
              f"quantization: {plan.quant['format']} {plan.quant['bits']}-bit group {plan.quant['group_size']} "
              f"sym={plan.quant['sym']} act_order={plan.quant['act_order']}"]
     lines += [f"  G_eff {prefix}: {g}" for prefix, g in plan.quant["group_size_eff"].items()]
+    if plan.moe.resolution is not None:  # how every model value was found: the first thing to read when a model fails
+        lines += ["model config: " + line.strip() if i == 0 else line
+                  for i, line in enumerate(plan.moe.resolution.describe().splitlines())]
     groups = [(COMMON_DIR, plan.common)] + [(r.folder, r.files) for r in plan.ranks]
     for folder, files in groups:
         total = sum(f.nbytes for f in files)

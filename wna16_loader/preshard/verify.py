@@ -102,13 +102,12 @@ def _verify_experts(out: Path, manifest: dict[str, Any], source: Path) -> list[s
 def _compare_stitched(prefix: str, ep_rank: int, layers: list[FusedExperts], ref_layer: FusedExperts,
                       ref: Any) -> list[str]:
     deq = [layer.dequantize() for layer in layers]
-    part = layers[0].spec.part
-    gate = torch.cat([d.w13[:, :part] for d in deq], dim=1)
-    up = torch.cat([d.w13[:, part:] for d in deq], dim=1)
+    part, halves = layers[0].spec.part, len(layers[0].spec.projections) - 1  # gate and up, or up only
+    w13 = torch.cat([torch.cat([d.w13[:, h * part:(h + 1) * part] for d in deq], dim=1) for h in range(halves)], dim=1)
     w2 = torch.cat([d.w2 for d in deq], dim=2)
     index = [list(ref_layer.spec.experts).index(e) for e in layers[0].spec.experts]
     problems = []
-    if not torch.equal(torch.cat([gate, up], dim=1), ref.w13[index]):
+    if not torch.equal(w13, ref.w13[index]):
         problems.append(f"{prefix}: ep rank {ep_rank}: w13 does not reassemble to the source's dequantised weights")
     if not torch.equal(w2, ref.w2[index]):
         problems.append(f"{prefix}: ep rank {ep_rank}: w2 does not reassemble to the source's dequantised weights")
