@@ -2,6 +2,7 @@
 """Benchmark load_experts against a read floor and a whole-tensor loader.
 
 Usage: python scripts/bench.py --workdir /tmp/wna16-bench --size small --reps 5 --json out.json --png out.png
+       python scripts/bench.py --size qwen3-30b-8l   (real scale: scripts/bench_scale.py; qwen3-30b is 15 GB)
 
 Contenders (page cache warm, alternated within every repetition, freed heap returned to the OS
 before each run so that no contender reuses pages an earlier run faulted in):
@@ -49,6 +50,9 @@ from wna16_loader.packing import add_word_bias, pack_bytes, unpack_words
 from wna16_loader.plan import LayerPlan, plan_layers
 from wna16_loader.sharding import layout_problem
 from wna16_loader.synthetic import quant_config, write_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_scale import SCALE_SIZES, main as scale_main  # noqa: E402  (the real-scale sizes)
 
 SIZES: dict[str, dict[str, int]] = {
     "small": {"num_experts": 16, "hidden": 1024, "intermediate": 704, "num_layers": 2, "files": 2},
@@ -586,7 +590,8 @@ def bench_format(workdir: Path, fmt: str, size: str, reps: int, do_profile: bool
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-bench")
-    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--size", choices=sorted(SIZES) + sorted(SCALE_SIZES), default="small",
+                        help="qwen3-30b / qwen3-30b-8l: the real-scale run of scripts/bench_scale.py")
     parser.add_argument("--formats", default="gptq,awq,ct", help="comma-separated subset of gptq,awq,ct")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path)
@@ -595,6 +600,10 @@ def main() -> None:
     parser.add_argument("--shard-rss", action="store_true",
                         help="only: peak RSS of wna16-shard on the 4- and 8-layer full GPTQ checkpoints")
     args = parser.parse_args()
+    if args.size in SCALE_SIZES:
+        scale_main(["--size", args.size, "--workdir", str(args.workdir), "--reps", str(args.reps)]
+                   + (["--json", str(args.json)] if args.json else []))
+        return
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.shard_rss:

@@ -101,7 +101,7 @@ def test_stacked_reads_only_local_rows(tmp_path, monkeypatch):
     write_checkpoint(tmp_path, quant_config("gptq", bits=4, group_size=32, act_order=True), num_experts=E,
                      hidden=H, intermediate=I, stacked=True)
     rows = []
-    original = CheckpointIndex.read
+    original = CheckpointIndex.locate
 
     def recording(self, ref, index=()):
         if ".experts." in ref.name:
@@ -109,7 +109,7 @@ def test_stacked_reads_only_local_rows(tmp_path, monkeypatch):
             rows.append(index[0])
         return original(self, ref, index)
 
-    monkeypatch.setattr(CheckpointIndex, "read", recording)
+    monkeypatch.setattr(CheckpointIndex, "locate", recording)
     load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0, ep_size=2, ep_rank=1))
     assert rows and set(rows) == {2, 3}
 
@@ -383,13 +383,13 @@ def test_read_moe_config(tmp_path):
 
 def _record_reads(monkeypatch) -> list[tuple[str, tuple]]:
     reads: list[tuple[str, tuple]] = []
-    original = CheckpointIndex.read
+    original = CheckpointIndex.locate  # every read (view, read, gather) locates its tensor here
 
     def recording(self, ref, index=()):
         reads.append((ref.name, index))
         return original(self, ref, index)
 
-    monkeypatch.setattr(CheckpointIndex, "read", recording)
+    monkeypatch.setattr(CheckpointIndex, "locate", recording)
     return reads
 
 

@@ -1,8 +1,13 @@
-"""Checkpoint IO: a name -> (file, shape, dtype) index and lazy slice reads.
+"""Checkpoint IO: a name -> (file, shape, dtype) index and reads by validated header offsets.
 
-Reads go through safetensors `safe_open(...).get_slice` only; whole files are
-never loaded. The index is built once from the shard headers (and checked
-against model.safetensors.index.json when present); file handles stay open.
+The index is built once from the shard headers: safetensors opens (and so validates) every
+file, `filemap.MappedFile` maps it once and checks every entry's byte span; the index is then
+checked against model.safetensors.index.json when present. Reads are strided views over the
+mappings (`view`, `gather`); whole files are never loaded, nothing is copied until asked.
+
+| read(ref, index)          | ordinary memory, safe to keep                                     |
+| view(ref, index)          | file pages: valid while kept, never for a device copy or to keep  |
+| gather(refs, indices)     | [E, ...] stacked into ordinary memory (or the caller's `out`)     |
 """
 
 from __future__ import annotations
@@ -11,12 +16,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Sequence
 
 import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError, format_offenders
+from .filemap import Index, MappedFile, gather
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -28,6 +34,7 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
+ITEMSIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -53,15 +60,17 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 class CheckpointIndex:
     """Every tensor of a safetensors checkpoint folder, readable by slices.
 
-    Use as a context manager, or call `close()`. `bytes_read` counts the bytes
-    of every slice returned.
+    Use as a context manager, or call `close()` (views already handed out keep their mapping).
+    `bytes_read` counts the bytes of every slice returned. `begins[name]` is the tensor's first byte
+    in its file.
     """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.files = _shard_files(self.folder)
-        self._handles: dict[str, Any] = {}
+        self._maps: dict[str, MappedFile] = {}
         self.refs: dict[str, TensorRef] = {}
+        self.begins: dict[str, int] = {}
         self.metadata: dict[str, dict[str, str]] = {}
         self.bytes_read = 0
         for file in self.files:
@@ -70,21 +79,21 @@ class CheckpointIndex:
 
     def _index_file(self, file: str) -> None:
         try:
-            handle = safe_open(str(self.folder / file), framework="pt")
+            with safe_open(str(self.folder / file), framework="pt") as handle:  # the format's own checks
+                self.metadata[file] = handle.metadata() or {}
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{self.folder / file}: not a readable safetensors file ({exc}).") from None
-        self._handles[file] = handle
-        self.metadata[file] = handle.metadata() or {}
-        for name in handle.keys():
+        mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
+        for name, entry in mapped.entries.items():
             if name in self.refs:
                 raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs[name].file} and {file}; "
                                       f"a checkpoint must hold each tensor once.")
-            view = handle.get_slice(name)
-            dtype = DTYPES.get(view.get_dtype())
+            dtype = DTYPES.get(entry.dtype)
             if dtype is None:
-                raise CheckpointError(f"{file}: tensor {name!r} has dtype {view.get_dtype()!r}, which this "
+                raise CheckpointError(f"{file}: tensor {name!r} has dtype {entry.dtype!r}, which this "
                                       f"loader does not know; known: {sorted(DTYPES)}.")
-            self.refs[name] = TensorRef(name, file, tuple(view.get_shape()), dtype)
+            self.refs[name] = TensorRef(name, file, entry.shape, dtype)
+            self.begins[name] = entry.begin
 
     def __enter__(self) -> "CheckpointIndex":
         return self
@@ -93,16 +102,46 @@ class CheckpointIndex:
         self.close()
 
     def close(self) -> None:
-        """Drop the open file handles."""
-        self._handles.clear()
+        """Drop the mappings (each is unmapped once no view of it is left)."""
+        self._maps.clear()
 
-    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
-        """Read `ref[index]` (basic slices and ints): a view of the file's mapping, not a copy. Copy it
-        into memory of your own before any device copy (see device.py): never DMA from a mapping."""
-        view = self._handles[ref.file].get_slice(ref.name)
-        tensor = view[index] if index else view[:]
+    def view(self, ref: TensorRef, index: Index = ()) -> torch.Tensor:
+        """`ref[index]` (basic slices and ints) as a VIEW of the file mapping: copy it before keeping it,
+        and never hand it to a device copy."""
+        begin, file, shape, dtype, rest = self.locate(ref, index)
+        tensor = self._maps[file].view(begin, shape, dtype, rest)
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
+
+    def read(self, ref: TensorRef, index: Index = ()) -> torch.Tensor:
+        """`ref[index]` (basic slices and ints) as an ordinary in-memory tensor (a copy, safe to keep)."""
+        return self.view(ref, index).clone(memory_format=torch.contiguous_format)
+
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False) -> torch.Tensor:
+        """`[ref[index] for ...]` stacked into fresh ordinary memory (pinned with `pin`), safe to keep:
+        tensors of one file, dtype and shape under one index (leading ints, e.g. rows of a stacked
+        tensor, may differ) are located by offset and copied in one strided pass; others one at a time."""
+        located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
+        begin, file, shape, dtype, index = located[0]
+        one = self._maps[file].view(begin, shape, dtype, index)
+        out = torch.empty((len(located), *one.shape), dtype=dtype, pin_memory=pin)
+        if all(loc[1:] == located[0][1:] for loc in located):
+            gather(self._maps[file], [loc[0] for loc in located], shape, dtype, index, out)
+        else:
+            torch.stack([self._maps[f].view(b, s, d, i) for b, f, s, d, i in located], out=out)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def locate(self, ref: TensorRef, index: Index) -> tuple[int, str, tuple[int, ...], torch.dtype, Index]:
+        """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,
+        file, shape, dtype, rest of the index), leading int indices folded into the first byte."""
+        begin, shape = self.begins[ref.name], ref.shape
+        while index and isinstance(index[0], int):
+            if not 0 <= index[0] < shape[0]:
+                raise IndexError(f"{ref.name}: row {index[0]} outside 0..{shape[0] - 1}")
+            begin += index[0] * nbytes_of(shape[1:], ref.dtype)
+            index, shape = index[1:], shape[1:]
+        return begin, ref.file, shape, ref.dtype, index
 
 
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:

@@ -8,14 +8,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 import re
 import sys
 
 from .errors import CheckpointError, WNA16Error
 from .hub import resolve_checkpoint
 from .logs import log
-from .parallel import ExpertPlacement
-from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint
+from .parallel import ExpertPlacement, ShardJob
+from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint, preshard_distributed
 from .preshard.verify import VerifyReport, verify_report
 from .version import __version__
 
@@ -41,6 +42,7 @@ examples:
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
   wna16-shard org/Model-GPTQ ./out --tp 2 --revision v1  # a Hugging Face repo id (cache first, else download)
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
+  torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
 Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
 exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input.
@@ -91,6 +93,11 @@ def shard_parser() -> argparse.ArgumentParser:
                         "int32-word and group boundaries)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="write K folders (ranks, common/) in parallel processes (default 1); output is identical")
+    p.add_argument("--distributed", action="store_true",
+                   help="rank-parallel: run under torchrun (or with torch.distributed's env:// variables set); "
+                        "each process writes the output ranks r with r %% K == its rank, process 0 also common/ "
+                        "and the manifest; the output is identical. Implied when torchrun starts several "
+                        "processes. On several machines OUT must be one shared filesystem.")
     redo = p.add_mutually_exclusive_group()
     redo.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo "
                                                              "the rest of an interrupted run")
@@ -196,6 +203,8 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.out is None:
         parser.error("OUT is required to write an output (or pass --plan to compare layouts), e.g. "
                      "wna16-shard ./ckpt ./out --tp 4")
+    if (args.distributed or ShardJob.from_environment().processes > 1) and not args.dry_run:
+        return _shard_distributed(args, src)  # one process: the same run, no process group needed
     summary = preshard_checkpoint(src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
@@ -225,6 +234,19 @@ def _shard_text(summary: ShardSummary, args: argparse.Namespace) -> str:
         lines.append(f"next: wna16-shard verify {summary.out} --source {args.src}")
     lines.append(f"load: {_load_hint(summary.out)}")
     return "\n".join(lines)
+
+
+def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
+    """One process of a rank-parallel run (joining torchrun's rendezvous with gloo when needed)."""
+    with ShardJob.joined() as job:
+        summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
+                                       placement=args.placement, max_file_size=args.max_file_size,
+                                       resume=args.resume, layout=args.layout)
+    if job.process != 0:
+        return 0
+    if not args.quiet:
+        print(summary.table())
+    return _print_verify(verify_report(args.out, source=src)) if args.verify else 0
 
 
 if __name__ == "__main__":

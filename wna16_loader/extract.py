@@ -40,10 +40,14 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
 
 
 class TensorReader(Protocol):
-    """What the readers here need: `read(ref, index)` -> `tensor[index]` on the CPU (a CheckpointIndex,
-    or the hook's store of tensors handed over by an engine)."""
+    """What the readers here need (a CheckpointIndex, or the hook's store of tensors handed over by an
+    engine): `view(ref, index)` -> `tensor[index]` on the CPU, possibly file pages (copied before it is
+    kept or sent to a device); `gather(refs, indices, pin=)` -> those slices stacked into fresh memory."""
 
-    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
+    def view(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
+
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
+               pin: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -121,7 +125,7 @@ def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sourc
     once for the whole batch.
     """
     storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row) for src in sources]
-    raw = torch.stack([reader.read(src.tensors[layout.role], index) for src, index in zip(sources, storage)])
+    raw = reader.gather([src.tensors[layout.role] for src in sources], storage)
     tensor = _unpacked(raw, spec, layout, spans, lead=1)
     if pick is not None and Dim.GROUP in layout.dims:
         axis = 1 + layout.dims.index(Dim.GROUP)  # selected next to the expert dim: rows, not a last-dim gather
@@ -239,7 +243,7 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     step = max(1, (QWEIGHT_CHUNK_BYTES if upload is None else UPLOAD_CHUNK_BYTES) // (4 * words))
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
-        raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], storage_index(
+        raw = _stacked([reader.view(src.tensors[Role.QWEIGHT], storage_index(
             layout, spans, spec.pack_factor, src.expert_row)) for src in sources[chunk]], upload)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
@@ -250,7 +254,7 @@ def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, so
     """Words that already hold the fused bytes: one view of each expert's slice (no copy here)."""
     for i, src in enumerate(sources):
         index = storage_index(layout, spans, spec.pack_factor, src.expert_row)
-        words = reader.read(src.tensors[Role.QWEIGHT], index)
+        words = reader.view(src.tensors[Role.QWEIGHT], index)
         yield QweightPiece(slice(i, i + 1), Span(0, len(spans[Dim.N])), _as_fused(words.unsqueeze(0), layout))
 
 
@@ -273,7 +277,7 @@ def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, s
         for start, stop in zip(cuts, cuts[1:]):
             part = {**spans, Dim.N: Span(start, stop)}
             index = storage_index(layout, part, per_word, src.expert_row)
-            raw = _stacked([reader.read(src.tensors[Role.QWEIGHT], index)], None)
+            raw = _stacked([reader.view(src.tensors[Role.QWEIGHT], index)], None)
             yield QweightPiece(slice(i, i + 1), Span(start - n.start, stop - n.start),
                                _converted_qweight(raw, spec, layout, part))
 

@@ -72,6 +72,15 @@ class TensorStore:
         out = (tensor[index] if index else tensor).to("cpu")
         return out
 
+    view = read  # the TensorReader name: the held tensor is the caller's, so a view is as safe as it
+
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
+               pin: bool = False) -> torch.Tensor:
+        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`)."""
+        views = [self.view(ref, index) for ref, index in zip(refs, indices)]
+        return torch.stack(views, out=torch.empty((len(views), *views[0].shape), dtype=views[0].dtype,
+                                                  pin_memory=pin))
+
     @classmethod
     def of(cls, ref: TensorRef, tensor: torch.Tensor) -> "TensorStore":
         """A store holding one tensor."""

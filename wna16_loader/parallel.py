@@ -2,15 +2,17 @@
 
 TP and EP compose: experts are split across `ep_size` ranks, and each expert's
 intermediate dimension across `tp_size` ranks. The global rank of a (tp, ep)
-pair is `ep_rank * tp_size + tp_rank`.
+pair is `ep_rank * tp_size + tp_rank`. `ShardJob` is the same for the processes of a
+rank-parallel `wna16-shard` run.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-from dataclasses import dataclass
-from typing import Any, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
 
 from .errors import ShardingError
 
@@ -115,6 +117,73 @@ class ParallelConfig:
         return cls.from_rank(rank, tp_size=tp_size, ep_size=ep_size, expert_placement=expert_placement)
 
     from_process_group = from_environment
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Which process of a rank-parallel `wna16-shard` run this is: process p of K writes the output
+    ranks r with r % K == p (and p = 0 also common/ and the manifest). The few collectives the run
+    needs (small Python objects over gloo) are methods here, next to the one place that reads
+    torch.distributed."""
+
+    process: int = 0
+    processes: int = 1
+    process_group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.process < self.processes:
+            raise ShardingError(f"ShardJob: process {self.process} outside 0..{self.processes - 1}; the process "
+                                f"index must be below the process count (torchrun's RANK < WORLD_SIZE).")
+
+    @classmethod
+    def from_environment(cls, process_group: Any = None) -> "ShardJob":
+        """Build from torch.distributed (optionally `process_group`), accelerate or torchrun's environment,
+        like `ParallelConfig.from_environment`; a single process when none is set up."""
+        process, processes = _detect_rank_and_world(process_group)
+        return cls(process, processes, process_group)
+
+    @classmethod
+    @contextmanager
+    def joined(cls) -> Iterator["ShardJob"]:
+        """`from_environment`, first joining torchrun's rendezvous with gloo when several processes were
+        started and no process group exists yet (left again on exit)."""
+        import torch.distributed as dist
+
+        job = cls.from_environment()
+        started = job.processes > 1 and not dist.is_initialized()
+        if started:
+            dist.init_process_group("gloo")
+        try:
+            yield job
+        finally:
+            if started:
+                dist.destroy_process_group()
+
+    def broadcast(self, value: Any) -> Any:
+        """Process 0's `value`, on every process."""
+        import torch.distributed as dist
+
+        box = [value]
+        if self.processes > 1:
+            dist.broadcast_object_list(box, src=0, group=self.process_group)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every process's `value`, in process order."""
+        import torch.distributed as dist
+
+        if self.processes == 1:
+            return [value]
+        out: list[Any] = [None] * self.processes
+        dist.all_gather_object(out, value, group=self.process_group)
+        return out
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        import torch.distributed as dist
+
+        if self.processes > 1:
+            dist.barrier(group=self.process_group)
 
 
 def _detect_rank_and_world(process_group: Any) -> tuple[int, int]:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, FormatError
-from .extract import SourceTensors, check_header
+from .extract import SourceTensors, check_header, expected_shape
 from .formats import Role
 from .fused import FusedSpec, Ledger, layer_projections
 from .modelconfig import MoEConfig
@@ -101,12 +102,26 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
             _record(ledger, moe, prefix, expert, proj, candidates)
             if candidates:
                 sources[(expert, proj)] = candidates[0]
-    for src in sources.values():  # each tensor's own dtype/shape error before any cross-tensor check
-        for role, ref in src.tensors.items():
-            check_header(ref, moe.quant.layout(role), moe.quant, src, geometry.num_experts)
+    check_headers(moe, sources.values(), geometry.num_experts)  # each tensor's own error before cross-tensor checks
     fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources), gated=moe.gated,
                          activation=moe.activation)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
+
+
+def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors], num_experts: int) -> None:
+    """dtype and shape of every tensor of `sources` against the layout and config: the expected shape of
+    each (source kind, stacked or not, role) is computed once for the batch and compared with the
+    header table; a mismatch raises `check_header`'s own error for that tensor."""
+    wanted: dict[tuple[Source, bool, Role], tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
+    for src in sources:
+        for role, ref in src.tensors.items():
+            key = (src.source, src.expert_row is None, role)
+            if key not in wanted:
+                layout = moe.quant.layout(role)
+                wanted[key] = (layout.dtypes, expected_shape(layout, moe.quant, src, num_experts))
+            dtypes, shape = wanted[key]
+            if ref.shape != shape or ref.dtype not in dtypes:
+                check_header(ref, moe.quant.layout(role), moe.quant, src, num_experts)
 
 
 def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None = None) -> LayerGeometry:

@@ -140,7 +140,8 @@ def _refuse(geometry: LayerGeometry, quant: QuantSpec, why: str) -> None:
 
 
 def materialize(index: CheckpointIndex, tensor: SlicedTensor) -> torch.Tensor:
-    """Read one output tensor (only the storage words, groups and rows it covers)."""
+    """Read one output tensor (only the storage words, groups and rows it covers); a tensor that is one
+    contiguous piece of a source file is a view of its mapping (the writer streams it to disk)."""
     rows = [_row(index, tensor, pieces) for pieces in tensor.rows]
     return torch.stack(rows) if tensor.stacked else rows[0]
 
@@ -148,5 +149,5 @@ def materialize(index: CheckpointIndex, tensor: SlicedTensor) -> torch.Tensor:
 def _row(index: CheckpointIndex, tensor: SlicedTensor, pieces: tuple[Piece, ...]) -> torch.Tensor:
     if tensor.value is not None:
         return torch.tensor(tensor.value, dtype=tensor.dtype)
-    parts = [index.read(p.ref, p.index) for p in pieces]
+    parts = [index.view(p.ref, p.index) for p in pieces]  # one copy below (stack, cat or the writer's)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=tensor.axis)

@@ -31,6 +31,7 @@ Modules, one job each (imports point down this list):
 | verify     | hashes, and every tensor against the source                          |
 | layouts    | `--plan`: G_eff, padding and bytes per rank of every TP size         |
 | run        | `preshard_checkpoint`: the whole run in order                        |
+| distributed| `preshard_distributed`: the run split over torch.distributed processes|
 
 The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,
 below the loader; it is re-exported here.
@@ -43,6 +44,7 @@ from .journal import JOURNAL_NAME
 from .layouts import LayoutCost, describe_layouts, layout_cost
 from .planning import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
 from .progress import RankSummary, ShardSummary, describe_plan
+from .distributed import preshard_distributed
 from .run import preshard_checkpoint
 from .safefiles import LOCK_NAME
 from .verify import verify_output
@@ -50,6 +52,6 @@ from .verify import verify_output
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
     "LayoutCost", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
-    "is_presharded", "layout_cost", "load_presharded",
-    "make_plan", "preshard_checkpoint", "rank_folder", "read_manifest", "split_files", "verify_output",
+    "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard_checkpoint", "preshard_distributed",
+    "rank_folder", "read_manifest", "split_files", "verify_output",
 ]

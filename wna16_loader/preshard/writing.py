@@ -41,7 +41,7 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
     try:
         if workers <= 1:
             state = {"written": 0, "kill_after": KILL_AFTER_FILES}
-            results = [_write_group(out, plan, g, journal, state, meter.advance) for g in groups]
+            results = [write_group(out, plan, g, journal, state, meter.advance) for g in groups]
         else:
             results = _write_parallel(out, plan, groups, journal, workers)
             for summary, _ in results:
@@ -60,11 +60,11 @@ def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journa
     """One job per folder in a 'spawn' process pool; results in folder order."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(workers, len(groups)), mp_context=context) as pool:
-        futures = [pool.submit(_write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
+        futures = [pool.submit(write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
         return [future.result() for future in futures]
 
 
-def _write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
+def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
                  state: dict[str, int], advance: Callable[[int, str], None] | None = None
                  ) -> tuple[RankSummary, list[dict[str, Any]]]:
     """Write one folder's files (common/ when `group` is None, else rank `group`), one file at a time;
@@ -118,7 +118,7 @@ def _tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointInde
     """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
     if rank is None:
         return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),
-                            lambda n: index.read(index.refs[n]))
+                            lambda n: index.view(index.refs[n]))  # written straight from the mapping
     if rank.sliced:
         return TensorSource(lambda n: (rank.sliced[n].shape, rank.sliced[n].dtype),
                             lambda n: materialize(index, rank.sliced[n]))
@@ -193,7 +193,7 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
         digest.update(chunk)
     records = {}
     for name, (shape, dtype) in metas.items():
-        tensor = fetch(name).detach().cpu().contiguous()
+        tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
         assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         handle.write(data)
