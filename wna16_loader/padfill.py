@@ -20,14 +20,31 @@ zero point, so only its padded weights are chosen.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .packing import pack_bytes
 
-if TYPE_CHECKING:
-    from .fused import FusedSpec
+
+class FusedSpec(Protocol):
+    """What the padding fill reads of a layer's fused spec (`fused.FusedSpec` is one; kept structural so that
+    this module stays below the fused writer that calls it)."""
+
+    experts: tuple[int, ...]
+    hidden: int
+    part: int
+    padding: int
+    bits: int
+    group_size: int
+    act_order: bool
+    has_zero_point: bool
+    scale_dtype: torch.dtype
+    w13_groups: int
+    w2_groups: int
+
+    @property
+    def real(self) -> int: ...
 
 
 def pad_value(bits: int, has_zero_point: bool) -> int:
