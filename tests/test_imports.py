@@ -1,7 +1,7 @@
 """The package's layers: imports point down only (no cycle), and no module grows past one job's size.
 
-Every import of every module is read from its source (function-local imports included; imports under
-`if TYPE_CHECKING:` are type hints only and do not count), resolved to a module of the package, and the
+Every import of every module is read from its source (function-local imports and imports under
+`if TYPE_CHECKING:` included: a type hint that points up is still a layer pointing the wrong way), resolved to a module of the package, and the
 graph is searched for cycles. A package's `__init__` counts as a module: importing it imports all it
 re-exports, so a submodule that imports its own package's `__init__` is a cycle too.
 """
@@ -26,20 +26,9 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
 def import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, skipping the bodies of `if TYPE_CHECKING:`."""
-    found, todo = [], [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        children = node.orelse if isinstance(node, ast.If) and is_type_checking(node) else ast.iter_child_nodes(node)
-        todo.extend(children)
-    return found
+    """Every import statement, wherever it stands."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def imported(name: str, path: Path, known: set[str]) -> set[str]:
