@@ -43,7 +43,7 @@ fi
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "installing: wna16_loader and its test tools (pip install -e '.[test]') into $py..." >&2
   keep="$(mktemp)"
-  "$py" -c "import torch; print('torch==' + torch.__version__)" >"$keep"
+  "$py" -c "import torch; print('torch==' + torch.__version__)" >"$keep" 2>/dev/null  # (torch warns before numpy is in)
   if "$py" -m pip install -q -c "$keep" -e ".[test]"; then
     touch "$stamp"
     echo "installed; later runs start at once." >&2
