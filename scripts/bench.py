@@ -43,7 +43,8 @@ from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.checkpoint import CheckpointIndex, nbytes_of
 from wna16_loader.extract import CANONICAL
 from wna16_loader.formats import Dim, Role
-from wna16_loader.fused import Ledger, copy_transposing
+from wna16_loader.fused import copy_transposing
+from wna16_loader.ledger import Ledger
 from wna16_loader.modelconfig import read_config_files
 from wna16_loader.names import Proj
 from wna16_loader.packing import add_word_bias, pack_bytes, unpack_words

@@ -28,7 +28,8 @@ from wna16_loader.errors import DeviceError, WNA16Error
 from wna16_loader.extract import rank_spans, read_qweights
 from wna16_loader import extract
 from wna16_loader.formats import Dim
-from wna16_loader.fused import FusedWriter, Ledger
+from wna16_loader.fused import FusedWriter
+from wna16_loader.ledger import Ledger
 from wna16_loader.modelconfig import read_config_files
 from wna16_loader.names import Proj
 from wna16_loader.plan import LayerPlan, plan_layers

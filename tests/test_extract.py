@@ -23,8 +23,8 @@ from wna16_loader.checkpoint import CheckpointIndex, TensorRef
 from wna16_loader.extract import QweightPiece, SourceTensors, rank_spans, read_params, read_qweights
 from wna16_loader.formats import Dim, QuantSpec, Role, TensorLayout
 from wna16_loader.formats.spec import FLOAT_DTYPES
-from wna16_loader.fused import Ledger
 from wna16_loader.hook import MEMORY_FILE, TensorStore
+from wna16_loader.ledger import Ledger
 from wna16_loader.modelconfig import read_config_files
 from wna16_loader.names import Proj, Source
 from wna16_loader.plan import LayerPlan, plan_layers

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from wna16_loader import CompletenessError, FormatError, ParallelConfig
 from wna16_loader.extract import ProjectionParams
 from wna16_loader.formats import Role, resolve_quant_spec
-from wna16_loader.fused import FusedExperts, FusedSpec, FusedWriter, Ledger, copy_transposing, dequantize
+from wna16_loader.fused import FusedExperts, FusedSpec, FusedWriter, copy_transposing, dequantize
+from wna16_loader.ledger import Ledger
 from wna16_loader.names import Proj
 from wna16_loader.padfill import real_groups
 from wna16_loader.sharding import LayerGeometry, Span

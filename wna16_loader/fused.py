@@ -1,4 +1,4 @@
-"""The fused expert layout, its writer and the completeness ledger.
+"""The fused expert layout and its writer (the completeness ledger is `ledger.py`).
 
 Per MoE layer and rank (E_l local experts in ascending global id, b bits,
 P8 = 8 / b values per byte):
@@ -29,15 +29,15 @@ them so that they dequantise to exactly 0.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from .device import DevicePolicy
-from .errors import CompletenessError, FormatError, format_offenders
+from .errors import FormatError
 from .extract import PAGE_BYTES, ProjectionParams
-from .formats import QuantSpec, Role
+from .formats import QuantSpec
 from .names import Proj
 from .packing import pack_bytes, unpack_bytes
 from .padfill import fill_padding, real_groups, real_rows
@@ -376,70 +376,3 @@ def _copy_through_padded_rows(target: torch.Tensor, value: torch.Tensor) -> None
         staged = buffer[..., :count, :n]
         staged.copy_(value[..., start:start + count].transpose(-1, -2))
         copy_transposing(target[..., start:start + count], staged.transpose(-1, -2))
-
-
-class Slot(NamedTuple):
-    """One (layer, expert, projection, role) cell of the fused layout (a named tuple: every load
-    records thousands, so hashing and ordering run as tuple operations in C)."""
-
-    prefix: str
-    expert: int
-    proj: str
-    role: str
-
-    def __str__(self) -> str:
-        return f"{self.prefix}.{self.expert}.{self.proj}.{self.role}"
-
-
-@dataclass
-class Ledger:
-    """Records every slot written; `check` raises one error naming every offender."""
-
-    expected: set[Slot] = field(default_factory=set)
-    written: dict[Slot, list[str]] = field(default_factory=dict)
-    unexpected: list[str] = field(default_factory=list)
-    absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
-
-    def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
-        """Declare a slot that must be written exactly once."""
-        self.expected.add(Slot(prefix, expert, proj.value, role.value))
-
-    def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
-        """Note that tensor `name` fills a slot."""
-        self.record_slot(Slot(prefix, expert, proj.value, role.value), name)
-
-    def record_slot(self, slot: Slot, name: str) -> None:
-        """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
-        self.written.setdefault(slot, []).append(name)
-
-    def clear_records(self) -> None:
-        """Forget every write and rejection (the expected slots stay)."""
-        self.written.clear()
-        self.unexpected.clear()
-        self.absent.clear()
-
-    def reject(self, name: str, why: str) -> None:
-        """Note a tensor that has no slot."""
-        self.unexpected.append(f"{name} ({why})")
-
-    def lack(self, what: str, why: str) -> None:
-        """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
-        self.absent.append(f"{what} ({why})")
-
-    def missing(self) -> list[Slot]:
-        """Expected slots not written yet, sorted."""
-        return sorted(self.expected - set(self.written))
-
-    def offenders(self) -> list[str]:
-        """Every missing, duplicated or unexpected entry, in a stable order."""
-        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
-        dups = [f"written {len(names)} times: {slot} from {names}"
-                for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
-        return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
-
-    def check(self) -> None:
-        """Raise CompletenessError listing the first 20 offenders and a count."""
-        problems = self.offenders()
-        if problems:
-            raise CompletenessError(f"the load is incomplete or inconsistent: {len(problems)} problems\n"
-                                    f"{format_offenders(problems)}")

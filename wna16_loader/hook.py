@@ -31,7 +31,8 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
 from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweights
 from .formats import Role
-from .fused import FusedWriter, Ledger, layer_projections
+from .fused import FusedWriter, layer_projections
+from .ledger import Ledger
 from .modelconfig import MoEConfig
 from .mapping import ShardId, default_alias
 from .names import Proj, Source, parse_expert_name

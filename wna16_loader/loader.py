@@ -12,8 +12,9 @@ import torch
 
 from .checkpoint import CheckpointIndex
 from .device import DevicePolicy
-from .fused import FusedExperts, FusedWriter, Ledger
+from .fused import FusedExperts, FusedWriter
 from .hook import ExpertLoadHook
+from .ledger import Ledger
 from .hub import resolve_checkpoint
 from .logs import rank_logger, warn_reduced_groups
 from .modelconfig import MoEConfig, read_config_files

@@ -23,8 +23,9 @@ from torch import nn
 from .checkpoint import CheckpointIndex
 from .device import DevicePolicy
 from .errors import CompletenessError, LayoutMismatchError
-from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, Ledger
+from .fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter
 from .hook import ExpertLoadHook
+from .ledger import Ledger
 from .mapping import ExpertParamMapping, ParamTarget, ShardId
 from .modelconfig import MoEConfig
 from .names import layer_of_prefix

@@ -16,7 +16,8 @@ from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, FormatError
 from .extract import SourceTensors, check_header, expected_shape
 from .formats import Role
-from .fused import FusedSpec, Ledger, layer_projections
+from .fused import FusedSpec, layer_projections
+from .ledger import Ledger
 from .modelconfig import MoEConfig
 from .names import ExpertTensorKey, Proj, Source, parse_expert_name, prefix_at_layer
 from .parallel import ParallelConfig

@@ -10,7 +10,8 @@ from typing import Any
 
 from ..checkpoint import INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex, nbytes_of
 from ..errors import CheckpointError, CompletenessError, PreshardError, format_offenders
-from ..fused import FusedSpec, Ledger
+from ..fused import FusedSpec
+from ..ledger import Ledger
 from ..logs import log, warn_reduced_groups
 from ..modelconfig import MoEConfig, read_config_files
 from ..parallel import ParallelConfig

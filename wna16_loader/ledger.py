@@ -1,0 +1,81 @@
+"""The completeness ledger: every (layer, expert, projection, role) slot a load must fill, and what filled it.
+
+A load declares the slots it expects, records each tensor that fills one, and rejects tensors that have
+none; `check` raises one CompletenessError naming every missing, duplicated or unexpected entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .errors import CompletenessError, format_offenders
+from .formats import Role
+from .names import Proj
+
+
+class Slot(NamedTuple):
+    """One (layer, expert, projection, role) cell of the fused layout (a named tuple: every load
+    records thousands, so hashing and ordering run as tuple operations in C)."""
+
+    prefix: str
+    expert: int
+    proj: str
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.prefix}.{self.expert}.{self.proj}.{self.role}"
+
+
+@dataclass
+class Ledger:
+    """Records every slot written; `check` raises one error naming every offender."""
+
+    expected: set[Slot] = field(default_factory=set)
+    written: dict[Slot, list[str]] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
+
+    def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
+        """Declare a slot that must be written exactly once."""
+        self.expected.add(Slot(prefix, expert, proj.value, role.value))
+
+    def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
+        """Note that tensor `name` fills a slot."""
+        self.record_slot(Slot(prefix, expert, proj.value, role.value), name)
+
+    def record_slot(self, slot: Slot, name: str) -> None:
+        """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
+        self.written.setdefault(slot, []).append(name)
+
+    def clear_records(self) -> None:
+        """Forget every write and rejection (the expected slots stay)."""
+        self.written.clear()
+        self.unexpected.clear()
+        self.absent.clear()
+
+    def reject(self, name: str, why: str) -> None:
+        """Note a tensor that has no slot."""
+        self.unexpected.append(f"{name} ({why})")
+
+    def lack(self, what: str, why: str) -> None:
+        """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
+        self.absent.append(f"{what} ({why})")
+
+    def missing(self) -> list[Slot]:
+        """Expected slots not written yet, sorted."""
+        return sorted(self.expected - set(self.written))
+
+    def offenders(self) -> list[str]:
+        """Every missing, duplicated or unexpected entry, in a stable order."""
+        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
+        dups = [f"written {len(names)} times: {slot} from {names}"
+                for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
+        return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
+
+    def check(self) -> None:
+        """Raise CompletenessError listing the first 20 offenders and a count."""
+        problems = self.offenders()
+        if problems:
+            raise CompletenessError(f"the load is incomplete or inconsistent: {len(problems)} problems\n"
+                                    f"{format_offenders(problems)}")
