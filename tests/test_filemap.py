@@ -132,6 +132,17 @@ CASES = [  # (format, bits, group, symmetric, act_order, stacked, tp, ep)
 ]
 
 
+def read_through_safetensors(patch: pytest.MonkeyPatch) -> None:
+    """Make every CheckpointIndex read go through safetensors' own slicing (the reference for byte identity)."""
+    readers: dict[int, SafetensorsReader] = {}
+
+    def reader(index: CheckpointIndex) -> SafetensorsReader:
+        return readers.setdefault(id(index), SafetensorsReader(index))
+
+    patch.setattr(CheckpointIndex, "view", lambda self, ref, index=(): reader(self).view(ref, index))
+    patch.setattr(CheckpointIndex, "gather", lambda self, refs, indices, pin=False: reader(self).gather(refs, indices))
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_load_is_byte_identical_to_safetensors_reads(tmp_path, monkeypatch, case):
     fmt, bits, group, symmetric, act_order, stacked, tp, ep = case
@@ -142,11 +153,7 @@ def test_load_is_byte_identical_to_safetensors_reads(tmp_path, monkeypatch, case
         parallel = ParallelConfig(tp_size=tp, tp_rank=rank % tp, ep_size=ep, ep_rank=rank // tp)
         ours = load_experts(tmp_path, parallel)
         with monkeypatch.context() as patch:
-            readers: dict[int, SafetensorsReader] = {}
-            reader = lambda index: readers.setdefault(id(index), SafetensorsReader(index))  # noqa: E731
-            patch.setattr(CheckpointIndex, "view", lambda self, ref, index=(): reader(self).view(ref, index))
-            patch.setattr(CheckpointIndex, "gather", lambda self, refs, indices, pin=False:
-                          reader(self).gather(refs, indices))
+            read_through_safetensors(patch)
             theirs = load_experts(tmp_path, parallel)
         assert list(ours) == list(theirs)
         for prefix in ours:
@@ -166,11 +173,7 @@ def test_preshard_is_byte_identical_to_safetensors_reads(tmp_path, monkeypatch, 
                      intermediate=128, num_layers=2, files=2, references=False)
     preshard_checkpoint(src, tmp_path / "ours", tp_size=2, ep_size=2, layout=layout, progress=False)
     with monkeypatch.context() as patch:
-        readers: dict[int, SafetensorsReader] = {}
-        reader = lambda index: readers.setdefault(id(index), SafetensorsReader(index))  # noqa: E731
-        patch.setattr(CheckpointIndex, "view", lambda self, ref, index=(): reader(self).view(ref, index))
-        patch.setattr(CheckpointIndex, "gather", lambda self, refs, indices, pin=False:
-                      reader(self).gather(refs, indices))
+        read_through_safetensors(patch)
         preshard_checkpoint(src, tmp_path / "theirs", tp_size=2, ep_size=2, layout=layout, progress=False)
     hashes = lambda out: {str(p.relative_to(out)): hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
                           for p in sorted(out.rglob("*.safetensors"))}
