@@ -86,11 +86,23 @@ def gather(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtyp
     tensor, or a writer's regular layout) are one strided view and one copy; others one view each."""
     stacked = stacked_view(file, begins, shape, dtype, index)
     if stacked is None:
-        views = [file.view(begin, shape, dtype, index) for begin in begins]
+        views = _same_views(file, begins, shape, dtype, index)
         return torch.stack(views) if out is None else torch.stack(views, out=out)
     if out is None:
         return stacked.clone(memory_format=torch.contiguous_format)
     return out.copy_(stacked)
+
+
+def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
+                index: Index) -> list[torch.Tensor]:
+    """`t[index]` of tensors of one shape at `begins`: the first view's shape and strides are reused, so each
+    further view is one `as_strided` (offsets on one element phase; else one `view` each)."""
+    first = file.view(begins[0], shape, dtype, index)
+    if any((begin - begins[0]) % dtype.itemsize for begin in begins):
+        return [first] + [file.view(begin, shape, dtype, index) for begin in begins[1:]]
+    flat, size, stride, at = file.flat(dtype, begins[0] % dtype.itemsize), first.shape, first.stride(), \
+        first.storage_offset() - begins[0] // dtype.itemsize
+    return [first] + [flat.as_strided(size, stride, at + begin // dtype.itemsize) for begin in begins[1:]]
 
 
 def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
