@@ -5,14 +5,18 @@ Usage: python scripts/bench_scale.py --size qwen3-30b-8l --workdir /tmp/wna16-sc
        (also reached as `scripts/bench.py --size qwen3-30b[-8l]`)
 
 The checkpoint is written directly (constant words, finite constant scales; the load does the same work
-whatever the values), one file per layer. Every measurement runs in a fresh interpreter with the imports
+whatever the values), one file per layer, its tensors in the order safetensors' own writer uses (wider dtypes
+first, then by name: experts 0, 1, 10, 100, ... so a rank's experts are not evenly spaced in the file). Every measurement runs in a fresh interpreter with the imports
 done before the clock starts, alternated within each repetition, warm (files read back into the page
 cache first) and cold (every file evicted with posix_fadvise(DONTNEED) first). Per run: seconds, µs per
 expert tensor the rank reads, minor/major page faults of the process (getrusage), and for cold runs the
 source pages the run brought into the page cache (mincore). Contenders:
 
   floor      every expert tensor read once (get_tensor + clone, file by file)
-  own        the expert tensors of EP 8 rank 7 only (its own bytes)
+  floortr    the floor with every qweight copied transposed ([K/8, N] -> [N, K/8], the fused layout's
+             order): the least a TP 1 load must do
+  own        the expert tensors of EP 8 rank 7 only (its own bytes); owntr: the same, qweights transposed
+  tp1        load_experts, TP 1 (per-tensor overhead = (tp1 - floortr) / expert tensors)
   tp8 / ep8  load_experts, TP 8 rank 7 / EP 8 rank 7
   whole      the whole-tensor loader of scripts/bench.py, TP 8 rank 7
   pre        load_experts of a wna16-shard --tp 8 output, rank 7; prefiles: reading that rank's files
@@ -67,7 +71,7 @@ def build(workdir: Path, size: str) -> Path:
     dtype_name = {v: k for k, v in names.items()}
     weight_map = {}
     for layer in range(layers):
-        entries, blobs, offset = {}, [], 0
+        tensors = {}  # name -> (dtype, shape, bytes)
         for expert in range(EXPERTS):
             for proj in ("down_proj", "gate_proj", "up_proj"):
                 source = Source.DOWN if proj == "down_proj" else Source(proj.removesuffix("_proj"))
@@ -76,12 +80,15 @@ def build(workdir: Path, size: str) -> Path:
                 for role, (dtype, value) in fill.items():
                     layout = spec.layout(role)
                     shape = expected_shape(layout, spec, src, EXPERTS)
-                    blob = torch.full(shape, value, dtype=dtype).numpy().tobytes()
                     name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.{layout.suffix}"
-                    entries[name] = {"dtype": dtype_name[dtype], "shape": list(shape),
-                                     "data_offsets": [offset, offset + len(blob)]}
-                    blobs.append(blob)
-                    offset += len(blob)
+                    tensors[name] = (dtype, shape, torch.full(shape, value, dtype=dtype).numpy().tobytes())
+        entries, blobs, offset = {}, [], 0
+        for name in sorted(tensors, key=lambda t: (-tensors[t][0].itemsize, t)):  # safetensors' writer order
+            dtype, shape, blob = tensors[name]
+            entries[name] = {"dtype": dtype_name[dtype], "shape": list(shape),
+                             "data_offsets": [offset, offset + len(blob)]}
+            blobs.append(blob)
+            offset += len(blob)
         file = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
         header = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)
@@ -102,14 +109,17 @@ def child(mode: str, path: str, extra: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    from bench import expert_tensors, run_floor, run_whole
+    from bench import expert_tensors, run_floor, run_floor_transposed, run_whole
     from wna16_loader import ParallelConfig, load_experts
 
     folder = Path(path)
-    tp8, ep8 = ParallelConfig(8, 7), ParallelConfig(1, 0, 8, 7)
+    tp1, tp8, ep8 = ParallelConfig(1, 0), ParallelConfig(8, 7), ParallelConfig(1, 0, 8, 7)
     prepared = {
         "floor": lambda: (lambda t: lambda: run_floor(folder, t))(expert_tensors(folder)),
+        "floortr": lambda: (lambda t: lambda: run_floor_transposed(folder, t))(expert_tensors(folder)),
         "own": lambda: (lambda t: lambda: run_floor(folder, t))(expert_tensors(folder, ep8)),
+        "owntr": lambda: (lambda t: lambda: run_floor_transposed(folder, t))(expert_tensors(folder, ep8)),
+        "tp1": lambda: lambda: load_experts(folder, tp1),
         "tp8": lambda: lambda: load_experts(folder, tp8),
         "ep8": lambda: lambda: load_experts(folder, ep8),
         "whole": lambda: lambda: run_whole(folder, tp8),
@@ -117,9 +127,9 @@ def child(mode: str, path: str, extra: str) -> dict[str, Any]:
         "prefiles": lambda: (lambda fs: lambda: [f.read_bytes() for f in fs])(
             sorted((folder / "rank-00007-of-00008").glob("*.safetensors"))),
     }[mode]()
-    tensors = sum(len(v) for v in expert_tensors(folder, tp8 if mode in ("tp8", "whole") else ep8).values()) \
-        if mode in ("tp8", "ep8", "whole", "own") else (sum(len(v) for v in expert_tensors(folder).values())
-                                                         if mode == "floor" else 0)
+    scope = {"tp8": tp8, "whole": tp8, "ep8": ep8, "own": ep8, "owntr": ep8, "tp1": None, "floor": None,
+             "floortr": None}
+    tensors = sum(len(v) for v in expert_tensors(folder, scope[mode]).values()) if mode in scope else 0
     before = resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     result = prepared()
@@ -173,12 +183,14 @@ def durable_copy(src: Path, dst: Path) -> float:
 
 def measure(path: Path, reps: int, scratch: Path) -> dict[str, Any]:
     from bench import evict, resident_bytes
+    from bench import run_child as bench_child
 
     out: dict[str, list[dict[str, Any]]] = {}
     pre = scratch / "pre"
     subprocess.run([sys.executable, "-m", "wna16_loader.cli", str(path), str(pre), "--tp", "8", "--quiet"],
                    check=True, cwd=HERE.parent)
-    loads = [(m, path) for m in ("floor", "own", "tp8", "ep8", "whole")] + [("pre", pre), ("prefiles", pre)]
+    loads = [(m, path) for m in ("floor", "floortr", "tp1", "own", "owntr", "tp8", "ep8", "whole")]
+    loads += [("pre", pre), ("prefiles", pre)]
     for rep in range(reps):
         for cold in (False, True):
             for mode, folder in loads:
@@ -193,19 +205,26 @@ def measure(path: Path, reps: int, scratch: Path) -> dict[str, Any]:
                     result["touched_mib"] = (sum(resident_bytes(f) for f in files) - resident) / 2**20
                 out.setdefault(f"{mode} {'cold' if cold else 'warm'}", []).append(result)
                 print(f"rep {rep} {mode} {'cold' if cold else 'warm'}: {result}", flush=True)
-        warm(path)
         cli = [sys.executable, "-m", "wna16_loader.cli", str(path)]
-        for label, args in (("shard", cli + [str(scratch / "s1"), "--tp", "8", "--quiet"]),
-                            ("shard2", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                        "-m", "wna16_loader.cli", str(path), str(scratch / "s2"), "--tp", "8",
-                                        "--quiet"])):
-            shutil.rmtree(scratch / label.replace("shard", "s"), ignore_errors=True)
+        for label, target, args in (
+                ("shard", scratch / "s1", cli + [str(scratch / "s1"), "--tp", "8", "--quiet"]),
+                ("shard2", scratch / "s2", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                            "-m", "wna16_loader.cli", str(path), str(scratch / "s2"), "--tp", "8",
+                                            "--quiet"])):
+            shutil.rmtree(target, ignore_errors=True)  # a finished output would be left untouched, not rewritten
+            warm(path)
             seconds = timed_cli(args)
+            shutil.rmtree(target, ignore_errors=True)  # disk: 15 GB each at full size
             out.setdefault(label, []).append({"seconds": seconds})
             print(f"rep {rep} {label}: {seconds:.2f} s", flush=True)
         shutil.rmtree(scratch / "copy", ignore_errors=True)
+        warm(path)
         out.setdefault("copy", []).append({"seconds": durable_copy(path, scratch / "copy")})
         shutil.rmtree(scratch / "copy", ignore_errors=True)
+    warm(path)
+    rss = bench_child("preshard", path, 8, 0)  # peak anonymous RSS of wna16-shard --tp 8 (sampled in the child)
+    out["shard rss"] = [{"seconds": 0.0, "peak_anon_mib": rss["peak_kib"] / 1024,
+                         "file_peak_mib": rss["file_peak_kib"] / 1024}]
     return {key: {"seconds": statistics.median(r["seconds"] for r in runs),
                   **{k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "seconds"}}
             for key, runs in out.items()}
@@ -217,15 +236,24 @@ def report(m: dict[str, Any]) -> str:
     rows = [("TP 8 rank ÷ all-experts floor (warm)", s("tp8 warm") / s("floor warm"), "<= 1.5"),
             ("whole-tensor ÷ ours, TP 8 rank (warm)", s("whole warm") / s("tp8 warm"), ">= 5"),
             ("EP 8 rank ÷ reading its own bytes (warm)", s("ep8 warm") / s("own warm"), "<= 1.2"),
+            ("EP 8 rank ÷ its own bytes with qweights transposed (warm)", s("ep8 warm") / s("owntr warm"), "(bound)"),
+            ("TP 1 ÷ all-experts floor (warm)", s("tp1 warm") / s("floor warm"), "<= 1.5"),
+            ("TP 1 ÷ floor with qweights transposed (warm)", s("tp1 warm") / s("floortr warm"), "(bound)"),
+            ("TP 8 rank ÷ TP 1 (warm)", s("tp8 warm") / s("tp1 warm"), "<= 0.35"),
+            ("per-tensor overhead, µs: (TP 1 - floor transposed) / tensors", 1e6 * (s("tp1 warm") - s("floortr warm"))
+             / m["tp1 warm"]["tensors"], "<= 15"),
             ("pre-sharded rank ÷ reading its files (warm)", s("pre warm") / s("prefiles warm"), "<= 1.2"),
             ("wna16-shard --tp 8 fused ÷ durable copy", s("shard") / s("copy"), "<= 3"),
             ("2-process wna16-shard ÷ 1 process", s("shard2") / s("shard"), "<= 0.6"),
+            ("peak anonymous RSS of wna16-shard --tp 8, GiB", m["shard rss"]["peak_anon_mib"] / 1024, "<= 1"),
             ("TP 8 rank ÷ floor (cold)", s("tp8 cold") / s("floor cold"), "(cold view)"),
             ("EP 8 rank ÷ own bytes (cold)", s("ep8 cold") / s("own cold"), "(cold view)")]
     lines = ["| measure | ratio | target |", "|---|---|---|"]
     lines += [f"| {name} | {value:.2f} | {target} |" for name, value, target in rows]
     lines += ["", "| run | seconds | µs / expert tensor | minor faults | pages touched cold (MiB) |", "|---|---|---|---|---|"]
     for key, v in m.items():
+        if key == "shard rss":
+            continue
         per = f"{v['seconds'] / v['tensors'] * 1e6:.1f}" if v.get("tensors") else ""
         lines.append(f"| {key} | {v['seconds']:.3f} | {per} | {v.get('minflt', '')} | "
                      f"{v.get('touched_mib', ''):.1f} |" if "touched_mib" in v else

@@ -325,8 +325,8 @@ def test_read_qweights_paths(tmp_path: Path, conversions: list[str], fmt: str, b
             conversions.clear()
             chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(proj))[0]))
             assert sorted(set(conversions)) == PATH_CALLS[paths[proj]], proj
-            if paths[proj] == "view":
-                assert [c.experts for c in chunks] == [slice(e, e + 1) for e in range(len(sources))]
+            if paths[proj] == "view":  # tiny experts evenly spaced in the file: one strided view of all
+                assert [c.experts for c in chunks] == [slice(0, len(sources))]
             assert [e for c in chunks for e in range(len(sources))[c.experts]] == list(range(len(sources)))
             got, want = as_bytes(chunks), expected_qweight(tmp_path, spec, plan, proj)
             assert got.shape == want.shape, proj
@@ -463,3 +463,22 @@ def test_read_params_applies_the_pick(tmp_path: Path) -> None:
         stored = tensors[f"{P}.{e}.down_proj.scales"]  # [I/G = 2, H]
         assert torch.equal(params.scales[e], stored.t()[:, [0, 1, 1]])
     assert params.zeros.shape == (4, 256, 3)
+
+
+@pytest.mark.parametrize("experts,chunk_bytes,pieces", [
+    (12, 2 << 20, [slice(0, 12)]),  # ids 0, 1, 10, 11, 2, ... in the file: unevenly spaced, gathered (a copy)
+    (4, 2 << 20, [slice(0, 4)]),  # evenly spaced: one strided view of the mapping
+    (4, 8 * 32 * 4, [slice(e, e + 1) for e in range(4)]),  # a slice fills the chunk: one view per expert
+])
+def test_fused_words_batching(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, experts: int, chunk_bytes: int,
+                              pieces: list[slice]) -> None:
+    """Words that already hold the fused bytes come a chunk of experts at a time, whatever their file order."""
+    write(tmp_path, "gptq", hidden=64, inter=64, num_experts=experts)
+    monkeypatch.setattr(extract, "QWEIGHT_CHUNK_BYTES", chunk_bytes)
+    with planned(tmp_path, 2, 1) as (index, spec, plan):
+        sources = batch(plan, Proj.GATE)  # K 64 rows: 8 words x N_l 32 per expert
+        begins = [index.begins[src.tensors[Role.QWEIGHT].name] for src in sources]
+        assert (len(set(b - a for a, b in zip(begins, begins[1:]))) > 1) == (experts > 10)
+        chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))
+        assert [c.experts for c in chunks] == pieces
+        assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, Proj.GATE))

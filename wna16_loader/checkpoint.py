@@ -8,6 +8,7 @@ mappings (`view`, `gather`); whole files are never loaded, nothing is copied unt
 | read(ref, index)          | ordinary memory, safe to keep                                     |
 | view(ref, index)          | file pages: valid while kept, never for a device copy or to keep  |
 | gather(refs, indices)     | [E, ...] stacked into ordinary memory (or the caller's `out`)     |
+| view_stacked(refs, ...)   | [E, ...] as one strided view of file pages, when evenly spaced    |
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from safetensors import safe_open
 
 from .bulk import gc_paused
 from .errors import CheckpointError, format_offenders
-from .filemap import Index, MappedFile, gather
+from .filemap import Index, MappedFile, gather, stacked_view
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -136,6 +137,18 @@ class CheckpointIndex:
             torch.stack([self._maps[f].view(b, s, d, i) for b, f, s, d, i in located], out=out)
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+    def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> torch.Tensor | None:
+        """`[ref[index] for ...]` as ONE strided view [E, ...] of a file mapping (no copy; file memory, as
+        `view`) when the slices lie evenly spaced in one file with one shape, dtype and index; else None."""
+        located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
+        if any(loc[1:] != located[0][1:] for loc in located):
+            return None
+        _, file, shape, dtype, index = located[0]
+        stacked = stacked_view(self._maps[file], [loc[0] for loc in located], shape, dtype, index)
+        if stacked is not None:
+            self.bytes_read += stacked.numel() * stacked.element_size()
+        return stacked
 
     def locate(self, ref: TensorRef, index: Index) -> tuple[int, str, tuple[int, ...], torch.dtype, Index]:
         """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,

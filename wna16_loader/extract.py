@@ -49,6 +49,9 @@ class TensorReader(Protocol):
     def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
                pin: bool = False) -> torch.Tensor: ...
 
+    def view_stacked(self, refs: Sequence[TensorRef],
+                     indices: Sequence[tuple[slice | int, ...]]) -> torch.Tensor | None: ...
+
 
 @dataclass(frozen=True)
 class ProjectionParams:
@@ -251,11 +254,23 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
 
 def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
                  spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
-    """Words that already hold the fused bytes: one view of each expert's slice (no copy here)."""
-    for i, src in enumerate(sources):
-        index = storage_index(layout, spans, spec.pack_factor, src.expert_row)
-        words = reader.view(src.tensors[Role.QWEIGHT], index)
-        yield QweightPiece(slice(i, i + 1), Span(0, len(spans[Dim.N])), _as_fused(words.unsqueeze(0), layout))
+    """Words that already hold the fused bytes, about QWEIGHT_CHUNK_BYTES of experts at a time: one
+    strided view of the chunk when its slices are evenly spaced in one file (no copy here); else one view
+    per expert when a slice fills half a chunk, and small slices gathered into one buffer (one copy, in
+    cache: per-expert Python work would cost more than the bytes)."""
+    whole = Span(0, len(spans[Dim.N]))
+    step = max(1, QWEIGHT_CHUNK_BYTES // (4 * _words_per_expert(layout, spec, spans)))
+    for start in range(0, len(sources), step):
+        chunk = slice(start, min(start + step, len(sources)))
+        refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
+        indices = [storage_index(layout, spans, spec.pack_factor, src.expert_row) for src in sources[chunk]]
+        words = reader.view_stacked(refs, indices) if len(refs) > 1 else None
+        if words is not None or step > 2:
+            words = reader.gather(refs, indices) if words is None else words
+            yield QweightPiece(chunk, whole, _as_fused(words, layout))
+            continue
+        for i, (ref, index) in enumerate(zip(refs, indices)):
+            yield QweightPiece(slice(start + i, start + i + 1), whole, _as_fused(reader.view(ref, index)[None], layout))
 
 
 def _words_per_expert(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> int:

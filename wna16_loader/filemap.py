@@ -8,6 +8,7 @@ safetensors.
 | MappedFile.view(begin, shape, dtype, index) | `index` of one tensor: a VIEW of the file pages        |
 | gather(file, begins, shape, dtype, index)   | [E, *index shape]: `index` of E tensors, one COPY into |
 |                                             | ordinary memory (or the caller's pinned `out`)         |
+| stacked_view(file, begins, shape, dtype, i) | the same as one strided VIEW, when evenly spaced       |
 
 A view keeps the mapping alive (it holds a reference) but is file memory: copy it into ordinary
 (pinned) memory before keeping it or handing it to a device copy.
@@ -83,18 +84,38 @@ def gather(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtyp
     """`[t[index] for t in tensors]` stacked into `out` (ordinary memory; fresh when None), for tensors of
     one `shape`/`dtype` at byte offsets `begins` of `file`. Evenly spaced offsets (rows of a stacked
     tensor, or a writer's regular layout) are one strided view and one copy; others one view each."""
-    step = begins[1] - begins[0] if len(begins) > 1 else dtype.itemsize
-    even = step > 0 and step % dtype.itemsize == 0 and all(b - a == step for a, b in zip(begins, begins[1:]))
-    if not even:
-        views = [file.view(begin, shape, dtype, index) for begin in begins]
+    stacked = stacked_view(file, begins, shape, dtype, index)
+    if stacked is None:
+        views = _same_views(file, begins, shape, dtype, index)
         return torch.stack(views) if out is None else torch.stack(views, out=out)
-    first = file.view(begins[0], shape, dtype)
-    stacked = first.as_strided((len(begins), *shape), (step // dtype.itemsize, *first.stride()),
-                               first.storage_offset())
-    stacked = stacked[(slice(None), *index)] if index else stacked
     if out is None:
         return stacked.clone(memory_format=torch.contiguous_format)
     return out.copy_(stacked)
+
+
+def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
+                index: Index) -> list[torch.Tensor]:
+    """`t[index]` of tensors of one shape at `begins`: the first view's shape and strides are reused, so each
+    further view is one `as_strided` (offsets on one element phase; else one `view` each)."""
+    first = file.view(begins[0], shape, dtype, index)
+    if any((begin - begins[0]) % dtype.itemsize for begin in begins):
+        return [first] + [file.view(begin, shape, dtype, index) for begin in begins[1:]]
+    flat, size, stride, at = file.flat(dtype, begins[0] % dtype.itemsize), first.shape, first.stride(), \
+        first.storage_offset() - begins[0] // dtype.itemsize
+    return [first] + [flat.as_strided(size, stride, at + begin // dtype.itemsize) for begin in begins[1:]]
+
+
+def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
+                 index: Index = ()) -> torch.Tensor | None:
+    """`[t[index] for t in tensors]` as ONE strided view [E, *index shape] of the mapping when the tensors
+    (one `shape`/`dtype`, at byte offsets `begins`) are evenly spaced; None otherwise. File memory, as `view`."""
+    step = begins[1] - begins[0] if len(begins) > 1 else dtype.itemsize
+    if step <= 0 or step % dtype.itemsize or any(b - a != step for a, b in zip(begins, begins[1:])):
+        return None
+    first = file.view(begins[0], shape, dtype)
+    stacked = first.as_strided((len(begins), *shape), (step // dtype.itemsize, *first.stride()),
+                               first.storage_offset())
+    return stacked[(slice(None), *index)] if index else stacked
 
 
 def read_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str, str], dict[str, HeaderEntry]]:

@@ -82,6 +82,10 @@ class TensorStore:
         return torch.stack(views, out=torch.empty((len(views), *views[0].shape), dtype=views[0].dtype,
                                                   pin_memory=pin))
 
+    def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]]) -> None:
+        """Held tensors are separate objects, never one strided view: None (the reader then gathers)."""
+        return None
+
     @classmethod
     def of(cls, ref: TensorRef, tensor: torch.Tensor) -> "TensorStore":
         """A store holding one tensor."""
@@ -254,16 +258,18 @@ class ExpertLoadHook:
             raise FormatError(f"{ref.name}: scales are {ref.dtype} but {self.prefix} stores {target} scales; "
                               f"converting would round them. Build the module with scale_dtype={ref.dtype}.")
 
-    def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
+    def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan, *,
+                  record: bool = True) -> None:
         """Read and write every projection of a `plan_layer` plan (the `load_experts` path), a run of
-        experts at a time."""
+        experts at a time. `record=False` skips this hook's own ledger and arrival records, for a one-shot
+        load whose hook is dropped afterwards (the plan's ledger already accounts for every tensor)."""
         for proj in plan.fused.projections:
             for experts, sources in _plan_runs(plan, proj):
-                for expert, src in zip(experts, sources):
+                self.tensors += sum(len(src.tensors) for src in sources)
+                for expert, src in zip(experts, sources) if record else ():
                     for role, ref in src.tensors.items():
                         self.ledger.record(self.prefix, expert, proj, role, ref.name)
                     self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
-                    self.tensors += len(src.tensors)
                 self.write(index, writer, experts, proj, sources)
 
     def missing_names(self, prefix: str) -> list[str]:

@@ -94,5 +94,5 @@ def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: 
     copies are queued, not waited for (the caller synchronises once)."""
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
     hook = ExpertLoadHook(plan.prefix, moe, plan.geometry, Ledger(), allow_nonfinite=allow_nonfinite)
-    hook.load_plan(index, writer, plan)
+    hook.load_plan(index, writer, plan, record=False)  # the hook lives for this layer only
     return writer.finish(), hook.tensors, writer.bytes_written

@@ -17,7 +17,7 @@ def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
     """shape, dtype and sha256 of a tensor's raw bytes."""
     raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-            "sha256": hashlib.sha256(raw.tobytes()).hexdigest()}
+            "sha256": hashlib.sha256(memoryview(raw)).hexdigest()}
 
 
 def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:

@@ -9,7 +9,8 @@ import multiprocessing
 import os
 import signal
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,7 +42,8 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
     try:
         if workers <= 1:
             state = {"written": 0, "kill_after": KILL_AFTER_FILES}
-            results = [write_group(out, plan, g, journal, state, meter.advance) for g in groups]
+            with CheckpointIndex(plan.source) as index:  # one mapping per source file for every folder
+                results = [write_group(out, plan, g, journal, state, meter.advance, index=index) for g in groups]
         else:
             results = _write_parallel(out, plan, groups, journal, workers)
             for summary, _ in results:
@@ -65,10 +67,11 @@ def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journa
 
 
 def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
-                 state: dict[str, int], advance: Callable[[int, str], None] | None = None
-                 ) -> tuple[RankSummary, list[dict[str, Any]]]:
+                 state: dict[str, int], advance: Callable[[int, str], None] | None = None, *,
+                 index: CheckpointIndex | None = None) -> tuple[RankSummary, list[dict[str, Any]]]:
     """Write one folder's files (common/ when `group` is None, else rank `group`), one file at a time;
-    `advance(bytes, path)` is called after each file (kept ones included)."""
+    `advance(bytes, path)` is called after each file (kept ones included). `index`: the source, already
+    open (folders written one after another share its mappings and the pages they faulted in)."""
     start = time.perf_counter()
     rank = None if group is None else plan.ranks[group]
     folder, files = (COMMON_DIR, plan.common) if rank is None else (rank.folder, rank.files)
@@ -77,8 +80,8 @@ def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str
     metadata = file_metadata(plan, "common" if rank is None else str(rank.parallel.rank))
     records = []
     if todo:
-        with CheckpointIndex(plan.source) as index:
-            source = _tensor_source(plan, rank, index)
+        with nullcontext(index) if index is not None else CheckpointIndex(plan.source) as source_index:
+            source = _tensor_source(plan, rank, source_index)
             for fp in todo:
                 record = write_safetensors(out, fp, source, metadata)
                 append_journal(out, record)
@@ -191,12 +194,23 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
     for chunk in (len(text).to_bytes(8, "little"), text):
         handle.write(chunk)
         digest.update(chunk)
-    records = {}
-    for name, (shape, dtype) in metas.items():
-        tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
-        assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        handle.write(data)
-        digest.update(data)
-        records[name] = tensor_record(tensor)
-    return records, digest.hexdigest()
+    records: dict[str, Future[dict[str, Any]]] = {}
+    in_flight: tuple[Future[Any], ...] = ()
+    with ThreadPoolExecutor(1, "wna16-write") as writer, ThreadPoolExecutor(1, "wna16-hash") as hasher:
+        for name, (shape, dtype) in metas.items():
+            tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
+            assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
+            for future in in_flight:
+                future.result()  # one tensor in flight: memory stays bounded, errors surface in order
+            records[name] = hasher.submit(tensor_record, tensor)
+            in_flight = (writer.submit(_emit, handle, digest, tensor), records[name])
+    return {name: future.result() for name, future in records.items()}, digest.hexdigest()
+
+
+def _emit(handle: Any, digest: Any, tensor: torch.Tensor) -> None:
+    """Write one tensor's bytes and add them to the file's digest, on the writer thread, while the hasher
+    thread hashes the same bytes for the tensor's record and the caller produces the next tensor (file
+    writes, sha256 and tensor copies all release the GIL)."""
+    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    handle.write(data)
+    digest.update(data)
