@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -190,24 +190,26 @@ class KeyRules:
     def __init__(self, moe: MoEConfig) -> None:
         self.moe = moe
         self.roles = {layout.suffix: layout.role for layout in reversed(moe.quant.layouts)}  # first wins
-        self._kinds: dict[tuple[str, Source, bool], str | None] = {}
-        self._counts: dict[int, int] = {}
-        self._covered: dict[str, bool] = {}
+        self._kinds = _Memo(lambda kind: _kind_problem(moe, *kind))
+        self._counts = _Memo(lambda layer: moe.layer(layer).num_experts)
+        self._covers = _Memo(moe.quant.modules.covers).__getitem__
 
     def problem(self, key: ExpertTensorKey) -> str | None:
         """`expert_key_problem(self.moe, key)`."""
-        kind = (key.suffix, key.source, key.expert is None)
-        if kind not in self._kinds:
-            self._kinds[kind] = _kind_problem(self.moe, *kind)
-        if key.layer not in self._counts:
-            self._counts[key.layer] = self.moe.layer(key.layer).num_experts
-        return _key_problem(key, self._kinds[kind], self._counts[key.layer], self._covers)
+        return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer],
+                            self._covers)
 
-    def _covers(self, module_name: str) -> bool:
-        covered = self._covered.get(module_name)
-        if covered is None:
-            covered = self._covered[module_name] = self.moe.quant.modules.covers(module_name)
-        return covered
+
+class _Memo(dict):
+    """`fn(key)` for each key, worked out at its first lookup and kept (a later lookup is one dict lookup)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, key: Any) -> Any:
+        value = self[key] = self.fn(key)
+        return value
 
 
 class LayerTables:
