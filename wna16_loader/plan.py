@@ -146,6 +146,7 @@ class LayerTable:
         self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
         self.passed: set[EntryKey] = set()
         self._experts: dict[int, ExpertSlots] = {}
+        self._required = [layout.role for layout in moe.quant.layouts if moe.quant.required(layout)]
         refs, entries, roles = index.refs, self.entries, rules.roles
         for key in keys:
             problem = rules.problem(key)
@@ -158,11 +159,10 @@ class LayerTable:
         """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
         if expert not in self._experts:
             sources, expected, records = [], [], []
-            required = [layout.role for layout in self.moe.quant.layouts if self.moe.quant.required(layout)]
             for proj in layer_projections(self.moe.gated):
                 entries = _candidates(self.entries, expert, proj)
                 candidates = [self._source(entry, expert) for entry in entries]
-                expected += [Slot.of(self.prefix, expert, proj, role) for role in required]
+                expected += [Slot.of(self.prefix, expert, proj, role) for role in self._required]
                 records += [(Slot.of(self.prefix, expert, proj, role), ref.name)
                             for src in candidates for role, ref in src.tensors.items()]
                 if candidates:
