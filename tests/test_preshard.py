@@ -108,6 +108,21 @@ def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
 
 
+def test_early_writeback_changes_no_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking the kernel to start writeback after every tensor (a speed hint) writes the same files."""
+    from wna16_loader.preshard import writing
+
+    src = make_source(tmp_path / "src")
+    preshard_checkpoint(src, tmp_path / "plain", tp_size=2, ep_size=2, progress=False)
+    real, hinted = writing.start_writeback, []
+    monkeypatch.setattr(writing, "WRITEBACK_BYTES", 0)
+    monkeypatch.setattr(writing, "start_writeback", lambda handle: (hinted.append(handle.name), real(handle)))
+    preshard_checkpoint(src, tmp_path / "hinted", tp_size=2, ep_size=2, progress=False)
+    assert len(hinted) > 10
+    assert tree_bytes(tmp_path / "hinted") == tree_bytes(tmp_path / "plain")
+    assert verify_output(tmp_path / "hinted", source=src) == []
+
+
 def test_killed_run_then_resume_is_byte_identical(tmp_path: Path) -> None:
     src = make_source(tmp_path / "src")
     clean, killed = tmp_path / "clean", tmp_path / "killed"

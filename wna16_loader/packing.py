@@ -97,12 +97,15 @@ def transpose_nibble_words(words: torch.Tensor, *, slot_order: tuple[int, ...] |
     if rows % 8:
         raise AssertionError(f"the nibble transpose needs a multiple of 8 rows, got {rows}")
     block = words.reshape(-1, rows // 8, 8, width).clone(memory_format=torch.contiguous_format)
+    swap = torch.empty((block.shape[0], rows // 8, 4, width), dtype=block.dtype, device=block.device)
     for stage, (shift, mask) in enumerate(_NIBBLE_STAGES):
         pairs = block.view(block.shape[0], rows // 8, 2 ** stage, 2, 8 // 2 ** (stage + 1), width)
         low, high = pairs[:, :, :, 0], pairs[:, :, :, 1]
-        swap = torch.bitwise_and(torch.bitwise_xor(torch.bitwise_right_shift(low, shift), high), mask)
-        low.bitwise_xor_(torch.bitwise_left_shift(swap, shift))
-        high.bitwise_xor_(swap)
+        delta = swap.view(low.shape)  # one scratch buffer for every stage: no temporaries per operation
+        torch.bitwise_right_shift(low, shift, out=delta)
+        delta.bitwise_xor_(high).bitwise_and_(mask)  # the fields that differ between the two halves
+        high.bitwise_xor_(delta)
+        low.bitwise_xor_(delta.bitwise_left_shift_(shift))
     by_word = block.permute(0, 1, 3, 2)  # [B, K/8, W, 8 slots]: slot s of word w holds k = 8t .. 8t+7
     if slot_order is not None:
         by_word = by_word.index_select(3, torch.tensor(_inverse(slot_order, 8), device=words.device))

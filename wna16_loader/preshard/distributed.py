@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint import CheckpointIndex
 from ..errors import PreshardError
 from ..parallel import ShardJob
 from ..presharded import MANIFEST_NAME
@@ -53,7 +54,9 @@ def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_
         journal = _started(out, plan, resume, job)
         mine = [g for g in [None, *range(len(plan.ranks))] if owner(g, job.processes) == job.process]
         try:
-            done: Any = [(g, *write_group(out, plan, g, journal, {"written": 0, "kill_after": 0})) for g in mine]
+            with CheckpointIndex(plan.source) as index:  # one mapping per source file for all owned folders
+                done: Any = [(g, *write_group(out, plan, g, journal, {"written": 0, "kill_after": 0}, index=index))
+                             for g in mine]
         except Exception as exc:  # every process must reach the gather, or the others wait forever
             done = f"process {job.process}: {type(exc).__name__}: {exc}"
         gathered = job.all_gather(done)
