@@ -1,4 +1,4 @@
-"""fused: tiled transposing copies, the writer's slots and rows, the layout table, dequantisation, the ledger.
+"""fused: tiled transposing copies, the writer's slots and rows, the layout table, dequantisation.
 
 Expected values are written by hand or come from plain torch (`Tensor.copy_`), never from the
 function under test.
@@ -14,11 +14,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from wna16_loader import CompletenessError, FormatError, ParallelConfig
+from wna16_loader import FormatError, ParallelConfig
 from wna16_loader.extract import ProjectionParams
 from wna16_loader.formats import Role, resolve_quant_spec
 from wna16_loader.fused import FusedExperts, FusedSpec, FusedWriter, copy_transposing, dequantize
-from wna16_loader.ledger import Ledger
 from wna16_loader.names import Proj
 from wna16_loader.padfill import real_groups
 from wna16_loader.sharding import LayerGeometry, Span
@@ -388,40 +387,3 @@ def test_dequantize_8_bit() -> None:
     out = dequantize(q, torch.tensor([[[0.5]]]), torch.tensor([[[100]]], dtype=torch.uint8), None, bits=8,
                      group_size=-1)
     assert out.tolist() == [[[50.0, -45.0]]]
-
-
-# --- Ledger ------------------------------------------------------------------------------------------------------
-
-def test_ledger_offenders_text() -> None:
-    ledger = Ledger()
-    for expert in (10, 2):
-        for role in (Role.QWEIGHT, Role.SCALES):
-            ledger.expect(P, expert, Proj.DOWN, role)
-    ledger.expect(P, 2, Proj.GATE, Role.QWEIGHT)
-    ledger.record(P, 2, Proj.DOWN, Role.QWEIGHT, "a.qweight")
-    ledger.record(P, 2, Proj.DOWN, Role.QWEIGHT, "b.qweight")
-    ledger.record(P, 2, Proj.GATE, Role.QWEIGHT, "c.qweight")
-    ledger.record(P, 10, Proj.DOWN, Role.QWEIGHT, "d.qweight")
-    ledger.reject("x.bias", "not a gptq tensor")
-    assert [str(s) for s in ledger.missing()] == [f"{P}.2.down.scales", f"{P}.10.down.scales"]
-    assert ledger.offenders() == [
-        f"missing: {P}.2.down.scales",
-        f"missing: {P}.10.down.scales",
-        f"written 2 times: {P}.2.down.qweight from ['a.qweight', 'b.qweight']",
-        "unexpected tensor: x.bias (not a gptq tensor)",
-    ]
-    with pytest.raises(CompletenessError, match=re.escape(f"4 problems\n  - missing: {P}.2.down.scales\n")):
-        ledger.check()
-
-
-def test_ledger_complete_passes_and_many_offenders_are_counted() -> None:
-    ledger = Ledger()
-    ledger.expect(P, 0, Proj.UP, Role.SCALES)
-    ledger.record(P, 0, Proj.UP, Role.SCALES, "s")
-    ledger.check()
-    assert ledger.offenders() == []
-    for e in range(25):
-        ledger.expect(P, e + 1, Proj.UP, Role.ZEROS)
-    with pytest.raises(CompletenessError, match=r"25 problems\n(  - missing: .*\n){20}  \.\.\. and 5 more "
-                                                r"\(25 in all\)$"):
-        ledger.check()

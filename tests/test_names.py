@@ -1,11 +1,14 @@
-"""parse_expert_name: every root, module, projection alias, stacked tensors and non-expert names."""
+"""parse_expert_name: every root, module, projection alias, stacked tensors and non-expert names; the
+ExpertNameParser (one regex match per name shape) returns what it returns for every name."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from wna16_loader.names import (MODULES, PROJ_ALIASES, ROOTS, ExpertTensorKey, Proj, Source, experts_prefix_for,
-                                layer_of_prefix, parse_expert_name, prefix_at_layer)
+from wna16_loader.names import (MODULES, PROJ_ALIASES, ROOTS, ExpertNameParser, ExpertTensorKey, Proj, Source,
+                                experts_prefix_for, layer_of_prefix, parse_expert_name, prefix_at_layer)
 
 ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone")
 ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
@@ -107,7 +110,7 @@ def test_source_projs() -> None:
     assert Source.GATE_UP.projs == (Proj.GATE, Proj.UP)
 
 
-@pytest.mark.parametrize("name", [
+NON_EXPERT_NAMES = [
     "model.layers.0.mlp.gate.weight",  # router
     "model.layers.0.block_sparse_moe.gate.weight",  # Mixtral router
     "model.layers.0.mlp.gate.e_score_correction_bias",  # DeepSeek-V3 router bias
@@ -137,7 +140,10 @@ def test_source_projs() -> None:
     "backbone.layers.0.mixer.shared_experts.up_proj.qweight",  # Nemotron-H shared expert
     "model.layers.0.mlps.0.gate_proj.qweight",  # LongCat dense MLPs
     "",
-])
+]
+
+
+@pytest.mark.parametrize("name", NON_EXPERT_NAMES)
 def test_non_expert_names_return_none(name: str) -> None:
     assert parse_expert_name(name) is None
 
@@ -161,3 +167,54 @@ def test_prefix_helpers() -> None:
     assert prefix_at_layer("model.language_model.layers.0.experts", 29) == "model.language_model.layers.29.experts"
     with pytest.raises(ValueError, match="is not an experts prefix"):
         prefix_at_layer("model.layers.1.mlp", 2)
+
+
+# --- ExpertNameParser: the regex once per name shape, the same answers ---------------------------------------
+
+def listed_names() -> list[str]:
+    """Every name this file spells out, expert ids varied (a shape's later names come from its cache)."""
+    names = list(NON_EXPERT_NAMES)
+    for root in ALL_ROOTS:
+        for module in ALL_MODULES:
+            prefix = experts_prefix_for(root, 3, module)
+            for proj in ALIASES:
+                names += [f"{prefix}.{e}.{proj}.{suffix}" for e in (0, 7, 127) for suffix in ("qweight", "scales")]
+                names.append(f"{prefix}.{proj}.qweight")
+    return names
+
+
+def test_parser_equals_parse_expert_name_on_every_listed_name() -> None:
+    parse = ExpertNameParser()
+    names = listed_names()
+    for name in names + names[::-1]:
+        assert parse(name) == parse_expert_name(name), name
+
+
+def test_parser_keeps_what_the_regex_accepts_at_the_edges() -> None:
+    parse = ExpertNameParser()
+    for name in ("model.layers.0.mlp.experts.007.w1.qweight",  # leading zeros: expert 7
+                 "model.layers.0.mlp.experts.\u0663.w1.qweight",  # a non-ASCII decimal digit (\\d matches it)
+                 "model.layers.0.mlp.experts.3.w1.qweight\n",  # `$` matches before a final newline
+                 "model.layers.0.mlp.experts.3.w1.q-weight", "model.layers.0.mlp.experts.3.w1.",
+                 "5.gate_proj.qweight", ".5.gate_proj.qweight", "experts.5.gate_proj.qweight"):
+        assert parse(name) == parse_expert_name(name), repr(name)
+    assert parse("model.layers.0.mlp.experts.007.w1.qweight").expert == 7
+
+
+SEGMENTS = st.sampled_from(["model", "language_model", "layers", "mlp", "moe", "experts", "0", "12", "007",
+                            "\u0663", "x", "gate_proj", "w2", "gate_up_proj", "up_projx", "qweight", "scales",
+                            "weight_packed", "q-weight", "", "qweight\n"])
+SHARED = ExpertNameParser()  # one parser across examples: its cache must never answer for another shape
+
+
+@given(st.lists(SEGMENTS, min_size=1, max_size=9))
+def test_parser_equals_the_regex_on_generated_names(segments: list[str]) -> None:
+    name = ".".join(segments)
+    assert SHARED(name) == parse_expert_name(name)
+    numbered = ".".join(["model", "layers", "4", "mlp", "experts", "9", *segments[-2:]])
+    assert SHARED(numbered) == parse_expert_name(numbered)
+
+
+def test_enum_members_hash_by_identity() -> None:
+    assert {Proj.GATE: 1}[Proj.GATE] == 1 and {Source.GATE_UP: 2}[Source("gate_up")] == 2
+    assert len({*Proj, *Proj}) == len(Proj)

@@ -15,6 +15,10 @@ import torch
 from conftest import assert_exact, reassemble, rewrite
 from wna16_loader import (CompletenessError, FormatError, ParallelConfig, ShardingError, WNA16Error,
                           load_experts)
+from wna16_loader.checkpoint import CheckpointIndex
+from wna16_loader.ledger import Ledger
+from wna16_loader.modelconfig import read_config_files
+from wna16_loader.plan import CheckpointScan, LayerTables, plan_layers
 from wna16_loader.synthetic import quant_config, write_checkpoint
 
 TP1 = ParallelConfig(tp_size=1, tp_rank=0)
@@ -138,6 +142,44 @@ def test_every_offender_listed_once(tmp_path):
         load_experts(tmp_path, TP1)
     assert [line for line in str(info.value).splitlines()[1:]] == [
         f"  - missing: {P}.{e}.gate.scales" for e in range(4)]
+
+
+# --- one LayerTables shared by the plans of every rank (wna16-shard) -------------------------------------
+
+def plan_every_rank(folder: Path, tp: int, ep: int, *, shared: bool) -> list:
+    """Each rank's plans and ledger (or its error text), planned with one shared LayerTables or fresh ones."""
+    moe, out = read_config_files(folder), []
+    with CheckpointIndex(folder) as index:
+        scan, tables = CheckpointScan.of(index), LayerTables(index, moe)
+        for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep) * 2:  # twice: a table's second use
+            ledger = Ledger()
+            try:
+                plans = plan_layers(index, moe, parallel, ledger, scan, tables if shared else None)
+            except FormatError as exc:
+                out.append(str(exc))
+                continue
+            out.append(([(p.prefix, p.fused, p.sources) for p in plans], ledger.expected, ledger.written,
+                        ledger.offenders()))
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,stacked", [(2, 1, False), (1, 4, False), (2, 2, True)])
+def test_shared_tables_plan_every_rank_as_fresh_plans_do(tmp_path, tp, ep, stacked):
+    good(tmp_path, act_order=True, stacked=stacked, num_layers=2)
+    extra = {f"{P}.3.down_proj.bias": torch.zeros(H, dtype=torch.float16),  # unexpected, on one rank's expert
+             f"{P}.5.up_proj.g_idx": torch.zeros(H, dtype=torch.int32)}  # expert id out of range
+    rewrite(model(tmp_path), lambda t: [t.update(extra), t.pop(f"{P}.1.up_proj.scales", None)])
+    assert plan_every_rank(tmp_path, tp, ep, shared=True) == plan_every_rank(tmp_path, tp, ep, shared=False)
+
+
+def test_shared_tables_raise_a_header_error_on_the_rank_that_reads_it(tmp_path):
+    good(tmp_path)
+    name = f"{P}.3.gate_proj.qweight"
+    rewrite(model(tmp_path), lambda t: t.update({name: t[name].to(torch.int64)}))
+    shared = plan_every_rank(tmp_path, 1, 2, shared=True)
+    assert shared == plan_every_rank(tmp_path, 1, 2, shared=False)
+    assert isinstance(shared[0], tuple) and shared[1] == shared[3]
+    assert shared[1].startswith(f"{name}: dtype torch.int64 but gptq qweight must be one of")
 
 
 # --- headers ---------------------------------------------------------------------------------------------

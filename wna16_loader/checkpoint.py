@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from safetensors import safe_open
 
+from .bulk import gc_paused
 from .errors import CheckpointError, format_offenders
 from .filemap import Index, MappedFile, gather, stacked_view
 
@@ -38,9 +38,8 @@ DTYPES: dict[str, torch.dtype] = {
 ITEMSIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.items()}
 
 
-@dataclass(frozen=True)
-class TensorRef:
-    """Where one tensor lives and what its header says."""
+class TensorRef(NamedTuple):
+    """Where one tensor lives and what its header says (a named tuple: an index holds one per tensor)."""
 
     name: str
     file: str
@@ -68,15 +67,17 @@ class CheckpointIndex:
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
-        self.files = _shard_files(self.folder)
+        self.files, weight_map = _shard_files(self.folder)
         self._maps: dict[str, MappedFile] = {}
         self.refs: dict[str, TensorRef] = {}
         self.begins: dict[str, int] = {}
         self.metadata: dict[str, dict[str, str]] = {}
         self.bytes_read = 0
-        for file in self.files:
-            self._index_file(file)
-        _check_index_file(self.folder, self.refs)
+        with gc_paused():  # one TensorRef per tensor: see bulk.py
+            for file in self.files:
+                self._index_file(file)
+            if weight_map is not None:
+                _check_index_file(self.folder / INDEX_FILE, weight_map, self.refs)
 
     def _index_file(self, file: str) -> None:
         try:
@@ -85,16 +86,20 @@ class CheckpointIndex:
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"{self.folder / file}: not a readable safetensors file ({exc}).") from None
         mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
-        for name, entry in mapped.entries.items():
-            if name in self.refs:
-                raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs[name].file} and {file}; "
-                                      f"a checkpoint must hold each tensor once.")
-            dtype = DTYPES.get(entry.dtype)
-            if dtype is None:
-                raise CheckpointError(f"{file}: tensor {name!r} has dtype {entry.dtype!r}, which this "
-                                      f"loader does not know; known: {sorted(DTYPES)}.")
-            self.refs[name] = TensorRef(name, file, entry.shape, dtype)
-            self.begins[name] = entry.begin
+        refs, begins = self.refs, self.begins
+        for name, (dtype_name, shape, begin, _) in mapped.entries.items():
+            dtype = DTYPES.get(dtype_name)
+            if name in refs or dtype is None:
+                self._refuse(file, name, dtype_name)
+            refs[name] = TensorRef(name, file, shape, dtype)
+            begins[name] = begin
+
+    def _refuse(self, file: str, name: str, dtype_name: str) -> None:
+        if name in self.refs:
+            raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs[name].file} and {file}; "
+                                  f"a checkpoint must hold each tensor once.")
+        raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name!r}, which this "
+                              f"loader does not know; known: {sorted(DTYPES)}.")
 
     def __enter__(self) -> "CheckpointIndex":
         return self
@@ -179,24 +184,26 @@ def _inside(folder: Path, entry: str) -> Path:
     return resolved
 
 
-def _shard_files(folder: Path) -> list[str]:
+def _shard_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files of a checkpoint, by the Hugging Face rule: the files of
     model.safetensors.index.json when it exists; else model.safetensors alone when it exists (a stray
-    *.safetensors beside it, e.g. a reference dump, is not part of the model); else every *.safetensors."""
+    *.safetensors beside it, e.g. a reference dump, is not part of the model); else every *.safetensors.
+    Also the index file's weight map (None without one)."""
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory).")
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        files = sorted(set(_weight_map(index_path).values()))
+        weight_map = _weight_map(index_path)
+        files = sorted(set(weight_map.values()))
         for file in files:
             if not _inside(folder, file).is_file():
                 raise CheckpointError(f"{index_path}: names {file!r}, which does not exist in {folder}.")
-        return files
+        return files, weight_map
     files = [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
     for file in files:
         _inside(folder, file)
     if files:
-        return files
+        return files, None
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(f"{folder}: holds only pickle checkpoints {pickles[:5]}; they can run code when "
@@ -215,12 +222,8 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _check_index_file(folder: Path, refs: dict[str, TensorRef]) -> None:
-    """The index file (when present) and the shard headers must agree name for name."""
-    index_path = folder / INDEX_FILE
-    if not index_path.is_file():
-        return
-    weight_map = _weight_map(index_path)
+def _check_index_file(index_path: Path, weight_map: dict[str, str], refs: dict[str, TensorRef]) -> None:
+    """The index file's weight map and the shard headers must agree name for name."""
     problems = [f"{name}: index says {file}, header says {refs[name].file if name in refs else 'nowhere'}"
                 for name, file in weight_map.items() if name not in refs or refs[name].file != file]
     problems += [f"{name}: in {ref.file} but not in the index" for name, ref in refs.items()
@@ -228,3 +231,4 @@ def _check_index_file(folder: Path, refs: dict[str, TensorRef]) -> None:
     if problems:
         raise CheckpointError(f"{index_path} disagrees with the shard headers for {len(problems)} tensors:\n"
                               f"{format_offenders(problems)}")
+

@@ -7,7 +7,7 @@ none; `check` raises one CompletenessError naming every missing, duplicated or u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Iterable, NamedTuple
 
 from .errors import CompletenessError, format_offenders
 from .formats import Role
@@ -26,6 +26,12 @@ class Slot(NamedTuple):
     def __str__(self) -> str:
         return f"{self.prefix}.{self.expert}.{self.proj}.{self.role}"
 
+    @classmethod
+    def of(cls, prefix: str, expert: int, proj: Proj, role: Role) -> "Slot":
+        """The slot of one (layer, expert, projection, role); `_value_` is the member's value, read as a plain
+        attribute (`.value` is a Python-level descriptor, and a load makes thousands of slots)."""
+        return cls(prefix, expert, proj._value_, role._value_)
+
 
 @dataclass
 class Ledger:
@@ -38,15 +44,25 @@ class Ledger:
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
-        self.expected.add(Slot(prefix, expert, proj.value, role.value))
+        self.expected.add(Slot.of(prefix, expert, proj, role))
+
+    def expect_slots(self, slots: Iterable[Slot]) -> None:
+        """Declare many slots at once (as `expect` for each)."""
+        self.expected.update(slots)
 
     def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
         """Note that tensor `name` fills a slot."""
-        self.record_slot(Slot(prefix, expert, proj.value, role.value), name)
+        self.record_slot(Slot.of(prefix, expert, proj, role), name)
 
     def record_slot(self, slot: Slot, name: str) -> None:
         """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
         self.written.setdefault(slot, []).append(name)
+
+    def record_slots(self, records: Iterable[tuple[Slot, str]]) -> None:
+        """Note many (slot, name) writes at once, in order (as `record_slot` for each)."""
+        written = self.written
+        for slot, name in records:
+            written.setdefault(slot, []).append(name)
 
     def clear_records(self) -> None:
         """Forget every write and rejection (the expected slots stay)."""

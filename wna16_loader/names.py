@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .families import all_rows
 
@@ -22,6 +22,10 @@ class Proj(enum.Enum):
     UP = "up"
     DOWN = "down"
 
+    # Members are singletons compared by identity: hash them by identity too (in C), not by
+    # Enum's Python-level hash of the member name; planning uses them in keys of hot dicts.
+    __hash__ = object.__hash__
+
 
 class Source(enum.Enum):
     """What one checkpoint projection tensor carries."""
@@ -30,6 +34,8 @@ class Source(enum.Enum):
     UP = "up"
     DOWN = "down"
     GATE_UP = "gate_up"  # gate and up as the two halves of N
+
+    __hash__ = object.__hash__  # as Proj: identity, in C
 
     @property
     def projs(self) -> tuple[Proj, ...]:
@@ -70,9 +76,8 @@ _EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?
     prefix=_PREFIX, projs="|".join(re.escape(p) for p in PROJ_ALIASES)))
 
 
-@dataclass(frozen=True)
-class ExpertTensorKey:
-    """One routed-expert tensor of a checkpoint.
+class ExpertTensorKey(NamedTuple):
+    """One routed-expert tensor of a checkpoint (a named tuple: a scan makes one per expert tensor).
 
     `expert` is None for a tensor stacked over all experts (leading dim E).
     """
@@ -105,6 +110,41 @@ def parse_expert_name(name: str) -> ExpertTensorKey | None:
         source=source,
         suffix=match.group("suffix"),
     )
+
+
+class ExpertNameParser:
+    """`parse_expert_name` for the many names of one checkpoint: the regex runs once per name *shape*.
+
+    A name `{stem}.{e}.{proj}.{suffix}` whose `e` is decimal (the characters of the regex's `\\d`) can
+    only match with `e` as its expert id, since projection aliases and suffixes hold no dot; so every
+    name of one (stem, proj, suffix) shape matches or fails alike, and one match of the shape with
+    e = 0 decides them all. Other names (stacked tensors, most non-expert tensors) run the regex each.
+    """
+
+    def __init__(self) -> None:
+        self._shapes: dict[tuple[str, str, str], tuple[str, int, Source, str] | None] = {}
+
+    def __call__(self, name: str) -> ExpertTensorKey | None:
+        """What `parse_expert_name(name)` returns."""
+        body, _, suffix = name.rpartition(".")
+        numbered, _, proj = body.rpartition(".")
+        stem, dot, expert = numbered.rpartition(".")
+        if _DOTTED_ALIASES or not (dot and expert.isdecimal()):
+            return parse_expert_name(name)
+        shape = (stem, proj, suffix)
+        found = self._shapes.get(shape, _UNSEEN)
+        if found is _UNSEEN:
+            key = parse_expert_name(f"{stem}.0.{proj}.{suffix}")
+            found = None if key is None else (key.experts_prefix, key.layer, key.source, key.suffix)
+            self._shapes[shape] = found
+        if found is None:
+            return None
+        experts_prefix, layer, source, parsed_suffix = found
+        return ExpertTensorKey(name, experts_prefix, layer, int(expert), source, parsed_suffix)
+
+
+_UNSEEN = object()
+_DOTTED_ALIASES = any("." in alias for alias in PROJ_ALIASES)  # the shape rule needs dot-free aliases
 
 
 def experts_prefix_for(root: str, layer: int, module: str | None) -> str:

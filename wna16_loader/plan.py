@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
+from .bulk import gc_paused
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import CheckpointError, FormatError
 from .extract import SourceTensors, check_header, expected_shape
 from .formats import Role
 from .fused import FusedSpec, layer_projections
-from .ledger import Ledger
+from .ledger import Ledger, Slot
 from .modelconfig import MoEConfig
-from .names import ExpertTensorKey, Proj, Source, parse_expert_name, prefix_at_layer
+from .names import ExpertNameParser, ExpertTensorKey, Proj, Source, prefix_at_layer
 from .parallel import ParallelConfig
 from .sharding import LayerGeometry
 
@@ -46,34 +47,40 @@ class CheckpointScan:
 
     @classmethod
     def of(cls, index: CheckpointIndex) -> "CheckpointScan":
-        """Parse every name once."""
+        """Parse every name once (the name regex once per name shape: `ExpertNameParser`)."""
         layers: dict[str, list[ExpertTensorKey]] = defaultdict(list)
         others = []
-        for name in index.refs:
-            key = parse_expert_name(name)
-            if key is None:
-                others.append(name)
-            else:
-                layers[key.experts_prefix].append(key)
+        parse = ExpertNameParser()
+        with gc_paused():  # one key per name: see bulk.py
+            for name in index.refs:
+                key = parse(name)
+                if key is None:
+                    others.append(name)
+                else:
+                    layers[key.experts_prefix].append(key)
         return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
 
 
 def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, ledger: Ledger,
-                scan: CheckpointScan | None = None) -> list[LayerPlan]:
-    """Plan every MoE layer of the checkpoint for `parallel`'s rank."""
+                scan: CheckpointScan | None = None, tables: LayerTables | None = None) -> list[LayerPlan]:
+    """Plan every MoE layer of the checkpoint for `parallel`'s rank. Plans of several ranks of one
+    checkpoint share one `tables` (built from `index` and `moe`), so that what does not depend on the
+    rank is worked out once."""
     scan = scan or CheckpointScan.of(index)
+    tables = tables or LayerTables(index, moe)
     if not scan.layers:
         raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
                               f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
     report_missing_layers(moe, scan, ledger)
     plans = []
-    for prefix, keys in scan.layers.items():
-        layer = keys[0].layer
-        if layer not in moe.moe_layers:
-            for key in keys:
-                ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
-            continue
-        plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger))
+    with gc_paused():  # tables, slots and sources per tensor: see bulk.py
+        for prefix, keys in scan.layers.items():
+            layer = keys[0].layer
+            if layer not in moe.moe_layers:
+                for key in keys:
+                    ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
+                continue
+            plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger, tables))
     return plans
 
 
@@ -90,23 +97,134 @@ def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) 
 
 
 def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
-               keys: list[ExpertTensorKey], ledger: Ledger) -> LayerPlan:
+               keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables | None = None) -> LayerPlan:
     """Plan one layer: EP filter, header checks, ledger entries."""
-    layer = keys[0].layer
-    geometry = layer_geometry(moe, parallel, layer)
-    local = set(geometry.experts)
-    entries = _group_entries(index, moe, keys, local, ledger)
+    geometry = layer_geometry(moe, parallel, keys[0].layer)
+    table = (tables or LayerTables(index, moe)).layer(prefix, keys)
+    for name, why in table.rejects:
+        ledger.reject(name, why)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
-    for expert in sorted(local):
-        for proj in layer_projections(moe.gated):
-            candidates = [_source(geometry, entries[ek], ek, expert) for ek in _candidates(entries, expert, proj)]
-            _record(ledger, moe, prefix, expert, proj, candidates)
-            if candidates:
-                sources[(expert, proj)] = candidates[0]
-    check_headers(moe, sources.values(), geometry.num_experts)  # each tensor's own error before cross-tensor checks
-    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, sources), gated=moe.gated,
+    checks: list[tuple[EntryKey, SourceTensors]] = []
+    scales: dict[torch.dtype, str] = {}  # scale dtype -> the last tensor of that dtype
+    for expert in sorted(set(geometry.experts)):
+        slots = table.expert(expert)
+        ledger.expect_slots(slots.expected)
+        ledger.record_slots(slots.records)
+        for proj, entry, src in slots.sources:
+            sources[(expert, proj)] = src
+            checks.append((entry, src))
+        scales.update(slots.scales)
+    table.check_headers(checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
                          activation=moe.activation)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
+
+
+EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
+
+
+class ExpertSlots(NamedTuple):
+    """One expert of one layer, for any rank that holds it: the first source of each projection (with
+    its entry), the slots it must fill and the (slot, tensor name) writes of every source found."""
+
+    sources: tuple[tuple[Proj, EntryKey, SourceTensors], ...]
+    expected: tuple[Slot, ...]
+    records: tuple[tuple[Slot, str], ...]
+    scales: tuple[tuple[torch.dtype, str], ...]  # (dtype, name) of the scales of each source that has them
+
+
+class LayerTable:
+    """One layer's routed-expert tensors under one config, rank by rank the same: the tensors that feed no
+    slot (name, why), the entries (expert or None, source) -> {role: ref} of the others, each expert's
+    `ExpertSlots` (made when first asked) and the entries whose headers passed `check_headers`."""
+
+    def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
+                 rules: KeyRules) -> None:
+        self.moe, self.prefix = moe, prefix
+        self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
+        self.rejects: list[tuple[str, str]] = []
+        self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
+        self.passed: set[EntryKey] = set()
+        self._experts: dict[int, ExpertSlots] = {}
+        self._required = [layout.role for layout in moe.quant.layouts if moe.quant.required(layout)]
+        refs, entries, roles = index.refs, self.entries, rules.roles
+        for key in keys:
+            problem = rules.problem(key)
+            if problem is not None:
+                self.rejects.append((key.name, problem))
+            else:
+                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = refs[key.name]
+
+    def expert(self, expert: int) -> ExpertSlots:
+        """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
+        if expert not in self._experts:
+            sources, expected, records = [], [], []
+            for proj in layer_projections(self.moe.gated):
+                entries = _candidates(self.entries, expert, proj)
+                candidates = [self._source(entry, expert) for entry in entries]
+                expected += [Slot.of(self.prefix, expert, proj, role) for role in self._required]
+                records += [(Slot.of(self.prefix, expert, proj, role), ref.name)
+                            for src in candidates for role, ref in src.tensors.items()]
+                if candidates:
+                    sources.append((proj, entries[0], candidates[0]))
+            scales = tuple((src.tensors[Role.SCALES].dtype, src.tensors[Role.SCALES].name)
+                           for _, _, src in sources if Role.SCALES in src.tensors)
+            self._experts[expert] = ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
+        return self._experts[expert]
+
+    def check_headers(self, checks: list[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
+        """`check_headers` of the sources whose entries have not passed it yet (in order)."""
+        todo = [(entry, src) for entry, src in checks if entry not in self.passed]
+        check_headers(self.moe, [src for _, src in todo], num_experts)
+        self.passed.update(entry for entry, _ in todo)
+
+    def _source(self, entry: EntryKey, expert: int) -> SourceTensors:
+        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], self.entries[entry],
+                                    expert if entry[0] is None else None)
+
+
+class KeyRules:
+    """`expert_key_problem` over the many keys of one checkpoint: its kind part once per (suffix, source,
+    stacked), the expert count once per layer, module coverage once per module name."""
+
+    def __init__(self, moe: MoEConfig) -> None:
+        self.moe = moe
+        self.roles = {layout.suffix: layout.role for layout in reversed(moe.quant.layouts)}  # first wins
+        self._kinds = _Memo(lambda kind: _kind_problem(moe, *kind))
+        self._counts = _Memo(lambda layer: moe.layer(layer).num_experts)
+        self._covers = _Memo(moe.quant.modules.covers).__getitem__
+
+    def problem(self, key: ExpertTensorKey) -> str | None:
+        """`expert_key_problem(self.moe, key)`."""
+        return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer],
+                            self._covers)
+
+
+class _Memo(dict):
+    """`fn(key)` for each key, worked out at its first lookup and kept (a later lookup is one dict lookup)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, key: Any) -> Any:
+        value = self[key] = self.fn(key)
+        return value
+
+
+class LayerTables:
+    """Every layer's `LayerTable` of one checkpoint (`index`) under one config (`moe`), made when first
+    planned: the plans of all ranks (`wna16-shard`) share one, so 8 ranks cost little more than 1."""
+
+    def __init__(self, index: CheckpointIndex, moe: MoEConfig) -> None:
+        self.index, self.moe, self.rules = index, moe, KeyRules(moe)
+        self._layers: dict[str, LayerTable] = {}
+
+    def layer(self, prefix: str, keys: list[ExpertTensorKey]) -> LayerTable:
+        """The table of the layer whose keys (all of them, from the scan) are `keys`."""
+        if prefix not in self._layers:
+            self._layers[prefix] = LayerTable(self.index, self.moe, prefix, keys, self.rules)
+        return self._layers[prefix]
 
 
 def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors], num_experts: int) -> None:
@@ -149,37 +267,32 @@ def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, 
             ledger.expect(prefix, expert, proj, layout.role)
 
 
-EntryKey = tuple[int | None, Source]
-
-
-def _group_entries(index: CheckpointIndex, moe: MoEConfig, keys: list[ExpertTensorKey], local: set[int],
-                   ledger: Ledger) -> dict[EntryKey, dict]:
-    """(expert or None, source) -> {role: ref}, for local experts and stacked tensors only."""
-    entries: dict[EntryKey, dict] = defaultdict(dict)
-    for key in keys:
-        problem = expert_key_problem(moe, key)
-        if problem is not None:
-            ledger.reject(key.name, problem)
-        elif key.expert is None or key.expert in local:
-            layout = moe.quant.layout_for_suffix(key.suffix)
-            assert layout is not None, "expert_key_problem checks the suffix"
-            entries[(key.expert, key.source)][layout.role] = index.refs[key.name]
-    return entries
-
-
 def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
     """Why routed-expert tensor `key` feeds no fused slot under `moe` (None when it does): the one rule
     shared by the planner, the engine hook and the name mapping."""
-    if moe.quant.layout_for_suffix(key.suffix) is None:
-        return f"suffix {key.suffix!r} is not a {moe.quant.format_name} expert tensor"
-    if not moe.gated and Proj.GATE in key.source.projs:
-        return f"a {key.source.value} tensor, but {moe.family} experts are not gated (up and down projections only)"
-    if key.expert is None and key.source not in STACKED_SOURCES:
-        return f"a stacked {key.source.value} tensor; only gate_up_proj and down_proj stack"
-    count = moe.layer(key.layer).num_experts
+    return _key_problem(key, _kind_problem(moe, key.suffix, key.source, key.expert is None),
+                        moe.layer(key.layer).num_experts, moe.quant.modules.covers)
+
+
+def _kind_problem(moe: MoEConfig, suffix: str, source: Source, stacked: bool) -> str | None:
+    """The part of the rule that depends on the kind of tensor only (suffix, source, stacked or not)."""
+    if moe.quant.layout_for_suffix(suffix) is None:
+        return f"suffix {suffix!r} is not a {moe.quant.format_name} expert tensor"
+    if not moe.gated and Proj.GATE in source.projs:
+        return f"a {source.value} tensor, but {moe.family} experts are not gated (up and down projections only)"
+    if stacked and source not in STACKED_SOURCES:
+        return f"a stacked {source.value} tensor; only gate_up_proj and down_proj stack"
+    return None
+
+
+def _key_problem(key: ExpertTensorKey, kind_problem: str | None, count: int,
+                 covers: Callable[[str], bool]) -> str | None:
+    """The rule, given its kind part, the layer's expert `count` and the module filter."""
+    if kind_problem is not None:
+        return kind_problem
     if key.expert is not None and key.expert >= count:
         return f"expert id {key.expert} >= expert count {count}"
-    if not moe.quant.modules.covers(key.module_name):
+    if not covers(key.module_name):
         return "its module is excluded by the quantization config (targets/ignore)"
     return None
 
@@ -192,22 +305,8 @@ def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[
     return [ek for source in SOURCES_OF[proj] for ek in ((expert, source), (None, source)) if ek in entries]
 
 
-def _source(geometry: LayerGeometry, tensors: dict, entry: EntryKey, expert: int) -> SourceTensors:
-    return sizes_source_tensors(geometry.hidden, geometry.intermediate, entry[1], tensors,
-                                expert if entry[0] is None else None)
-
-
-def _record(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj,
-            candidates: list[SourceTensors]) -> None:
-    expect_projection(ledger, moe, prefix, expert, proj)
-    for src in candidates:
-        for role, ref in src.tensors.items():
-            ledger.record(prefix, expert, proj, role, ref.name)
-
-
-def _scale_dtype(prefix: str, sources: dict[tuple[int, Proj], SourceTensors]) -> torch.dtype:
-    found = {src.tensors[Role.SCALES].dtype: src.tensors[Role.SCALES].name
-             for src in sources.values() if Role.SCALES in src.tensors}
+def _scale_dtype(prefix: str, found: dict[torch.dtype, str]) -> torch.dtype:
+    """The one dtype of a layer's scales (`found`: dtype -> a tensor of that dtype; float16 when none)."""
     if len(found) > 1:
         raise FormatError(f"{prefix}: scales use several dtypes {[(str(d), n) for d, n in found.items()]}; one "
                           f"layer's fused scales need one dtype.")

@@ -10,12 +10,13 @@ from typing import Any
 
 from ..checkpoint import INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex, nbytes_of
 from ..errors import CheckpointError, CompletenessError, PreshardError, format_offenders
+from ..bulk import gc_paused
 from ..fused import FusedSpec
 from ..ledger import Ledger
 from ..logs import log, warn_reduced_groups
 from ..modelconfig import MoEConfig, read_config_files
 from ..parallel import ParallelConfig
-from ..plan import CheckpointScan, LayerPlan, plan_layers
+from ..plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
 from ..presharded import SCHEMA_VERSION
 from ..presliced import SlicedTensor, slice_layer
 
@@ -138,29 +139,47 @@ def check_source_folder(src: str | Path) -> Path:
 
 def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, grid: tuple[int, int, str],
                 max_file_size: int, layout: str) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
-    """Plan every rank with plan_layers; note which source tensors feed which ranks."""
-    ranks, feeds = [], {}
+    """Plan every rank with plan_layers (sharing one LayerTables: what does not depend on the rank is
+    worked out once); note which source tensors feed which ranks."""
+    ranks = []
+    feeds: dict[int, tuple[dict, list[int]]] = {}  # id of a source's tensors dict -> (that dict, ranks)
     tp, ep, placement = grid
-    for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep, expert_placement=placement):
-        ledger = Ledger()
-        plans = plan_layers(index, moe, parallel, ledger, scan)
-        ledger.check()
-        sizes: dict[str, int] = {}
-        sliced: dict[str, SlicedTensor] = {}
-        for plan in plans:
-            if layout == "checkpoint":
-                sliced.update(slice_layer(moe.quant, plan))
-            else:
-                sizes.update({f"{plan.prefix}.{name}": nbytes_of(shape, dtype)
-                              for name, (shape, dtype) in plan.fused.shapes().items()})
-            for src in plan.sources.values():
-                for ref in src.tensors.values():
-                    feeds.setdefault(ref.name, set()).add(parallel.rank)
-        sizes.update({name: t.nbytes for name, t in sliced.items()})
-        folder = rank_folder(parallel.rank, parallel.world_size)
-        ranks.append(RankPlan(parallel, {p.prefix: p for p in plans},
-                              split_files(folder, sizes, max_file_size), sliced))
-    return tuple(ranks), {name: tuple(sorted(r)) for name, r in sorted(feeds.items())}
+    tables = LayerTables(index, moe)
+    with gc_paused():  # every rank's plans, files and feeds: see bulk.py
+        for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep, expert_placement=placement):
+            ranks.append(_plan_rank(index, moe, scan, tables, parallel, feeds, max_file_size, layout))
+        expert_sources = {ref.name: tuple(fed) for tensors, fed in feeds.values() for ref in tensors.values()}
+    return tuple(ranks), dict(sorted(expert_sources.items()))
+
+
+def _plan_rank(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, tables: LayerTables,
+               parallel: ParallelConfig, feeds: dict[int, tuple[dict, list[int]]], max_file_size: int,
+               layout: str) -> RankPlan:
+    """One rank's plan (its ledger checked) and files; the tensors it reads noted in `feeds`."""
+    ledger = Ledger()
+    plans = plan_layers(index, moe, parallel, ledger, scan, tables)
+    ledger.check()
+    sizes: dict[str, int] = {}
+    sliced: dict[str, SlicedTensor] = {}
+    for plan in plans:
+        if layout == "checkpoint":
+            sliced.update(slice_layer(moe.quant, plan))
+        else:
+            sizes.update({f"{plan.prefix}.{name}": nbytes_of(shape, dtype)
+                          for name, (shape, dtype) in plan.fused.shapes().items()})
+        _note_feeds(feeds, plan, parallel.rank)
+    sizes.update({name: t.nbytes for name, t in sliced.items()})
+    folder = rank_folder(parallel.rank, parallel.world_size)
+    return RankPlan(parallel, {p.prefix: p for p in plans}, split_files(folder, sizes, max_file_size), sliced)
+
+
+def _note_feeds(feeds: dict[int, tuple[dict, list[int]]], plan: LayerPlan, rank: int) -> None:
+    """Note that the tensors of every source of `plan` feed `rank` (ranks come in increasing order). Sources
+    are noted by their tensors dict, which the plans of all ranks share (a stacked tensor's, every row's)."""
+    for src in plan.sources.values():
+        _, fed = feeds.setdefault(id(src.tensors), (src.tensors, []))
+        if not fed or fed[-1] != rank:
+            fed.append(rank)
 
 
 def _check_account(index: CheckpointIndex, scan: CheckpointScan, expert_sources: dict[str, Any]) -> None:
