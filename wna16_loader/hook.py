@@ -32,7 +32,7 @@ from .errors import FormatError
 from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweights
 from .formats import Role
 from .fused import FusedWriter, layer_projections
-from .ledger import Ledger
+from .ledger import Ledger, Slot
 from .modelconfig import MoEConfig
 from .mapping import ShardId, default_alias
 from .names import Proj, Source, parse_expert_name
@@ -267,8 +267,8 @@ class ExpertLoadHook:
             for experts, sources in _plan_runs(plan, proj):
                 self.tensors += sum(len(src.tensors) for src in sources)
                 for expert, src in zip(experts, sources) if record else ():
-                    for role, ref in src.tensors.items():
-                        self.ledger.record(self.prefix, expert, proj, role, ref.name)
+                    self.ledger.record_slots((Slot.of(self.prefix, expert, proj, role), ref.name)
+                                             for role, ref in src.tensors.items())
                     self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
                 self.write(index, writer, experts, proj, sources)
 

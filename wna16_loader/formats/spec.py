@@ -27,6 +27,8 @@ class Role(enum.Enum):
     G_IDX = "g_idx"
     SHAPE = "shape"
 
+    __hash__ = object.__hash__  # members are singletons: hash by identity, in C (hot dict keys in planning)
+
 
 class Dim(enum.Enum):
     """A logical storage dimension of a projection W[N, K]."""
