@@ -119,6 +119,13 @@ def storage_index(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
     return tuple(index)
 
 
+def storage_indices(layout: TensorLayout, spans: dict[Dim, Span], per_word: int,
+                    sources: Sequence[SourceTensors]) -> list[tuple[slice | int, ...]]:
+    """`storage_index` of every source of a batch (one computation; stacked sources get their row first)."""
+    index = storage_index(layout, spans, per_word, None)
+    return [index if src.expert_row is None else (src.expert_row, *index) for src in sources]
+
+
 def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
               spans: dict[Dim, Span], pick: torch.Tensor | None = None) -> torch.Tensor:
     """The part of one role tensor of every source covering `spans`, unpacked, stacked over the
@@ -127,7 +134,7 @@ def read_role(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sourc
     One stack copies every source's slice out of the file mapping; the conversion then runs
     once for the whole batch.
     """
-    storage = [storage_index(layout, spans, spec.pack_factor, src.expert_row) for src in sources]
+    storage = storage_indices(layout, spans, spec.pack_factor, sources)
     raw = reader.gather([src.tensors[layout.role] for src in sources], storage)
     tensor = _unpacked(raw, spec, layout, spans, lead=1)
     if pick is not None and Dim.GROUP in layout.dims:
@@ -246,8 +253,10 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     step = max(1, (QWEIGHT_CHUNK_BYTES if upload is None else UPLOAD_CHUNK_BYTES) // (4 * words))
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
-        raw = _stacked([reader.view(src.tensors[Role.QWEIGHT], storage_index(
-            layout, spans, spec.pack_factor, src.expert_row)) for src in sources[chunk]], upload)
+        refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
+        indices = storage_indices(layout, spans, spec.pack_factor, sources[chunk])
+        raw = reader.gather(refs, indices) if upload is None else \
+            _stacked([reader.view(ref, index) for ref, index in zip(refs, indices)], upload)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
 
@@ -263,7 +272,7 @@ def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, so
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
         refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
-        indices = [storage_index(layout, spans, spec.pack_factor, src.expert_row) for src in sources[chunk]]
+        indices = storage_indices(layout, spans, spec.pack_factor, sources[chunk])
         words = reader.view_stacked(refs, indices) if len(refs) > 1 else None
         if words is not None or step > 2:
             words = reader.gather(refs, indices) if words is None else words

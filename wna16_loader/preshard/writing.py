@@ -9,7 +9,7 @@ import multiprocessing
 import os
 import signal
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
@@ -42,8 +42,12 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
     try:
         if workers <= 1:
             state = {"written": 0, "kill_after": KILL_AFTER_FILES}
-            with CheckpointIndex(plan.source) as index:  # one mapping per source file for every folder
-                results = [write_group(out, plan, g, journal, state, meter.advance, index=index) for g in groups]
+            # one mapping per source file for every folder; one committer, so that a folder's last fsync
+            # overlaps the next folder's work
+            with CheckpointIndex(plan.source) as index, ThreadPoolExecutor(1, "wna16-commit") as commits:
+                pending = [write_folder(out, plan, g, journal, state, meter.advance, index=index, commits=commits)
+                           for g in groups]
+            results = [(summary, [future.result() for future in futures]) for summary, futures in pending]
         else:
             results = _write_parallel(out, plan, groups, journal, workers)
             for summary, _ in results:
@@ -67,28 +71,36 @@ def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journa
 
 
 def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
-                 state: dict[str, int], advance: Callable[[int, str], None] | None = None, *,
-                 index: CheckpointIndex | None = None) -> tuple[RankSummary, list[dict[str, Any]]]:
-    """Write one folder's files (common/ when `group` is None, else rank `group`), one file at a time;
-    `advance(bytes, path)` is called after each file (kept ones included). `index`: the source, already
-    open (folders written one after another share its mappings and the pages they faulted in)."""
+                state: dict[str, int], advance: Callable[[int, str], None] | None = None, *,
+                index: CheckpointIndex | None = None) -> tuple[RankSummary, list[dict[str, Any]]]:
+    """Write one folder's files (common/ when `group` is None, else rank `group`) and wait for them to be
+    committed; their journal records. `advance(bytes, path)` is called after each file (kept ones included).
+    `index`: the source, already open (folders written one after another share its mappings and the pages
+    they faulted in)."""
+    with ThreadPoolExecutor(1, "wna16-commit") as commits:
+        summary, futures = write_folder(out, plan, group, journal, state, advance, index=index, commits=commits)
+    return summary, [future.result() for future in futures]
+
+
+def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
+                 state: dict[str, int], advance: Callable[[int, str], None] | None, *,
+                 index: CheckpointIndex | None, commits: Executor) -> tuple[RankSummary, list[Future[dict[str, Any]]]]:
+    """`write_group`, except that each file, once written to its temporary name, is handed to `commits`
+    (one thread: fsync, rename, journal, in order) while the next one is produced; the futures of those
+    commits are returned, not waited for."""
     start = time.perf_counter()
     rank = None if group is None else plan.ranks[group]
     folder, files = (COMMON_DIR, plan.common) if rank is None else (rank.folder, rank.files)
     make_dir(out / folder)
     todo = [f for f in files if f.path not in journal]
     metadata = file_metadata(plan, "common" if rank is None else str(rank.parallel.rank))
-    records = []
+    futures = []
     if todo:
         with nullcontext(index) if index is not None else CheckpointIndex(plan.source) as source_index:
             source = _tensor_source(plan, rank, source_index)
             for fp in todo:
-                record = write_safetensors(out, fp, source, metadata)
-                append_journal(out, record)
-                records.append(record)
-                _maybe_kill(state)
-                if advance is not None:
-                    advance(fp.nbytes, fp.path)
+                written = write_temporary(out, fp, source, metadata)
+                futures.append(commits.submit(_commit_file, out, fp, written, state, advance))
     kept = [fp for fp in files if fp.path in journal]
     if advance is not None and kept:
         advance(sum(fp.nbytes for fp in kept), f"{folder} ({len(kept)} files kept)")
@@ -98,7 +110,20 @@ def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str
                                                        "weight_map": dict(sorted(weight_map.items()))})
     summary = RankSummary(folder, len(files), sum(len(f.tensors) for f in files), sum(f.nbytes for f in files),
                           time.perf_counter() - start, kept=len(files) - len(todo))
-    return summary, records
+    return summary, futures
+
+
+def _commit_file(out: Path, fp: FilePlan, record: dict[str, Any], state: dict[str, int],
+                 advance: Callable[[int, str], None] | None) -> dict[str, Any]:
+    """Make one written file durable under its final name (fsync, rename, fsync the folder), then journal it."""
+    final = out / fp.folder / fp.name
+    with writing(final, final.with_name(f".{fp.name}.tmp")):
+        commit(final.with_name(f".{fp.name}.tmp"), final)
+    append_journal(out, record)
+    _maybe_kill(state)
+    if advance is not None:
+        advance(fp.nbytes, fp.path)
+    return record
 
 
 def _maybe_kill(state: dict[str, int]) -> None:
@@ -165,15 +190,15 @@ def file_metadata(plan: ShardPlan, rank: str) -> dict[str, str]:
             "rank": rank, "wna16_manifest_schema": str(SCHEMA_VERSION)}
 
 
-def write_safetensors(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str]) -> dict[str, Any]:
-    """Write one file atomically (tmp, fsync, rename), streaming its tensors; its record for the manifest."""
+def write_temporary(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one file under its temporary name (`.NAME.tmp`, next to it), streaming its tensors; its
+    record for the manifest. `_commit_file` then makes it durable under its name."""
     final = out / fp.folder / fp.name
     tmp = final.with_name(f".{fp.name}.tmp")
     metas = {name: source.meta(name) for name in sorted(fp.tensors)}
     with writing(final, tmp):
         with open(tmp, "wb") as handle:
             records, digest = _serialize(handle, metas, source.fetch, metadata)
-        commit(tmp, final)
     return {"path": fp.path, "sha256": digest, "tensors": records}
 
 
