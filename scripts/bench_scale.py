@@ -115,11 +115,14 @@ def child(mode: str, path: str, extra: str) -> dict[str, Any]:
 
     folder = Path(path)
     tp1, tp8, ep8 = ParallelConfig(1, 0), ParallelConfig(8, 7), ParallelConfig(1, 0, 8, 7)
+    hold = sum(f.stat().st_size for f in files_of(folder)) < TP1_MAX_BYTES  # keep every copy, as a load does
+    floor = run_floor if hold else lambda path, t: per_file(run_floor, path, t)
+    floortr = run_floor_transposed if hold else lambda path, t: per_file(run_floor_transposed, path, t)
     prepared = {
-        "floor": lambda: (lambda t: lambda: per_file(run_floor, folder, t))(expert_tensors(folder)),
-        "floortr": lambda: (lambda t: lambda: per_file(run_floor_transposed, folder, t))(expert_tensors(folder)),
-        "own": lambda: (lambda t: lambda: per_file(run_floor, folder, t))(expert_tensors(folder, ep8)),
-        "owntr": lambda: (lambda t: lambda: per_file(run_floor_transposed, folder, t))(expert_tensors(folder, ep8)),
+        "floor": lambda: (lambda t: lambda: floor(folder, t))(expert_tensors(folder)),
+        "floortr": lambda: (lambda t: lambda: floortr(folder, t))(expert_tensors(folder)),
+        "own": lambda: (lambda t: lambda: run_floor(folder, t))(expert_tensors(folder, ep8)),  # a rank's share fits
+        "owntr": lambda: (lambda t: lambda: run_floor_transposed(folder, t))(expert_tensors(folder, ep8)),
         "tp1": lambda: lambda: load_experts(folder, tp1),
         "tp8": lambda: lambda: load_experts(folder, tp8),
         "ep8": lambda: lambda: load_experts(folder, ep8),
@@ -142,8 +145,9 @@ def child(mode: str, path: str, extra: str) -> dict[str, Any]:
 
 
 def per_file(floor: Any, folder: Path, tensors: dict[str, list[str]]) -> None:
-    """A floor read file by file, each file's copies dropped before the next (at 15 GB, holding every copy
-    would push the checkpoint itself out of the page cache of a 24 GiB machine)."""
+    """A floor read file by file, each file's copies dropped before the next: for checkpoints over
+    TP1_MAX_BYTES, where holding every copy would push the checkpoint itself out of the page cache of a
+    24 GiB machine (the copies then reuse freed memory: fewer page faults than a load that keeps its output)."""
     for file, names in tensors.items():
         floor(folder, {file: names})
 
