@@ -25,8 +25,9 @@ from wna16_loader import (FusedMoEExperts, ParallelConfig, check_model_complete,
 from wna16_loader.checkpoint import CheckpointIndex
 from wna16_loader.device import DevicePolicy
 from wna16_loader.errors import DeviceError, WNA16Error
-from wna16_loader.extract import rank_spans, read_qweights
-from wna16_loader import extract
+from wna16_loader.extract import rank_spans
+from wna16_loader.qweights import read_qweights
+from wna16_loader import qweights
 from wna16_loader.formats import Dim
 from wna16_loader.fused import FusedWriter
 from wna16_loader.ledger import Ledger
@@ -319,7 +320,7 @@ def test_upload_path_equals_host_path(tmp_path: Path, monkeypatch: pytest.Monkey
     write_checkpoint(tmp_path, quant_config(fmt, bits=bits, group_size=group), hidden=64, intermediate=intermediate,
                      num_experts=6, num_layers=1)
     moe, plan = read_config_files(tmp_path), first_plan(tmp_path, ParallelConfig(tp, rank))
-    monkeypatch.setattr(extract, "UPLOAD_CHUNK_BYTES", 1)  # one expert per upload: several chunks
+    monkeypatch.setattr(qweights, "UPLOAD_CHUNK_BYTES", 1)  # one expert per upload: several chunks
     with CheckpointIndex(tmp_path) as index, StandIn(count=4):
         for proj in Proj:
             sources = [plan.sources[(e, proj)] for e in plan.fused.experts]

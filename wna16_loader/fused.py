@@ -36,7 +36,8 @@ import torch
 
 from .device import DevicePolicy
 from .errors import FormatError
-from .extract import PAGE_BYTES, ProjectionParams
+from .extract import ProjectionParams
+from .qweights import PAGE_BYTES
 from .formats import QuantSpec
 from .names import Proj
 from .packing import pack_bytes, unpack_bytes

@@ -29,7 +29,8 @@ import torch
 
 from .checkpoint import CheckpointIndex, TensorRef
 from .errors import FormatError
-from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params, read_qweights
+from .extract import SourceTensors, TensorReader, check_dropped_role, check_header, rank_spans, read_params
+from .qweights import read_qweights
 from .formats import Role
 from .fused import FusedWriter, layer_projections
 from .ledger import Ledger, Slot
