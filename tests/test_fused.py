@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from wna16_loader import FormatError, ParallelConfig
 from wna16_loader.extract import ProjectionParams
-from wna16_loader.formats import Role, resolve_quant_spec
+from wna16_loader.formats import resolve_quant_spec
 from wna16_loader.fused import FusedExperts, FusedSpec, FusedWriter, copy_transposing, dequantize
 from wna16_loader.names import Proj
 from wna16_loader.padfill import real_groups
