@@ -116,14 +116,20 @@ def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
 def _commit_file(out: Path, fp: FilePlan, record: dict[str, Any], state: dict[str, int],
                  advance: Callable[[int, str], None] | None) -> dict[str, Any]:
     """Make one written file durable under its final name (fsync, rename, fsync the folder), then journal it."""
-    final = out / fp.folder / fp.name
-    with writing(final, final.with_name(f".{fp.name}.tmp")):
-        commit(final.with_name(f".{fp.name}.tmp"), final)
+    final, tmp = _paths(out, fp)
+    with writing(final, tmp):
+        commit(tmp, final)
     append_journal(out, record)
     _maybe_kill(state)
     if advance is not None:
         advance(fp.nbytes, fp.path)
     return record
+
+
+def _paths(out: Path, fp: FilePlan) -> tuple[Path, Path]:
+    """(final path, temporary path `.NAME.tmp` next to it) of one output file."""
+    final = out / fp.folder / fp.name
+    return final, final.with_name(f".{fp.name}.tmp")
 
 
 def _maybe_kill(state: dict[str, int]) -> None:
@@ -193,8 +199,7 @@ def file_metadata(plan: ShardPlan, rank: str) -> dict[str, str]:
 def write_temporary(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str]) -> dict[str, Any]:
     """Write one file under its temporary name (`.NAME.tmp`, next to it), streaming its tensors; its
     record for the manifest. `_commit_file` then makes it durable under its name."""
-    final = out / fp.folder / fp.name
-    tmp = final.with_name(f".{fp.name}.tmp")
+    final, tmp = _paths(out, fp)
     metas = {name: source.meta(name) for name in sorted(fp.tensors)}
     with writing(final, tmp):
         with open(tmp, "wb") as handle:
