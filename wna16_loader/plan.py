@@ -146,7 +146,7 @@ class LayerTable:
         self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
         self.passed: set[EntryKey] = set()
         self._experts: dict[int, ExpertSlots] = {}
-        self._required = [layout.role for layout in moe.quant.layouts if moe.quant.required(layout)]
+        self._required = required_roles(moe)
         refs, entries, roles = index.refs, self.entries, rules.roles
         for key in keys:
             problem = rules.problem(key)
@@ -260,11 +260,14 @@ def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors
                          k_total=k_total)
 
 
+def required_roles(moe: MoEConfig) -> list[Role]:
+    """The roles the format requires of every projection (e.g. qweight, scales; qzeros when asymmetric)."""
+    return [layout.role for layout in moe.quant.layouts if moe.quant.required(layout)]
+
+
 def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj) -> None:
     """Declare every role the format requires for one projection of one local expert."""
-    for layout in moe.quant.layouts:
-        if moe.quant.required(layout):
-            ledger.expect(prefix, expert, proj, layout.role)
+    ledger.expect_slots(Slot.of(prefix, expert, proj, role) for role in required_roles(moe))
 
 
 def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
