@@ -36,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import bench  # noqa: E402  (the checkpoint builder of the CPU benchmark)
+
 from wna16_loader import LoadedExperts, ParallelConfig, load_experts  # noqa: E402
-from wna16_loader.device import DevicePolicy  # noqa: E402
+from wna16_loader.load.device import DevicePolicy  # noqa: E402
 from wna16_loader.preshard import preshard_checkpoint  # noqa: E402
-from wna16_loader.standin import StandIn  # noqa: E402
+from wna16_loader.testing.standin import StandIn  # noqa: E402
 
 
 def empty_caches(policy: DevicePolicy) -> None:

@@ -50,11 +50,12 @@ EXPERTS, HIDDEN, INTER, GROUP = 128, 2048, 768, 128
 
 def build(workdir: Path, size: str) -> Path:
     """Write the checkpoint once: header, then constant bytes per tensor (no packing, no randomness)."""
-    from wna16_loader.extract import SourceTensors, expected_shape
-    from wna16_loader.formats import Role, resolve_quant_spec
-    from wna16_loader.names import Source
-    from wna16_loader.synthetic import FAMILIES, model_config, quant_config
     import torch
+
+    from wna16_loader.formats import Role, resolve_quant_spec
+    from wna16_loader.load.params import SourceTensors, expected_shape
+    from wna16_loader.models.names import Source
+    from wna16_loader.testing.synthetic import WRITER_MODELS, model_config, quant_config
 
     folder = workdir / f"{size}-gptq-int4-g{GROUP}"
     if (folder / ".complete").is_file():
@@ -63,7 +64,7 @@ def build(workdir: Path, size: str) -> Path:
     folder.mkdir(parents=True)
     qc = quant_config("gptq", bits=4, group_size=GROUP, symmetric=True)
     spec, layers = resolve_quant_spec(qc), SCALE_SIZES[size]
-    config = model_config(FAMILIES["qwen3_moe"], qc, num_experts=EXPERTS, hidden=HIDDEN, intermediate=INTER,
+    config = model_config(WRITER_MODELS["qwen3_moe"], qc, num_experts=EXPERTS, hidden=HIDDEN, intermediate=INTER,
                           num_layers=layers, top_k=8)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     fill = {Role.QWEIGHT: (torch.int32, 0x76543210), Role.ZEROS: (torch.int32, 0x77777777),
@@ -110,7 +111,9 @@ def child(mode: str, path: str, extra: str) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
-    from bench import expert_tensors, run_floor, run_floor_transposed, run_whole
+
+    from bench_common import expert_tensors, run_floor, run_floor_transposed, run_whole
+
     from wna16_loader import ParallelConfig, load_experts
 
     folder = Path(path)
@@ -178,24 +181,9 @@ def timed_cli(args: list[str]) -> float:
     return time.perf_counter() - start
 
 
-def durable_copy(src: Path, dst: Path) -> float:
-    """cp -r, then fsync every file and folder: what a durable copy costs."""
-    start = time.perf_counter()
-    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
-    for root, _, names in os.walk(dst):
-        for name in names:
-            fd = os.open(Path(root) / name, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
-        fd = os.open(root, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    return time.perf_counter() - start
-
-
 def measure(path: Path, reps: int, scratch: Path) -> dict[str, Any]:
-    from bench import evict, resident_bytes
-    from bench import run_child as bench_child
+    from bench_common import durable_copy, evict, resident_bytes
+    from bench_common import run_child as bench_child
 
     out: dict[str, list[dict[str, Any]]] = {}
     pre = scratch / "pre"
@@ -245,6 +233,7 @@ def measure(path: Path, reps: int, scratch: Path) -> dict[str, Any]:
 
 def report(m: dict[str, Any]) -> str:
     """The targets of issue 13, each ratio from medians of the same run."""
+
     s = lambda k: m[k]["seconds"]  # noqa: E731
     rows = [("TP 8 rank ÷ all-experts floor (warm)", s("tp8 warm") / s("floor warm"), "<= 1.5"),
             ("whole-tensor ÷ ours, TP 8 rank (warm)", s("whole warm") / s("tp8 warm"), ">= 5"),

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from wna16_loader import Activation, ParallelConfig, load_experts, read_moe_config, reference_forward
-from wna16_loader.synthetic import quant_config, write_checkpoint
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 
 def _checkpoint(arg: Path | None) -> Path:

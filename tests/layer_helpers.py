@@ -1,4 +1,4 @@
-"""Shared by tests/test_extract.py and tests/test_qweights.py: a tiny one-layer checkpoint written in
+"""Shared by tests/load/test_params.py and tests/load/test_qweights.py: a tiny one-layer checkpoint written in
 `tmp_path`, planned for one TP rank."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Iterator
 
 from wna16_loader import ParallelConfig
-from wna16_loader.checkpoint import CheckpointIndex
-from wna16_loader.extract import SourceTensors
 from wna16_loader.formats import QuantSpec
-from wna16_loader.ledger import Ledger
-from wna16_loader.modelconfig import read_config_files
-from wna16_loader.names import Proj
-from wna16_loader.plan import LayerPlan, plan_layers
-from wna16_loader.synthetic import quant_config, write_checkpoint
+from wna16_loader.load.ledger import Ledger
+from wna16_loader.load.params import SourceTensors
+from wna16_loader.load.plan import LayerPlan, plan_layers
+from wna16_loader.models.config import read_config_files
+from wna16_loader.models.names import Proj
+from wna16_loader.storage.index import CheckpointIndex
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 P = "model.layers.0.mlp.experts"
 H = I = 128

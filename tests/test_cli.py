@@ -15,7 +15,7 @@ from wna16_loader import __version__
 from wna16_loader.cli import main, parse_size
 from wna16_loader.formats import FORMATS
 from wna16_loader.preshard import MANIFEST_NAME
-from wna16_loader.synthetic import quant_config, write_checkpoint
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_dry_run_prints_how_the_config_resolved(source: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(source), str(tmp_path / "out"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "model config: family row: qwen3_moe (wna16_loader/families.py); decoder config: top level" in out
+    assert "model config: family row: qwen3_moe (wna16_loader/models/families.py); decoder config: top level" in out
     assert "  routed expert count       = 4  <- num_experts (row qwen3_moe)" in out
     assert "  MoE layers                = [0]  <- rule decoder_sparse_step: decoder_sparse_step=1, " in out
 

@@ -1,21 +1,27 @@
 """wna16_loader: load WNA16-quantized MoE checkpoints into fused, TP/EP-sharded expert parameters."""
 
-from .errors import (CheckpointError, CompletenessError, ConfigError, FormatError, LayoutMismatchError,
-                     ShardingError, WNA16Error)
+from .engine.hook import TensorStore
+from .engine.mapping import ExpertParamMapping, ParamTarget, ShardId, expert_param_mapping
+from .engine.model import check_model_complete, install_load_hook, load_model_experts
+from .engine.module import FusedMoEExperts
+from .engine.reference import Activation, reference_forward
+from .errors import (
+                     CheckpointError,
+                     CompletenessError,
+                     ConfigError,
+                     FormatError,
+                     LayoutMismatchError,
+                     ShardingError,
+                     WNA16Error,
+)
 from .formats import QuantSpec
-from .fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec
-from .hook import TensorStore
-from .hub import resolve_checkpoint
-from .mapping import ExpertParamMapping, ParamTarget, ShardId, expert_param_mapping
-from .loader import load_experts, read_moe_config
-from .results import LoadedExperts, LoadReport
-from .modelconfig import MoEConfig
-from .model_load import check_model_complete, install_load_hook, load_model_experts
-from .module import FusedMoEExperts
-from .parallel import ExpertPlacement, ParallelConfig
-from .presharded import parallel_config, read_manifest
-from .reference import Activation, reference_forward
-
+from .load.experts import load_experts, read_moe_config
+from .load.fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec
+from .load.presharded import parallel_config, read_manifest
+from .load.results import LoadedExperts, LoadReport
+from .models.config import MoEConfig
+from .parallel.config import ExpertPlacement, ParallelConfig
+from .storage.hub import resolve_checkpoint
 from .version import __version__
 
 __all__ = [

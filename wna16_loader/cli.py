@@ -8,16 +8,16 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from pathlib import Path
 import re
 import sys
+from pathlib import Path
 
 from .errors import CheckpointError, WNA16Error
-from .hub import resolve_checkpoint
 from .logs import log
-from .parallel import ExpertPlacement, ShardJob
+from .parallel.config import ExpertPlacement, ShardJob
 from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint, preshard_distributed
 from .preshard.verify import VerifyReport, verify_report
+from .storage.hub import resolve_checkpoint
 from .version import __version__
 
 USAGE = """\

@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, MutableMapping
-
-from .parallel import ParallelConfig
+from typing import Any, MutableMapping, Protocol
 
 log = logging.getLogger("wna16_loader")
+
+
+class Ranked(Protocol):
+    """What the prefix reads of a rank (a `ParallelConfig`; a Protocol, so that this module, which every
+    layer may use, imports nothing of the package)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def tp_rank(self) -> int: ...
+    @property
+    def tp_size(self) -> int: ...
+    @property
+    def ep_rank(self) -> int: ...
+    @property
+    def ep_size(self) -> int: ...
 
 
 class RankLogger(logging.LoggerAdapter):
@@ -17,7 +31,7 @@ class RankLogger(logging.LoggerAdapter):
         return f"[{self.extra['rank']}] {msg}", kwargs
 
 
-def rank_logger(parallel: ParallelConfig) -> RankLogger:
+def rank_logger(parallel: Ranked) -> RankLogger:
     """The package logger, prefixed with `parallel`'s rank."""
     tag = (f"rank {parallel.rank} tp {parallel.tp_rank}/{parallel.tp_size} "
            f"ep {parallel.ep_rank}/{parallel.ep_size}")

@@ -2,7 +2,7 @@
 (`families.render_table`), so that the documentation cannot drift from the code.
 
 `python -m wna16_loader.tables README.md` rewrites every generated section of README.md in place;
-tests/test_tables.py and tests/test_families.py fail when the README's tables differ from the renderings.
+tests/test_tables.py and tests/models/test_families.py fail when the README's tables differ from the renderings.
 A generated section is the text between `<!-- generated: NAME -->` and `<!-- end: NAME -->`.
 """
 
@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .families import render_table
 from .formats import FORMATS, Dim, FormatDecl, Need
+from .models.families import render_table
 
 DIM_TEXT = {Dim.N: "N", Dim.K: "K", Dim.GROUP: "K/G", Dim.PAIR: "2"}
 NEED_TEXT = {Need.ALWAYS: "", Need.ASYMMETRIC: " (asymmetric)", Need.ACT_ORDER: " (act-order)"}
@@ -41,13 +41,13 @@ def formats_table() -> str:
 
 SECTIONS: dict[str, Callable[[], str]] = {"formats": formats_table}
 
-FAMILIES_START = "<!-- families-table: rendered by wna16_loader.families.render_table -->"
+FAMILIES_START = "<!-- families-table: rendered by wna16_loader.models.families.render_table -->"
 FAMILIES_END = "<!-- /families-table -->"
 
 
 def render(text: str) -> str:
     """`text` with every generated section replaced by its rendering (unknown names are an error), and the
-    families table (between FAMILIES_START and FAMILIES_END, checked by tests/test_families.py) re-rendered."""
+    families table (between FAMILIES_START and FAMILIES_END, checked by tests/models/test_families.py) re-rendered."""
     def fill(match: re.Match[str]) -> str:
         name = match.group(1)
         if name not in SECTIONS:

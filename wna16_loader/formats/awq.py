@@ -14,8 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .spec import (FLOAT_DTYPES, Dim, FormatDecl, ModuleFilter, Need, QuantSpec, Role, TensorLayout, bool_key,
-                   int_key, str_tuple)
+from .spec import (
+    FLOAT_DTYPES,
+    Dim,
+    FormatDecl,
+    ModuleFilter,
+    Need,
+    QuantSpec,
+    Role,
+    TensorLayout,
+    bool_key,
+    int_key,
+    str_tuple,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

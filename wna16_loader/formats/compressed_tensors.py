@@ -17,8 +17,18 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .spec import (FLOAT_DTYPES, INDEX_DTYPES, Dim, FormatDecl, ModuleFilter, Need, QuantSpec, Role,
-                   TensorLayout, str_tuple)
+from .spec import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    Dim,
+    FormatDecl,
+    ModuleFilter,
+    Need,
+    QuantSpec,
+    Role,
+    TensorLayout,
+    str_tuple,
+)
 
 LAYOUTS = (
     TensorLayout(Role.QWEIGHT, "weight_packed", (Dim.N, Dim.K), packed=Dim.K),

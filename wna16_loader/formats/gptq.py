@@ -13,8 +13,20 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
-from .spec import (FLOAT_DTYPES, INDEX_DTYPES, Dim, FormatDecl, ModuleFilter, Need, QuantSpec, Role,
-                   TensorLayout, bool_key, int_key, str_tuple)
+from .spec import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    Dim,
+    FormatDecl,
+    ModuleFilter,
+    Need,
+    QuantSpec,
+    Role,
+    TensorLayout,
+    bool_key,
+    int_key,
+    str_tuple,
+)
 
 LAYOUTS = (
     TensorLayout(Role.QWEIGHT, "qweight", (Dim.K, Dim.N), packed=Dim.K),

@@ -39,12 +39,12 @@ below the loader; it is re-exported here.
 
 from __future__ import annotations
 
-from ..presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded, load_presharded, read_manifest
+from ..load.presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded, load_presharded, read_manifest
+from .distributed import preshard_distributed
 from .journal import JOURNAL_NAME
 from .layouts import LayoutCost, describe_layouts, layout_cost
-from .planning import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
+from .plan import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
 from .progress import RankSummary, ShardSummary, describe_plan
-from .distributed import preshard_distributed
 from .run import preshard_checkpoint
 from .safefiles import LOCK_NAME
 from .verify import verify_output

@@ -19,13 +19,13 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import CheckpointIndex
 from ..errors import PreshardError
-from ..parallel import ShardJob
-from ..presharded import MANIFEST_NAME
+from ..load.presharded import MANIFEST_NAME
+from ..parallel.config import ShardJob
+from ..storage.index import CheckpointIndex
 from .journal import JOURNAL_NAME, check_existing, start
 from .manifest import build_manifest
-from .planning import ShardPlan, make_plan
+from .plan import ShardPlan, make_plan
 from .progress import ShardSummary
 from .run import check_out_not_in_source
 from .safefiles import copy_file, make_dir, output_lock, write_json_atomic

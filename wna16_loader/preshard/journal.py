@@ -8,12 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint import DTYPES
 from ..errors import PreshardError, format_offenders
-from ..presharded import MANIFEST_NAME, PLAN_NAME
-from .planning import ShardPlan, fingerprint_differences, plan_record
+from ..load.presharded import MANIFEST_NAME, PLAN_NAME
+from ..storage.index import DTYPES
+from .plan import ShardPlan, fingerprint_differences, plan_record
 from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
-
 
 JOURNAL_NAME = ".wna16-done.jsonl"
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import nbytes_of
 from ..errors import WNA16Error
-from ..fused import FusedSpec
-from ..loader import planned
-from ..modelconfig import MoEConfig
-from ..padfill import padding_bytes
-from ..parallel import ParallelConfig
-from ..plan import layer_geometry
+from ..load.experts import planned
+from ..load.fused import FusedSpec
+from ..load.padfill import padding_bytes
+from ..load.plan import layer_geometry
+from ..models.config import MoEConfig
+from ..parallel.config import ParallelConfig
+from ..storage.index import nbytes_of
 
 PLAN_TP_SIZES = (1, 2, 4, 8, 16)
 HEADER = " tp  ep      I'    I_p G_eff    bytes/rank padding bytes  padding columns per TP rank"

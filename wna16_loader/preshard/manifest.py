@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from ..presharded import SCHEMA_VERSION, spec_record
+from ..load.presharded import SCHEMA_VERSION, spec_record
 from ..version import __version__
-from .planning import RankPlan, ShardPlan
+from .plan import RankPlan, ShardPlan
 
 
 def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .planning import COMMON_DIR, RankPlan, ShardPlan
+from .plan import COMMON_DIR, RankPlan, ShardPlan
 
 
 def human_size(nbytes: int) -> str:

@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
-from ..presharded import MANIFEST_NAME
+from ..load.presharded import MANIFEST_NAME
 from .journal import JOURNAL_NAME, check_existing, output_complete, start
 from .manifest import build_manifest
-from .planning import COMMON_DIR, ShardPlan, make_plan
+from .plan import COMMON_DIR, ShardPlan, make_plan
 from .progress import RankSummary, ShardSummary
 from .safefiles import copy_file, make_dir, output_lock, write_json_atomic
 from .verify import verify_report

@@ -14,7 +14,6 @@ from typing import Any, Iterator
 
 from ..errors import PreshardError
 
-
 LOCK_NAME = ".wna16-shard.lock"
 
 

@@ -10,17 +10,17 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..checkpoint import CheckpointIndex
 from ..errors import CheckpointError, WNA16Error
-from ..fused import FusedExperts
-from ..loader import load_experts
-from ..parallel import ParallelConfig
-from ..presharded import load_presharded, read_manifest
-from ..presliced import materialize
+from ..load.experts import load_experts
+from ..load.fused import FusedExperts
+from ..load.presharded import load_presharded, read_manifest
+from ..parallel.config import ParallelConfig
+from ..storage.index import CheckpointIndex
 from .manifest import tensor_record
-from .planning import fingerprint_differences, make_plan, source_fingerprint
+from .plan import fingerprint_differences, make_plan, source_fingerprint
 from .progress import human_size
 from .safefiles import sha256_file
+from .slices import materialize
 
 
 @dataclass(frozen=True)

@@ -16,17 +16,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..checkpoint import DTYPES, INDEX_FILE, CheckpointIndex, nbytes_of
-from ..fused import FusedExperts
-from ..loader import load_layer
-from ..presharded import SCHEMA_VERSION
-from ..presliced import materialize
+from ..load.experts import load_layer
+from ..load.fused import FusedExperts
+from ..load.presharded import SCHEMA_VERSION
+from ..storage.index import DTYPES, INDEX_FILE, CheckpointIndex, nbytes_of
 from .journal import append_journal
 from .manifest import tensor_record
-from .planning import COMMON_DIR, FilePlan, RankPlan, ShardPlan
+from .plan import COMMON_DIR, FilePlan, RankPlan, ShardPlan
 from .progress import Progress, RankSummary
 from .safefiles import commit, make_dir, write_json_atomic, writing
-
+from .slices import materialize
 
 KILL_AFTER_FILES = 0  # test hook: when > 0, SIGKILL this process after that many files (simulates kill -9)
 

@@ -1,0 +1,403 @@
+"""Planning and validation errors: completeness, headers, tensor contents, g_idx, parallel sizes.
+
+Bad checkpoints are made from good ones: write with write_checkpoint, then mutate the safetensors
+file (load_file / save_file) and/or config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_exact, reassemble, rewrite
+
+from wna16_loader import CompletenessError, FormatError, ParallelConfig, ShardingError, WNA16Error, load_experts
+from wna16_loader.load.ledger import Ledger
+from wna16_loader.load.plan import CheckpointScan, LayerTables, plan_layers
+from wna16_loader.models.config import read_config_files
+from wna16_loader.storage.index import CheckpointIndex
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint
+
+TP1 = ParallelConfig(tp_size=1, tp_rank=0)
+P = "model.layers.0.mlp.experts"
+H = I = 128
+
+
+def good(folder: Path, fmt: str = "gptq", *, bits: int = 4, group: int = 32, symmetric: bool = False,
+         act_order: bool = False, **kwargs):
+    return write_checkpoint(folder, quant_config(fmt, bits=bits, group_size=group, symmetric=symmetric,
+                                                 act_order=act_order),
+                            num_experts=kwargs.pop("num_experts", 4), hidden=H, intermediate=I, **kwargs)
+
+
+def model(folder: Path) -> Path:
+    return folder / "model.safetensors"
+
+
+def edit_config(folder: Path, edit) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    edit(config)
+    path.write_text(json.dumps(config))
+
+
+# --- completeness ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,role,suffix", [("gptq", "qweight", "qweight"), ("gptq", "scales", "scales"),
+                                             ("gptq", "zeros", "qzeros"), ("awq", "zeros", "qzeros"),
+                                             ("compressed-tensors", "qweight", "weight_packed"),
+                                             ("compressed-tensors", "shape", "weight_shape")])
+def test_missing_role_of_one_expert(tmp_path, fmt, role, suffix):
+    good(tmp_path, fmt)
+    rewrite(model(tmp_path), lambda t: t.pop(f"{P}.1.up_proj.{suffix}"))
+    with pytest.raises(CompletenessError, match=rf"1 problems\n  - missing: {P}\.1\.up\.{role}$"):
+        load_experts(tmp_path, TP1)
+
+
+def test_missing_projection_of_one_expert(tmp_path):
+    good(tmp_path, act_order=True)
+    rewrite(model(tmp_path), lambda t: [t.pop(n) for n in list(t) if n.startswith(f"{P}.2.down_proj.")])
+    with pytest.raises(CompletenessError, match=r"4 problems") as info:
+        load_experts(tmp_path, ParallelConfig(tp_size=2, tp_rank=1))
+    for role in ("g_idx", "qweight", "scales", "zeros"):
+        assert f"missing: {P}.2.down.{role}" in str(info.value)
+
+
+def test_missing_act_order_g_idx(tmp_path):
+    good(tmp_path, "compressed-tensors", act_order=True)
+    rewrite(model(tmp_path), lambda t: t.pop(f"{P}.3.gate_proj.weight_g_idx"))
+    with pytest.raises(CompletenessError, match=rf"missing: {P}\.3\.gate\.g_idx"):
+        load_experts(tmp_path, TP1)
+
+
+def test_whole_layer_missing(tmp_path):
+    good(tmp_path, num_layers=2)
+    layer1 = "model.layers.1.mlp.experts."
+    rewrite(model(tmp_path), lambda t: [t.pop(n) for n in list(t) if n.startswith(layer1)])
+    with pytest.raises(CompletenessError) as info:
+        load_experts(tmp_path, TP1)
+    assert ("missing: model.layers.1.mlp.experts (all experts of layer 1) (the config makes layer 1 a MoE layer "
+            "(rule decoder_sparse_step: decoder_sparse_step=1, mlp_only_layers=[] (L not in mlp_only_layers and "
+            "(L + 1) % decoder_sparse_step == 0)) but the checkpoint has no expert tensors for it)") in str(info.value)
+    assert "unexpected" not in str(info.value)
+
+
+def test_expert_layer_that_config_calls_dense(tmp_path):
+    good(tmp_path, num_layers=2)
+    edit_config(tmp_path, lambda c: c.update(mlp_only_layers=[1]))
+    with pytest.raises(CompletenessError, match=r"unexpected tensor: model\.layers\.1\.mlp\.experts\.0\.\w+\.\w+ "
+                                                r"\(layer 1 is not a MoE layer per config\.json\)"):
+        load_experts(tmp_path, TP1)
+
+
+@pytest.mark.parametrize("ep_rank", (0, 1))
+def test_expert_id_out_of_range(tmp_path, ep_rank):
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: t.update({n.replace(f"{P}.0.", f"{P}.4."): v.clone()
+                                                 for n, v in list(t.items()) if n.startswith(f"{P}.0.")}))
+    with pytest.raises(CompletenessError, match=rf"unexpected tensor: {P}\.4\.\w+\.\w+ \(expert id 4 >= expert "
+                                                r"count 4\)"):
+        load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0, ep_size=2, ep_rank=ep_rank))
+
+
+def test_unexpected_suffix(tmp_path):
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: t.update({f"{P}.0.gate_proj.bias": torch.zeros(I, dtype=torch.float16)}))
+    with pytest.raises(CompletenessError, match=rf"unexpected tensor: {P}\.0\.gate_proj\.bias \(suffix 'bias' is "
+                                                r"not a gptq expert tensor\)"):
+        load_experts(tmp_path, TP1)
+
+
+def test_unexpected_suffix_on_non_local_expert_still_reported(tmp_path):
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: t.update({f"{P}.3.down_proj.weight": torch.zeros(H, I, dtype=torch.float16)}))
+    with pytest.raises(CompletenessError, match=rf"unexpected tensor: {P}\.3\.down_proj\.weight"):
+        load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0, ep_size=2, ep_rank=0))
+
+
+def test_stacked_and_per_expert_both_present(tmp_path):
+    good(tmp_path / "a", stacked=True)
+    good(tmp_path / "b")
+    from safetensors.torch import load_file
+    stacked = {n: v for n, v in load_file(str(model(tmp_path / "a"))).items() if ".down_proj." in n}
+    rewrite(model(tmp_path / "b"), lambda t: t.update(stacked))
+    with pytest.raises(CompletenessError, match=rf"written 2 times: {P}\.0\.down\.qweight from "):
+        load_experts(tmp_path / "b", TP1)
+
+
+def test_stacked_gate_or_up_rejected(tmp_path):
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: t.update({f"{P}.gate_proj.qweight": torch.zeros(4, 16, I, dtype=torch.int32)}))
+    with pytest.raises(CompletenessError, match=r"a stacked gate tensor; only gate_up_proj and down_proj stack"):
+        load_experts(tmp_path, TP1)
+
+
+def test_every_offender_listed_once(tmp_path):
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: [t.pop(f"{P}.{e}.gate_proj.scales") for e in range(4)])
+    with pytest.raises(CompletenessError, match=r"4 problems") as info:
+        load_experts(tmp_path, TP1)
+    assert [line for line in str(info.value).splitlines()[1:]] == [
+        f"  - missing: {P}.{e}.gate.scales" for e in range(4)]
+
+
+# --- one LayerTables shared by the plans of every rank (wna16-shard) -------------------------------------
+
+def plan_every_rank(folder: Path, tp: int, ep: int, *, shared: bool) -> list:
+    """Each rank's plans and ledger (or its error text), planned with one shared LayerTables or fresh ones."""
+    moe, out = read_config_files(folder), []
+    with CheckpointIndex(folder) as index:
+        scan, tables = CheckpointScan.of(index), LayerTables(index, moe)
+        for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep) * 2:  # twice: a table's second use
+            ledger = Ledger()
+            try:
+                plans = plan_layers(index, moe, parallel, ledger, scan, tables if shared else None)
+            except FormatError as exc:
+                out.append(str(exc))
+                continue
+            out.append(([(p.prefix, p.fused, p.sources) for p in plans], ledger.expected, ledger.written,
+                        ledger.offenders()))
+    return out
+
+
+@pytest.mark.parametrize("tp,ep,stacked", [(2, 1, False), (1, 4, False), (2, 2, True)])
+def test_shared_tables_plan_every_rank_as_fresh_plans_do(tmp_path, tp, ep, stacked):
+    good(tmp_path, act_order=True, stacked=stacked, num_layers=2)
+    extra = {f"{P}.3.down_proj.bias": torch.zeros(H, dtype=torch.float16),  # unexpected, on one rank's expert
+             f"{P}.5.up_proj.g_idx": torch.zeros(H, dtype=torch.int32)}  # expert id out of range
+    rewrite(model(tmp_path), lambda t: [t.update(extra), t.pop(f"{P}.1.up_proj.scales", None)])
+    assert plan_every_rank(tmp_path, tp, ep, shared=True) == plan_every_rank(tmp_path, tp, ep, shared=False)
+
+
+def test_shared_tables_raise_a_header_error_on_the_rank_that_reads_it(tmp_path):
+    good(tmp_path)
+    name = f"{P}.3.gate_proj.qweight"
+    rewrite(model(tmp_path), lambda t: t.update({name: t[name].to(torch.int64)}))
+    shared = plan_every_rank(tmp_path, 1, 2, shared=True)
+    assert shared == plan_every_rank(tmp_path, 1, 2, shared=False)
+    assert isinstance(shared[0], tuple) and shared[1] == shared[3]
+    assert shared[1].startswith(f"{name}: dtype torch.int64 but gptq qweight must be one of")
+
+
+# --- headers ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", (torch.int64, torch.float32, torch.uint8))
+def test_qweight_wrong_dtype(tmp_path, dtype):
+    good(tmp_path)
+    name = f"{P}.0.gate_proj.qweight"
+    rewrite(model(tmp_path), lambda t: t.update({name: t[name].to(dtype)}))
+    with pytest.raises(FormatError, match=rf"{name}: dtype {dtype} but gptq qweight must be one of "
+                                          r"\['torch\.int32'\]"):
+        load_experts(tmp_path, TP1)
+
+
+def test_scales_wrong_dtype(tmp_path):
+    good(tmp_path, "compressed-tensors")
+    rewrite(model(tmp_path), lambda t: t.update({n: v.to(torch.int32) for n, v in t.items()
+                                                 if n.endswith(".weight_scale")}))
+    with pytest.raises(FormatError, match=rf"{P}\.0\.gate_proj\.weight_scale: dtype torch\.int32 but "
+                                          r"compressed-tensors weight_scale must be one of \['torch\.float16', "
+                                          r"'torch\.bfloat16', 'torch\.float32'\]"):
+        load_experts(tmp_path, TP1)
+
+
+def test_one_scale_tensor_of_wrong_dtype(tmp_path):
+    good(tmp_path, "compressed-tensors")
+    name = f"{P}.1.down_proj.weight_scale"
+    rewrite(model(tmp_path), lambda t: t.update({name: t[name].to(torch.int32)}))
+    with pytest.raises(FormatError, match=rf"{name}"):
+        load_experts(tmp_path, TP1)
+
+
+def test_scales_in_several_dtypes(tmp_path):
+    good(tmp_path)
+    name = f"{P}.2.up_proj.scales"
+    rewrite(model(tmp_path), lambda t: t.update({name: t[name].to(torch.bfloat16)}))
+    with pytest.raises(FormatError, match=rf"{P}: scales use several dtypes"):
+        load_experts(tmp_path, TP1)
+
+
+@pytest.mark.parametrize("key,value", [("moe_intermediate_size", 64), ("hidden_size", 256)])
+def test_shape_disagrees_with_config(tmp_path, key, value):
+    good(tmp_path)
+    edit_config(tmp_path, lambda c: c.update({key: value}))
+    with pytest.raises(FormatError, match=rf"{P}\.0\.gate_proj\.qweight: shape \[16, 128\] but the config "
+                                          r"\(N=\d+, K=\d+, E=4, G=32, 4-bit\) implies \[\d+, \d+\]"):
+        load_experts(tmp_path, TP1)
+
+
+def test_shape_disagrees_with_expert_count_when_stacked(tmp_path):
+    good(tmp_path, stacked=True)
+    edit_config(tmp_path, lambda c: c.update(num_experts=8))
+    with pytest.raises(FormatError, match=rf"{P}\.gate_up_proj\.\w+: shape \[4, .*E=8"):
+        load_experts(tmp_path, TP1)
+
+
+def test_shape_tensor_disagrees(tmp_path):
+    good(tmp_path, "compressed-tensors")
+    name = f"{P}.0.up_proj.weight_shape"
+    rewrite(model(tmp_path), lambda t: t.update({name: torch.tensor([I, 2 * H], dtype=torch.int64)}))
+    with pytest.raises(FormatError, match=rf"{name}: records shape \[128, 256\] but the config implies \[128, 128\]"):
+        load_experts(tmp_path, TP1)
+
+
+# --- contents --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", (float("nan"), float("inf"), -float("inf")))
+def test_nonfinite_scales(tmp_path, bad):
+    ckpt = good(tmp_path)
+    name = f"{P}.2.gate_proj.scales"
+
+    def poison(t):
+        t[name][0, 5] = bad
+
+    rewrite(model(tmp_path), poison)
+    with pytest.raises(FormatError, match=rf"{name}: 1 NaN/Inf scale values in this rank's slice; the checkpoint "
+                                          r"is corrupt \(pass allow_nonfinite_scales=True"):
+        load_experts(tmp_path, TP1)
+    loaded = load_experts(tmp_path, TP1, allow_nonfinite_scales=True)[P]
+    assert not torch.isfinite(loaded.w13_scales[2, 5, 0])
+    deq = loaded.dequantize()
+    assert torch.equal(deq.w13[0], torch.cat([ckpt.references[(P, 0, "gate")], ckpt.references[(P, 0, "up")]]))
+
+
+def test_nonfinite_scales_on_other_rank_not_read(tmp_path):
+    """EP: the rank that does not own the expert never reads its scales, so it loads."""
+    good(tmp_path)
+    name = f"{P}.3.down_proj.scales"
+
+    def poison(t):
+        t[name][1, 0] = float("nan")
+
+    rewrite(model(tmp_path), poison)
+    load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0, ep_size=2, ep_rank=0))
+    with pytest.raises(FormatError, match=r"NaN/Inf"):
+        load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0, ep_size=2, ep_rank=1))
+
+
+def test_symmetric_config_with_other_zero_points(tmp_path):
+    good(tmp_path, symmetric=False)
+    edit_config(tmp_path, lambda c: c["quantization_config"].update(sym=True))
+    with pytest.raises(FormatError, match=rf"{P}\.0\.gate_proj\.qzeros: the config is symmetric \(z = 8\) but "
+                                          r"\d+ stored zero points decode to other values \[.*\]; refusing to drop"):
+        load_experts(tmp_path, TP1)
+
+
+def test_symmetric_config_with_implicit_zero_points_loads(tmp_path):
+    """GPTQ symmetric checkpoints often store qzeros anyway (z - 1 = 7 in every field): accepted."""
+    ckpt = good(tmp_path, symmetric=True)
+
+    def add_zeros(t):
+        for e in range(4):
+            for proj, n in (("gate_proj", I), ("up_proj", I), ("down_proj", H)):
+                t[f"{P}.{e}.{proj}.qzeros"] = torch.full((4, n // 8), 0x77777777, dtype=torch.int32)
+
+    rewrite(model(tmp_path), add_zeros)
+    weights, _ = reassemble(tmp_path, 2, 1)
+    assert_exact(weights, ckpt.references)
+
+
+def test_gate_and_up_g_idx_differ(tmp_path):
+    good(tmp_path, act_order=True)
+    name = f"{P}.1.up_proj.g_idx"
+    rewrite(model(tmp_path), lambda t: t.update({name: (torch.arange(H) // 32).to(torch.int32)}))
+    with pytest.raises(FormatError, match=rf"{P}\.1\.up: its g_idx differs from that of {P}\.1\.gate; gate and up "
+                                          r"of one expert share w13_g_idx"):
+        load_experts(tmp_path, ParallelConfig(tp_size=2, tp_rank=0))
+
+
+@pytest.mark.parametrize("value,span", [(4, r"\[0, 4\]"), (-1, r"\[-1, 3\]")])
+def test_g_idx_out_of_range(tmp_path, value, span):
+    good(tmp_path, act_order=True)
+    name = f"{P}.0.gate_proj.g_idx"
+
+    def corrupt(t):
+        t[name][7] = value
+
+    rewrite(model(tmp_path), corrupt)
+    with pytest.raises(FormatError, match=rf"{name}: g_idx values span {span} but K = 128 with group size 32 has "
+                                          r"groups 0\.\.3"):
+        load_experts(tmp_path, TP1)
+
+
+def test_g_idx_out_of_range_without_act_order(tmp_path):
+    good(tmp_path)
+    name = f"{P}.0.down_proj.g_idx"
+
+    def corrupt(t):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            t[f"{P}.0.{proj}.g_idx"] = (torch.arange(128) // 32).to(torch.int32)
+        t[name][0] = 99
+
+    rewrite(model(tmp_path), corrupt)
+    with pytest.raises(FormatError, match=rf"{name}: g_idx values span \[0, 99\]"):
+        load_experts(tmp_path, TP1)
+
+
+def test_g_idx_wrong_group_sizes(tmp_path):
+    good(tmp_path, act_order=True)
+    name = f"{P}.2.down_proj.g_idx"
+    rewrite(model(tmp_path), lambda t: t.update({name: torch.zeros(I, dtype=torch.int32)}))
+    with pytest.raises(FormatError, match=rf"{name}: g_idx groups are not of the declared size 32: group 0: 128 "
+                                          r"rows \(expected 32\)"):
+        load_experts(tmp_path, TP1)
+
+
+@pytest.mark.parametrize("fmt,undeclare", [
+    ("gptq", lambda q: q.update(desc_act=False)),
+    ("compressed-tensors", lambda q: q["config_groups"]["group_0"]["weights"].update(actorder=None)),
+])
+def test_g_idx_permutes_but_act_order_not_declared(tmp_path, fmt, undeclare):
+    good(tmp_path, fmt, act_order=True)
+    edit_config(tmp_path, lambda c: undeclare(c["quantization_config"]))
+    with pytest.raises(FormatError, match=r"g_idx permutes input rows \(act-order\) but the quantization config "
+                                          r"does not declare act-order \(desc_act / actorder=group\); refusing"):
+        load_experts(tmp_path, TP1)
+
+
+def test_plain_g_idx_without_act_order_loads(tmp_path):
+    """A g_idx equal to k // G (what GPTQ writes without desc_act) is accepted and dropped."""
+    ckpt = good(tmp_path)
+
+    def add_g_idx(t):
+        for e in range(4):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                t[f"{P}.{e}.{proj}.g_idx"] = (torch.arange(128) // 32).to(torch.int32)
+
+    rewrite(model(tmp_path), add_g_idx)
+    loads = load_experts(tmp_path, ParallelConfig(tp_size=2, tp_rank=1))
+    assert loads[P].w13_g_idx is None
+    weights, _ = reassemble(tmp_path, 2, 1)
+    assert_exact(weights, ckpt.references)
+
+
+# --- parallel sizes -------------------------------------------------------------------------------------------
+
+def test_tp_not_dividing_intermediate_pads(tmp_path):
+    ckpt = good(tmp_path, num_experts=2)  # I = 128, tp = 3: I' = 144, I_p' = 48, rank 2 holds 32 real columns
+    layer = load_experts(tmp_path, ParallelConfig(tp_size=3, tp_rank=2))[P]
+    assert (layer.intermediate_size, layer.intermediate_size_per_partition, layer.padding) == (128, 48, 16)
+    weights, _ = reassemble(tmp_path, 3, 1)
+    assert_exact(weights, ckpt.references)
+
+
+def test_layer_no_tp_size_can_byte_pack(tmp_path):
+    write_checkpoint(tmp_path, quant_config("compressed-tensors", group_size=32), hidden=64, intermediate=65)
+    with pytest.raises(ShardingError, match=r"4-bit bytes hold 2 values, but H = 64 and I = 65 must both be "
+                                            r"multiples of 2 at any TP size \(a rank's columns must end on a byte\)\. "
+                                            r"No TP size works for this layer\."):
+        load_experts(tmp_path, ParallelConfig(tp_size=2, tp_rank=0))
+
+
+def test_ep_larger_than_expert_count(tmp_path):
+    good(tmp_path)
+    with pytest.raises(ShardingError, match=r"ep_size=8 is larger than the expert count 4; every EP rank needs at "
+                                            r"least one expert\. Use ep_size <= 4\."):
+        load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0, ep_size=8, ep_rank=0))
+
+
+def test_errors_share_a_base():
+    for cls in (CompletenessError, FormatError, ShardingError):
+        assert issubclass(cls, WNA16Error) and issubclass(cls, ValueError)

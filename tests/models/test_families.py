@@ -1,0 +1,262 @@
+"""Every MoE family of the table, from config.json files as transformers writes them (tests/fixtures/configs,
+see provenance.json there): resolved values, MoE layers, and exact loads at TP 1, TP 2, EP 2 and TP 2 x EP 2."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+from conftest import assert_exact, assert_owners, reassemble
+
+from wna16_loader import read_moe_config
+from wna16_loader.errors import ConfigError
+from wna16_loader.models.config import MoEConfig, resolve_moe_config
+from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, render_table
+from wna16_loader.models.layer_rules import EXPLICIT_KEYS, RULES_BY_NAME
+from wna16_loader.testing.synthetic import quant_config, write_family_checkpoint
+
+CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
+QUANT = quant_config("gptq", bits=4, group_size=32, symmetric=False)
+NEMOTRON_NANO = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+# fixture: (experts, top-k, expert intermediate size, layer count, MoE layers, rule), from each family's modeling code
+EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
+    "afmoe": (64, 6, 1408, 32, tuple(range(1, 32)), "num_dense_layers"),
+    "cohere2_moe": (8, 2, 22528, 40, tuple(range(40)), "mlp_layer_types"),
+    "deepseek_v3": (256, 8, 2048, 61, tuple(range(3, 61)), "first_k_dense_replace"),
+    "deepseek_v32": (256, 8, 2048, 61, tuple(range(3, 61)), "mlp_layer_types"),
+    "dots1": (128, 6, 1408, 62, tuple(range(1, 62)), "first_k_dense_replace"),
+    "ernie4_5_moe": (64, 6, 1536, 28, tuple(range(1, 28)), "moe_layer_start_index"),
+    "exaone_moe": (64, 8, 1024, 32, tuple(range(1, 32)), "mlp_layer_types"),
+    "flex_olmo": (7, 5, 11008, 32, tuple(range(32)), None),
+    "gemma4": (128, 8, 704, 30, tuple(range(30)), "enable_moe_block"),
+    "glm4_moe": (128, 8, 1408, 46, tuple(range(1, 46)), "first_k_dense_replace"),
+    "glm4_moe_lite": (64, 4, 1536, 47, tuple(range(1, 47)), "mlp_layer_types"),
+    "glm_moe_dsa": (256, 8, 2048, 78, tuple(range(3, 78)), "mlp_layer_types"),
+    "hunyuan_v1_moe": (1, 1, 11008, 32, tuple(range(32)), None),
+    "hunyuan_v1_moe-a13b": (64, 8, 3072, 32, tuple(range(32)), None),
+    "jamba": (16, 2, 14336, 32, tuple(range(1, 32, 2)), "expert_layer_period"),
+    "kimi_k25": (256, 8, 2048, 61, tuple(range(3, 61)), "first_k_dense_replace"),
+    "kimi_linear": (256, 8, 1024, 27, tuple(range(1, 27)), "mlp_layer_types"),
+    "lfm2_moe": (32, 4, 1792, 32, tuple(range(2, 32)), "num_dense_layers"),
+    "llama4": (16, 1, 8192, 48, tuple(range(48)), "moe_layers"),
+    "longcat_flash": (512, 12, 2048, 28, tuple(range(28)), None),
+    "minimax_m2": (256, 8, 1536, 62, tuple(range(62)), None),
+    "mixtral": (8, 2, 14336, 32, tuple(range(32)), None),
+    "nemotron_h": (8, 2, 7688, 4, (1,), "layers_block_type"),
+    "nemotron_h-nano-30b-a3b": (128, 6, 1856, 52, tuple(i for i, c in enumerate(NEMOTRON_NANO) if c == "E"),
+                                "hybrid_override_pattern"),
+    "olmoe": (64, 8, 2048, 16, tuple(range(16)), None),
+    "phimoe": (16, 2, 6400, 32, tuple(range(32)), None),
+    "qwen2_moe": (60, 4, 1408, 24, tuple(range(24)), "decoder_sparse_step"),
+    "qwen3_5_moe": (256, 8, 512, 40, tuple(range(40)), None),
+    "qwen3_moe": (128, 8, 768, 24, tuple(range(24)), "decoder_sparse_step"),
+    "qwen3_next": (512, 10, 512, 48, tuple(range(48)), "decoder_sparse_step"),
+}
+# the issue's 28 model types and the two published variants
+ISSUE_TYPES = {"afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
+               "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
+               "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
+               "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4"}
+NAMES = sorted(EXPECTED)
+
+
+def fixture(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def resolve(config: dict) -> MoEConfig:
+    return resolve_moe_config({**config, "quantization_config": QUANT})
+
+
+def test_every_fixture_is_tested_and_every_row_has_a_fixture():
+    on_disk = {p.stem for p in CONFIGS.glob("*.json")} - {"provenance"}
+    assert on_disk == set(EXPECTED)
+    provenance = json.loads((CONFIGS / "provenance.json").read_text())
+    assert set(provenance["fixtures"]) == on_disk and provenance["transformers"].startswith("5.")
+    assert {fixture(n)["model_type"] for n in NAMES} == ISSUE_TYPES
+    assert {f.name for f in FAMILIES} == ISSUE_TYPES
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_resolved_values(name):
+    experts, top_k, inter, layers, moe_layers, rule = EXPECTED[name]
+    moe = resolve(fixture(name))
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.num_layers) == (experts, top_k, inter, layers)
+    assert moe.moe_layers == moe_layers
+    row = family_of(fixture(name)["model_type"])
+    assert moe.family == row.name != GENERIC.name
+    assert moe.gated is row.gated
+    source = moe.resolution["MoE layers"].source
+    assert source.startswith(f"rule {rule}:" if rule else "every layer")
+    assert rule is None or rule in row.layer_rules
+
+
+def test_longcat_zero_experts_are_counted_apart():
+    moe = resolve(fixture("longcat_flash"))
+    assert (moe.num_experts, moe.zero_experts, moe.top_k) == (512, 256, 12)
+    assert moe.resolution["zero (identity) experts"].key == "zero_expert_num"
+    assert moe.resolution["decoder layer count"].key == "num_layers"
+
+
+def test_nemotron_h_is_not_gated_relu2():
+    for name in ("nemotron_h", "nemotron_h-nano-30b-a3b"):
+        moe = resolve(fixture(name))
+        assert (moe.gated, moe.activation) == (False, "relu2")
+    assert resolve(fixture("nemotron_h")).resolution["decoder layer count"].source == \
+        "length of layers_block_type (no layer-count key)"
+
+
+def test_hunyuan_per_layer_lists():
+    moe = resolve(fixture("hunyuan_v1_moe-a13b"))
+    assert moe.resolution["experts per token (top-k)"].source == "moe_topk (row hunyuan_v1_moe)"
+    config = fixture("hunyuan_v1_moe-a13b")
+    config["moe_intermediate_size"] = [1024 + 512 * (i % 2) for i in range(32)]
+    config["moe_topk"] = [2 + i % 3 for i in range(32)]
+    moe = resolve(config)
+    assert [moe.layer(i).intermediate_size for i in range(4)] == [1024, 1536, 1024, 1536]
+    assert [moe.layer(i).top_k for i in range(4)] == [2, 3, 4, 2]
+    assert moe.resolution["expert intermediate size"].value == tuple(config["moe_intermediate_size"])
+    assert "one value per layer" in moe.resolution["expert intermediate size"].source
+
+
+def test_describe_names_row_keys_and_rule():
+    text = resolve(fixture("glm4_moe_lite")).resolution.describe()
+    assert text.splitlines()[0] == "family row: glm4_moe_lite (wna16_loader/models/families.py); decoder config: top level"
+    assert "  routed expert count       = 64  <- n_routed_experts (row glm4_moe_lite)" in text
+    assert "  MoE layers                = [1-46]  <- rule mlp_layer_types: mlp_layer_types=" in text
+    nested = resolve(fixture("llama4")).resolution.describe()
+    assert "decoder config: text_config" in nested
+    assert "expert intermediate size  = 8192  <- intermediate_size (row llama4)" in nested
+
+
+# --------------------------------------------------------------------------------------------- loads
+
+E, H, I_SMALL, LAYERS = 4, 64, 64, 4
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep)
+
+
+def _decoder(config: dict, where: str) -> dict:
+    return config if where == "top level" else config[where]
+
+
+def shrink(config: dict) -> dict:
+    """A copy with the same keys and rules at test sizes: at most 4 layers (per-layer lists cut to match),
+    4 experts, top-k <= 2, H = 64, I = 64 (a per-layer list alternates 64 and 96: two geometries)."""
+    moe = resolve(config)
+    out = copy.deepcopy(config)
+    text, rec, n = _decoder(out, moe.resolution.decoder), moe.resolution, min(moe.num_layers, LAYERS)
+    if rec["decoder layer count"].key:
+        text[rec["decoder layer count"].key] = n
+    for key in EXPLICIT_KEYS:
+        if isinstance(text.get(key), (list, str)):
+            text[key] = text[key][:n]
+    if isinstance(text.get("moe_layers"), list):
+        text["moe_layers"] = [layer for layer in text["moe_layers"] if layer < n]
+    for what, small in (("routed expert count", lambda i, v: E), ("experts per token (top-k)", lambda i, v: min(v, 2)),
+                        ("expert intermediate size", lambda i, v: I_SMALL + 32 * (i % 2))):
+        key = rec[what].key
+        text[key] = [small(i, v) for i, v in enumerate(text[key][:n])] if isinstance(text[key], list) else \
+            small(0, text[key])
+    text[rec["hidden size"].key] = H
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shrunk_config_keeps_the_rules(name):
+    small = resolve(shrink(fixture(name)))
+    full = resolve(fixture(name))
+    assert small.family == full.family and small.gated == full.gated
+    assert small.moe_layers == tuple(layer for layer in full.moe_layers if layer < small.num_layers)
+    assert small.moe_layers, f"{name}: no MoE layer left in the first {LAYERS} layers"
+    assert small.resolution["MoE layers"].source.split(":")[0] == full.resolution["MoE layers"].source.split(":")[0]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_family_loads_exactly(tmp_path, name):
+    config = shrink(fixture(name))
+    ckpt = write_family_checkpoint(tmp_path, config, QUANT, seed=len(name))
+    moe = read_moe_config(tmp_path)
+    assert moe.experts_prefixes == ckpt.prefixes
+    assert moe.zero_experts == resolve(fixture(name)).zero_experts  # LongCat: 256 identity experts, never placed
+    assert tuple(int(p.split(".layers.")[1].split(".")[0]) for p in ckpt.prefixes) == moe.moe_layers
+    row = BY_MODEL_TYPE[moe.family]
+    assert all(p.startswith(f"{row.roots[0]}.layers.") for p in ckpt.prefixes)
+    for tp, ep in LAYOUTS:
+        weights, owners = reassemble(tmp_path, tp, ep)
+        assert_owners(owners, ckpt.prefixes, E, tp, ep)
+        assert_exact(weights, ckpt.references)
+
+
+def test_per_layer_sizes_load_with_their_own_geometry(tmp_path):
+    """Hunyuan-A13B's per-layer lists at test sizes: I alternates 64 / 96, so at TP 2 the layers have I_p 32 / 48
+    and G_eff 32 / 16."""
+    write_family_checkpoint(tmp_path, shrink(fixture("hunyuan_v1_moe-a13b")), QUANT)
+    from conftest import load_all_ranks
+    loads = load_all_ranks(tmp_path, 2, 1)
+    layers = loads[(0, 0)]
+    assert [(layer.spec.part, layer.group_size) for layer in layers.values()] == [(32, 32), (48, 16)] * 2
+
+
+# --------------------------------------------------------------------------------------------- the table
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+TABLE_START, TABLE_END = "<!-- families-table: rendered by wna16_loader.models.families.render_table -->", \
+    "<!-- /families-table -->"
+
+
+def test_rendered_table_has_one_line_per_row():
+    lines = render_table().splitlines()
+    assert len(lines) == 2 + len(FAMILIES)
+    nemotron = next(line for line in lines if line.startswith("| nemotron_h |"))
+    assert nemotron == ("| nemotron_h | top level | `n_routed_experts` ; `num_experts_per_tok` ; `moe_intermediate_size` | "
+                        "`layers_block_type`, `hybrid_override_pattern` | "
+                        "`backbone.layers.L.mixer.experts.E.{up_proj, down_proj}` | **not gated**, activation "
+                        "`mlp_hidden_act` |")
+
+
+def test_readme_table_is_the_rendered_one():
+    text = README.read_text()
+    assert TABLE_START in text and TABLE_END in text, "README.md lost its families table markers"
+    assert text.split(TABLE_START)[1].split(TABLE_END)[0].strip() == render_table()
+
+
+def test_rows_are_consistent():
+    types = [t for f in FAMILIES for t in f.model_types]
+    assert len(types) == len(set(types))
+    for family in FAMILIES:
+        assert set(family.layer_rules) <= set(RULES_BY_NAME), family.name
+        kinds = {kind for _, kind in family.projections}
+        assert kinds >= ({"gate", "up", "down"} if family.gated else {"up", "down"}), family.name
+        assert family.gated or "gate" not in kinds and "gate_up" not in kinds
+
+
+def test_a_projection_name_means_one_thing_in_every_row(monkeypatch):
+    import wna16_loader.models.names as names
+    from wna16_loader.models.families import Family, Keys
+
+    clash = Family(("clash",), Keys(("n",), ("k",), ("i",)), projections=(("w1", "up"),))
+    monkeypatch.setattr(names, "all_rows", lambda: (*FAMILIES, clash))
+    with pytest.raises(AssertionError, match=r"families table: 'w1' is Source\.GATE in one row, 'up' in clash"):
+        names._aliases()
+
+
+def test_unknown_model_type_uses_the_generic_row():
+    moe = resolve({"model_type": "brand_new_moe", "hidden_size": 64, "num_hidden_layers": 2, "moe_num_experts": 4,
+                   "moe_k": 2, "expert_intermediate_size": 32})
+    assert (moe.family, moe.num_experts, moe.top_k, moe.intermediate_size) == ("generic", 4, 2, 32)
+    with pytest.raises(ConfigError, match=r"no key gives the routed expert count; tried \['num_experts', "
+                                         r"'n_routed_experts', 'num_local_experts', 'moe_num_experts'\]\. Add one of "
+                                         r"them to config\.json \(model_type='brand_new_moe'\), or add the key to "
+                                         r"the 'generic' row of the families table \(wna16_loader/models/families\.py\)\."):
+        resolve({"model_type": "brand_new_moe", "hidden_size": 64, "num_hidden_layers": 2, "experts": 4})
+
+
+def test_a_known_row_tries_only_its_own_keys():
+    config = fixture("nemotron_h-nano-30b-a3b")
+    config["num_experts"] = config.pop("n_routed_experts")
+    with pytest.raises(ConfigError, match=r"tried \['n_routed_experts'\]\. .* the 'nemotron_h' row of the families "
+                                         r"table"):
+        resolve(config)

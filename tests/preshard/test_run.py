@@ -1,0 +1,269 @@
+"""preshard_checkpoint / load_presharded / verify_output on tiny synthetic checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from sources import FORMATS, make_source, nemotron_checkpoint, tree_bytes
+
+from wna16_loader import LayoutMismatchError, ParallelConfig, load_experts, parallel_config
+from wna16_loader.errors import PreshardError, ShardingError
+from wna16_loader.preshard import LOCK_NAME, MANIFEST_NAME, PLAN_NAME, preshard_checkpoint, read_manifest, verify_output
+
+ROOT = Path(__file__).resolve().parents[2]
+
+def raw_tensors(folder: Path) -> dict[str, tuple[str, list[int], bytes]]:
+    """name -> (dtype, shape, raw bytes) of every tensor of every safetensors file below `folder`."""
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                t = handle.get_tensor(name)
+                out[name] = (str(t.dtype), list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return out
+
+
+CASES = ([(fmt, tp, ep) for fmt in FORMATS for tp, ep in ((1, 1), (2, 2), (4, 2))]
+         + [("gptq_actorder", tp, ep) for tp, ep in ((2, 1), (4, 1), (1, 2))])
+
+
+@pytest.mark.parametrize("fmt,tp,ep", CASES)
+def test_round_trip_equals_direct_load(tmp_path: Path, fmt: str, tp: int, ep: int) -> None:
+    src = make_source(tmp_path / "src", fmt)
+    out = tmp_path / "out"
+    summary = preshard_checkpoint(src, out, tp_size=tp, ep_size=ep, max_file_size=24_000, progress=False)
+    assert [r.name for r in summary.ranks][1:] == [f"rank-{r:05d}-of-{tp * ep:05d}" for r in range(tp * ep)]
+    for pc in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep):
+        fast, direct = load_experts(out, pc), load_experts(src, pc)
+        assert list(fast) == list(direct)
+        for prefix, layer in direct.items():
+            assert fast[prefix].spec == layer.spec
+            assert set(fast[prefix].tensors) == set(layer.tensors)
+            for name, tensor in layer.tensors.items():
+                assert torch.equal(fast[prefix].tensors[name], tensor), (prefix, name)
+    common = raw_tensors(out / "common")
+    source = raw_tensors(src)
+    assert common == {name: value for name, value in source.items() if ".experts." not in name}
+    if tp * ep == 4:  # the full source check reloads every rank: once per format is enough
+        assert verify_output(out, source=src) == []
+
+
+def test_output_layout_manifest_and_file_cap(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, placement="round_robin", max_file_size=20_000,
+                        progress=False)
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["parallel"] == {"tp": 2, "ep": 2, "placement": "round_robin"}
+    assert manifest["quantization"]["act_order"] is True
+    assert set(manifest["quantization"]["group_size_eff"]) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+    with safe_open(str(src / "model-00001-of-00002.safetensors"), framework="pt") as handle:
+        assert set(handle.keys()) <= set(manifest["source_tensors"])
+    assert all(v.get("ranks") or v.get("common") for v in manifest["source_tensors"].values())
+    for path in out.rglob("*.safetensors"):
+        assert path.stat().st_size <= 20_000, path
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata()
+        assert meta["layout"] == "fused" and meta["tp"] == "2" and meta["ep"] == "2" and "rank" in meta
+    rank0 = out / "rank-00000-of-00004"
+    assert (rank0 / "model.safetensors.index.json").is_file()
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    assert (out / "generation_config.json").is_file()
+    assert not (out / LOCK_NAME).exists()
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    summary = preshard_checkpoint(src, tmp_path / "out", tp_size=2, dry_run=True, progress=False)
+    assert summary.dry_run and len(summary.plan.ranks) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_early_writeback_changes_no_byte(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asking the kernel to start writeback after every tensor (a speed hint) writes the same files."""
+    from wna16_loader.preshard import writing
+
+    src = make_source(tmp_path / "src")
+    preshard_checkpoint(src, tmp_path / "plain", tp_size=2, ep_size=2, progress=False)
+    real, hinted = writing.start_writeback, []
+    monkeypatch.setattr(writing, "WRITEBACK_BYTES", 0)
+    monkeypatch.setattr(writing, "start_writeback", lambda handle: (hinted.append(handle.name), real(handle)))
+    preshard_checkpoint(src, tmp_path / "hinted", tp_size=2, ep_size=2, progress=False)
+    assert len(hinted) > 10
+    assert tree_bytes(tmp_path / "hinted") == tree_bytes(tmp_path / "plain")
+    assert verify_output(tmp_path / "hinted", source=src) == []
+
+
+def test_killed_run_then_resume_is_byte_identical(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    preshard_checkpoint(src, clean, tp_size=2, ep_size=2, max_file_size=20_000, progress=False)
+    code = ("import sys, wna16_loader.preshard.writing as p; p.KILL_AFTER_FILES = 4; from wna16_loader.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    args = [sys.executable, "-c", code, str(src), str(killed), "--tp", "2", "--ep", "2", "--max-file-size", "20000",
+            "--quiet"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    assert (killed / LOCK_NAME).exists() and (killed / PLAN_NAME).exists()
+    assert not (killed / MANIFEST_NAME).exists()
+    summary = preshard_checkpoint(src, killed, tp_size=2, ep_size=2, max_file_size=20_000, resume=True,
+                                  progress=False)
+    assert sum(r.kept for r in summary.ranks) == 4
+    assert tree_bytes(killed) == tree_bytes(clean)
+
+
+def test_verify_catches_flipped_byte_and_missing_file(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    assert verify_output(out) == []
+    victim = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[0]
+    data = bytearray(victim.read_bytes())
+    data[-3] ^= 0x10
+    victim.write_bytes(bytes(data))
+    problems = verify_output(out)
+    assert len(problems) == 1 and victim.name in problems[0] and "sha256" in problems[0]
+    gone = sorted((out / "common").glob("*.safetensors"))[-1]
+    gone.unlink()
+    problems = verify_output(out, source=src)
+    assert any("missing" in p and gone.name in p for p in problems)
+
+
+def test_other_parameters_or_changed_source_refused(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, progress=False)
+    with pytest.raises(PreshardError, match=r"tp: written 2, requested 1"):
+        preshard_checkpoint(src, out, tp_size=1, progress=False, resume=True)
+    changed = make_source(tmp_path / "changed", files=1)  # the fingerprint covers names, sizes and headers
+    with pytest.raises(PreshardError, match=r"source file model-00001-of-00002.safetensors"):
+        preshard_checkpoint(changed, out, tp_size=2, progress=False)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(PreshardError, match="not empty"):
+        preshard_checkpoint(src, foreign, tp_size=2, progress=False)
+
+
+def test_concurrent_run_refused(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(f"{os.getpid()}\n")
+    with pytest.raises(PreshardError, match=f"pid {os.getpid()}"):
+        preshard_checkpoint(src, out, tp_size=2, progress=False)
+    assert (out / LOCK_NAME).exists()
+
+
+def test_load_with_other_layout_raises(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False)
+    with pytest.raises(LayoutMismatchError, match=r"'tp': 2, 'ep': 2.*'tp': 4, 'ep': 1"):
+        load_experts(out, ParallelConfig(tp_size=4, tp_rank=0))
+    with pytest.raises(LayoutMismatchError, match="round_robin"):
+        load_experts(out, ParallelConfig(2, 0, 2, 0, expert_placement="round_robin"))
+
+
+def test_padded_layout_round_trip_manifest_and_verify(tmp_path: Path) -> None:
+    """I = 128 at tp 3 pads to I' = 144 (I_p' = 48; tp rank 2 holds 32 real columns and 16 of padding): the output
+    loads back with the same specs and tensors, the manifest records I, I' and each rank's padding, and verify
+    reassembles the real columns and checks that the padding is exactly 0."""
+    from wna16_loader.preshard.verify import _compare_stitched
+
+    src = make_source(tmp_path / "src", "awq")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=3, ep_size=2, progress=False)
+    loads = {pc.rank: load_experts(out, pc) for pc in ParallelConfig.all_ranks(tp_size=3, ep_size=2)}
+    for pc in ParallelConfig.all_ranks(tp_size=3, ep_size=2):
+        for prefix, layer in load_experts(src, pc).items():
+            assert loads[pc.rank][prefix].spec == layer.spec
+            assert all(torch.equal(loads[pc.rank][prefix].tensors[n], t) for n, t in layer.tensors.items())
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    for rank in manifest["ranks"]:
+        for rec in rank["layers"].values():
+            assert (rec["intermediate"], rec["padded_intermediate"], rec["part"]) == (128, 144, 48)
+            assert rec["padding"] == (16 if rank["tp_rank"] == 2 else 0)
+    assert verify_output(out, source=src) == []
+    prefix = next(iter(loads[0]))
+    reference = load_experts(src, ParallelConfig(1, 0))[prefix]
+    layers = [loads[t][prefix] for t in range(3)]
+    assert _compare_stitched(prefix, 0, layers, reference, reference.dequantize()) == []
+    layers[2].tensors["w13_qweight"][0, 40] = 0x11  # a padded gate row of tp rank 2 (rows 32..47)
+    assert _compare_stitched(prefix, 0, layers, reference, reference.dequantize()) == [
+        f"{prefix}: ep rank 0 tp rank 2: the 16 padding columns do not dequantise to exactly 0; re-shard the source"]
+
+
+def test_parallel_config_from_manifest_round_trip(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, placement="round_robin", progress=False)
+    manifest = read_manifest(out)
+    for expected in ParallelConfig.all_ranks(tp_size=2, ep_size=2, expert_placement="round_robin"):
+        config = ParallelConfig.from_manifest(manifest, rank=expected.rank)
+        assert config == expected and parallel_config(out, rank=expected.rank) == expected
+        loaded, direct = load_experts(out, config), load_experts(src, expected)
+        for prefix, layer in direct.items():
+            assert loaded[prefix].spec.experts == layer.spec.experts
+            assert torch.equal(loaded[prefix].w13_qweight, layer.w13_qweight)
+    with pytest.raises(ShardingError, match=r"rank 4 is out of range for tp_size=2 x ep_size=2 = 4 ranks"):
+        ParallelConfig.from_manifest(manifest, rank=4)
+
+
+def test_reduced_group_size_warned_once_by_the_plan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    src = make_source(tmp_path / "src", "awq")  # G = 32, I = 128: tp 8 leaves 16 columns per rank
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        summary = preshard_checkpoint(src, tmp_path / "out", tp_size=8, dry_run=True, progress=False)
+    assert [r.getMessage() for r in caplog.records] == [
+        "tp=8: group size 32 becomes G_eff 16 in 2 layer(s) (model.layers.0.mlp.experts, model.layers.1.mlp.experts): "
+        "I/tp = 128/8 is not a multiple of 32, so each scale and zero point is repeated; kernels that accept only some "
+        "group sizes may refuse it. TP sizes that keep group size 32: [1, 2, 4]."]
+    assert summary.plan.quant["group_size_eff"] == {"model.layers.0.mlp.experts": 16, "model.layers.1.mlp.experts": 16}
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        preshard_checkpoint(src, tmp_path / "out", tp_size=4, dry_run=True, progress=False)
+    assert caplog.records == []
+
+
+def test_complete_output_left_alone_until_a_file_changes(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    reference = tree_bytes(out)
+    again = preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    assert again.complete and [r.kept for r in again.ranks] == [r.files for r in again.ranks]
+    victim = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1])  # one byte short: its header no longer matches its size
+    redo = preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    assert not redo.complete and tree_bytes(out) == reference
+    (out / "generation_config.json").unlink()
+    assert not preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False).complete
+    assert tree_bytes(out) == reference
+
+
+def test_non_gated_round_trip_and_verify(tmp_path: Path) -> None:
+    """Nemotron-H's non-gated experts (w13 = up rows only) through wna16-shard, both layouts, and verify."""
+
+    src = nemotron_checkpoint(tmp_path / "src").folder
+    for layout in ("fused", "checkpoint"):
+        out = tmp_path / layout
+        preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False, layout=layout)
+        for pc in ParallelConfig.all_ranks(tp_size=2, ep_size=2) if layout == "fused" else ():
+            fast, direct = load_experts(out, pc), load_experts(src, pc)
+            assert list(fast) == list(direct) == ["backbone.layers.1.mixer.experts", "backbone.layers.4.mixer.experts"]
+            for prefix, layer in direct.items():
+                assert fast[prefix].spec == layer.spec and layer.spec.gated is False
+                assert layer.spec.activation == "relu2"
+                assert all(torch.equal(fast[prefix].tensors[n], t) for n, t in layer.tensors.items())
+        assert verify_output(out, source=src) == []
+    manifest = json.loads((tmp_path / "fused" / MANIFEST_NAME).read_text())
+    assert "'gated': False" in repr(manifest) or '"gated": false' in json.dumps(manifest)

@@ -1,0 +1,256 @@
+"""The engine-style load hook: whole per-expert checkpoint tensors in, this rank's fused slice out.
+
+An engine walks the checkpoint and hands every routed-expert tensor, whole, to
+`weight_loader(param, loaded_weight, weight_name, shard_id, expert_id)` (vLLM's
+calling convention). `ExpertLoadHook` keeps the tensors of one (expert,
+projection) in a `TensorStore` until every role the format requires has
+arrived, then reads the rank's slice through the same `ExpertLoadHook.write` as
+`load_experts` (which passes whole runs of experts at once) and the same `FusedWriter`. Tensors of non-local
+experts are refused before anything is kept or converted.
+
+| shard_id | projection | fused rows                        |
+|----------|------------|-----------------------------------|
+| "w1"     | gate       | w13 rows [0, I_p)                 |
+| "w3"     | up         | w13 rows [I_p, 2*I_p)             |
+| "w2"     | down       | w2, row-parallel along I          |
+
+Non-gated experts (e.g. Nemotron-H) have no "w1": "w3" fills w13 rows [0, I_p).
+
+`ExpertParamMapping` maps a checkpoint name to the fused parameters it feeds in
+O(1) (one regex match, dict lookups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..errors import FormatError
+from ..formats import Role
+from ..load.fused import FusedWriter, layer_projections
+from ..load.layer import LayerLoad, plan_runs
+from ..load.ledger import Ledger, Slot
+from ..load.params import SourceTensors, check_dropped_role, check_header
+from ..load.plan import STACKED_SOURCES, LayerPlan, expert_key_problem, sizes_source_tensors
+from ..models.config import MoEConfig
+from ..models.names import Proj, Source, parse_expert_name
+from ..parallel.partition import LayerGeometry
+from ..storage.index import CheckpointIndex, TensorRef
+from .mapping import ShardId, default_alias
+
+MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
+
+
+class TensorStore:
+    """Whole in-memory tensors, read like a CheckpointIndex: `read(ref, index)` is `tensor[index]` on the CPU.
+
+    Each `hold` of a name is matched by one `release`; the tensor is dropped at the last one.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._holds: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def hold(self, ref: TensorRef, tensor: torch.Tensor) -> TensorRef:
+        """Keep `tensor` under `ref.name` until released."""
+        self._tensors[ref.name] = tensor
+        self._holds[ref.name] = self._holds.get(ref.name, 0) + 1
+        return ref
+
+    def release(self, ref: TensorRef) -> None:
+        """Drop one hold of `ref`; the tensor goes with the last."""
+        self._holds[ref.name] -= 1
+        if not self._holds[ref.name]:
+            del self._holds[ref.name], self._tensors[ref.name]
+
+    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
+        """`tensor[index]` (basic slices and ints), on the CPU."""
+        tensor = self._tensors[ref.name]
+        out = (tensor[index] if index else tensor).to("cpu")
+        return out
+
+    view = read  # the TensorReader name: the held tensor is the caller's, so a view is as safe as it
+
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
+               pin: bool = False) -> torch.Tensor:
+        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`)."""
+        views = [self.view(ref, index) for ref, index in zip(refs, indices)]
+        return torch.stack(views, out=torch.empty((len(views), *views[0].shape), dtype=views[0].dtype,
+                                                  pin_memory=pin))
+
+    def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]]) -> None:
+        """Held tensors are separate objects, never one strided view: None (the reader then gathers)."""
+        return None
+
+    @classmethod
+    def of(cls, ref: TensorRef, tensor: torch.Tensor) -> "TensorStore":
+        """A store holding one tensor."""
+        store = cls()
+        store.hold(ref, tensor)
+        return store
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What one weight_loader call delivers, resolved from its name and arguments."""
+
+    source: Source
+    role: Role
+    expert: int | None  # None: stacked over experts
+    alias: str  # checkpoint module name of the projection, e.g. gate_proj
+
+
+@dataclass
+class Collected:
+    """The tensors of one (expert, projection) received so far."""
+
+    source: Source
+    expert_row: int | None
+    refs: dict[Role, TensorRef]
+
+
+class ExpertLoadHook(LayerLoad):
+    """Collects whole checkpoint tensors of one layer and writes this rank's slice of each projection.
+
+    The ledger records every (expert, projection, role) slot filled, so `Ledger.check`
+    reports what is missing or duplicated. `accept` takes a writer factory, called
+    only for tensors this rank keeps.
+    """
+
+    def __init__(self, prefix: str, moe: MoEConfig, geometry: LayerGeometry, ledger: Ledger, *,
+                 allow_nonfinite: bool = False) -> None:
+        super().__init__(prefix, moe, geometry, allow_nonfinite=allow_nonfinite)
+        self.ledger = ledger
+        self.required = frozenset(lay.role for lay in moe.quant.layouts if moe.quant.required(lay))
+        self.local = frozenset(geometry.experts)
+        self.store = TensorStore()
+        self.pending: dict[tuple[int, Proj], Collected] = {}
+        self.written: dict[tuple[int, Proj], Collected] = {}
+        self.aliases: dict[Proj, tuple[str, bool]] = {}  # proj -> (checkpoint module name, stacked)
+
+    def accept(self, writer: Callable[[], FusedWriter], loaded: torch.Tensor, weight_name: str,
+               shard_id: str | ShardId, expert_id: int | None) -> bool:
+        """Take one whole checkpoint tensor; False (nothing kept or converted) when no local expert needs it."""
+        proj = ShardId.parse(shard_id, weight_name).proj
+        if proj not in self.projections:
+            raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but "
+                              f"{self.moe.family} experts are not gated; their tensors come with shard_id "
+                              f"{[ShardId.of_proj(p).value for p in self.projections]}.")
+        arrival = self._resolve(weight_name, proj, expert_id)
+        experts = self.geometry.experts if arrival.expert is None else \
+            ((arrival.expert,) if arrival.expert in self.local else ())
+        if not experts:
+            return False
+        fused = writer()  # fails early when the parameters are not materialised
+        ref = TensorRef(weight_name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype)
+        row = None if arrival.expert is not None else experts[0]
+        check_header(ref, self.moe.quant.layout(arrival.role), self.moe.quant,
+                     self._source(arrival.source, {arrival.role: ref}, row), self.geometry.num_experts)
+        self.aliases[proj] = (arrival.alias, arrival.expert is None)
+        for expert in experts:
+            self._arrive(fused, loaded, ref, expert, proj, arrival)
+        self.tensors += 1
+        return True
+
+    def _resolve(self, weight_name: str, proj: Proj, expert_id: int | None) -> Arrival:
+        """Source, role and expert of a tensor, from its checkpoint name (or a bare suffix and expert_id)."""
+        key = parse_expert_name(weight_name)
+        if key is None:
+            suffix, source, expert, alias = weight_name.rsplit(".", 1)[-1], Source(proj.value), expert_id, None
+        else:
+            suffix, source, expert = key.suffix, key.source, key.expert
+            alias = key.module_name.rsplit(".", 1)[-1]
+            if expert_id is not None and expert_id != key.expert:
+                raise FormatError(f"{weight_name}: expert_id={expert_id} but the name says expert {key.expert} "
+                                  f"(None: stacked over experts); pass the id the name carries.")
+        layout = self.moe.quant.layout_for_suffix(suffix)
+        if layout is None:
+            raise FormatError(f"{weight_name}: suffix {suffix!r} is not a {self.moe.quant.format_name} expert "
+                              f"tensor; expected one of {sorted(lay.suffix for lay in self.moe.quant.layouts)}. "
+                              f"Pass the checkpoint tensor's own name as weight_name.")
+        self._check_ids(weight_name, proj, source, expert)
+        problem = None if key is None else expert_key_problem(self.moe, key)
+        if problem is not None:
+            raise FormatError(f"{weight_name}: {problem}; no fused parameter takes it.")
+        return Arrival(source, layout.role, expert, alias or default_alias(proj))
+
+    def _check_ids(self, weight_name: str, proj: Proj, source: Source, expert: int | None) -> None:
+        if proj not in source.projs:
+            raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but the "
+                              f"tensor holds {[p.value for p in source.projs]}; use shard_id "
+                              f"{[ShardId.of_proj(p).value for p in source.projs]}.")
+        count = self.geometry.num_experts
+        if expert is None and source not in STACKED_SOURCES:
+            raise FormatError(f"{weight_name}: no expert id, and only gate_up_proj and down_proj tensors stack "
+                              f"over experts; pass expert_id (0..{count - 1}).")
+        if expert is not None and not 0 <= expert < count:
+            raise FormatError(f"{weight_name}: expert id {expert} is outside 0..{count - 1} "
+                              f"(the config declares {count} experts).")
+
+    @property
+    def projections(self) -> tuple[Proj, ...]:
+        """The projections of this layer's experts (no gate for non-gated experts)."""
+        return layer_projections(self.moe.gated)
+
+    def _source(self, source: Source, refs: dict[Role, TensorRef], row: int | None) -> SourceTensors:
+        """SourceTensors at this layer's own sizes."""
+        return sizes_source_tensors(self.geometry.hidden, self.geometry.intermediate, source, refs, row)
+
+    def _arrive(self, writer: FusedWriter, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
+                arrival: Arrival) -> None:
+        """Record one role of (expert, proj); write the projection once every required role is here."""
+        self.ledger.record(self.prefix, expert, proj, arrival.role, ref.name)
+        key, row = (expert, proj), (expert if arrival.expert is None else None)
+        if key in self.written:
+            self._late(self.written[key], loaded, ref, expert, proj, arrival.role)
+            return
+        entry = self.pending.setdefault(key, Collected(arrival.source, row, {}))
+        if (entry.source, entry.expert_row) != (arrival.source, row):
+            raise FormatError(f"{ref.name}: {self.prefix} expert {expert} {proj.value} already has tensors from "
+                              f"{sorted(r.name for r in entry.refs.values())}; one projection must come from one "
+                              f"source ({entry.source.value} {'stacked' if entry.expert_row is not None else ''}).")
+        if arrival.role in entry.refs:  # a duplicate: the ledger reports it; keep the newest
+            self.store.release(entry.refs[arrival.role])
+        entry.refs[arrival.role] = self.store.hold(ref, loaded)
+        if self.required <= entry.refs.keys():
+            self.write(self.store, writer, (expert,), proj, (self._source(entry.source, entry.refs, row),))
+            for held in entry.refs.values():
+                self.store.release(held)
+            self.written[key] = self.pending.pop(key)
+
+    def _late(self, done: Collected, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
+              role: Role) -> None:
+        """A role for a written projection: a duplicate (the ledger reports it) or an optional tensor to check."""
+        if role in done.refs:
+            return
+        src = self._source(done.source, {role: ref}, done.expert_row)
+        check_dropped_role(TensorStore.of(ref, loaded), self.moe.quant, src, self.geometry.slice(proj), role)
+        done.refs[role] = ref
+
+    def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
+        """`LayerLoad.load_plan`, with every slot recorded in this hook's ledger (a module that loads a
+        plan and may later take tensors through `weight_loader` too)."""
+        for proj in plan.fused.projections:
+            for experts, sources in plan_runs(plan, proj):
+                for expert, src in zip(experts, sources):
+                    self.ledger.record_slots((Slot.of(self.prefix, expert, proj, role), ref.name)
+                                             for role, ref in src.tensors.items())
+                    self.written[(expert, proj)] = Collected(src.source, src.expert_row, dict(src.tensors))
+        super().load_plan(index, writer, plan)
+
+    def missing_names(self, prefix: str) -> list[str]:
+        """Checkpoint names (under `prefix`, e.g. 'model.layers.0.mlp.experts.') of the slots still missing."""
+        names = set()
+        for slot in self.ledger.missing():
+            if slot.prefix != self.prefix:
+                continue
+            proj = Proj(slot.proj)
+            alias, stacked = self.aliases.get(proj, (default_alias(proj), False))
+            suffix = self.moe.quant.layout(Role(slot.role)).suffix
+            names.add(f"{prefix}{alias}.{suffix}" if stacked else f"{prefix}{slot.expert}.{alias}.{suffix}")
+        return sorted(names)

@@ -1,0 +1,99 @@
+"""load_experts: read this rank's share of every MoE layer into fused parameters."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..logs import rank_logger, warn_reduced_groups
+from ..models.config import MoEConfig, read_config_files
+from ..parallel.config import ParallelConfig
+from ..storage.hub import resolve_checkpoint
+from ..storage.index import CheckpointIndex
+from .device import DevicePolicy
+from .fused import FusedExperts, FusedWriter
+from .layer import LayerLoad
+from .ledger import Ledger
+from .plan import CheckpointScan, LayerPlan, plan_layers
+from .presharded import is_presharded, load_presharded
+from .results import LoadedExperts, LoadReport
+
+
+def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
+    """The resolved description of a checkpoint: config keys, quantization and experts prefixes.
+    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
+    path = resolve_checkpoint(path, revision=revision)
+    moe = read_config_files(path)
+    with CheckpointIndex(path) as index:
+        prefixes = tuple(CheckpointScan.of(index).layers)
+    return replace(moe, experts_prefixes=prefixes)
+
+
+def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
+                 device: torch.device | str = "cpu", allow_nonfinite_scales: bool = False,
+                 convert_on_device: bool = True) -> LoadedExperts:
+    """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
+
+    Tensors of non-local experts are never read; each local projection is read as
+    the slice covering the rank's columns, converted, and written once into the
+    fused layout on `device` ("cpu", "cuda" or "cuda:N"; ROCm devices are "cuda" in PyTorch too).
+    On a GPU the weights' raw words go up in large pinned chunks and are converted there
+    (`convert_on_device=False`: converted on the host, then copied); the load synchronises the
+    device once, at its end. Raises a WNA16Error subclass on any bad input (DeviceError for a
+    device this PyTorch cannot drive).
+    A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
+    from the rank's pre-sharded files; its layout must equal `parallel`'s.
+    `path` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
+    """
+    policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
+    path = resolve_checkpoint(path, revision=revision)
+    if is_presharded(path):
+        return load_presharded(path, parallel, device=device)
+    start = time.perf_counter()
+    with planned(path, parallel) as (moe, index, scan, plans):
+        result = LoadedExperts()
+        written = tensors = 0
+        for plan in plans:
+            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite_scales,
+                                              convert_on_device=convert_on_device)
+            result[plan.prefix] = layer
+            tensors += count
+            written += nbytes
+        bytes_read = index.bytes_read
+    policy.synchronize()
+    result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=bytes_read, bytes_written=written,
+                                  start=start)
+    result.ignored = scan.others
+    rank_logger(parallel).info("loaded: %s", result.report)
+    return result
+
+
+@contextmanager
+def planned(path: str | Path, parallel: ParallelConfig) -> Iterator[
+        tuple[MoEConfig, CheckpointIndex, CheckpointScan, list[LayerPlan]]]:
+    """The checkpoint's resolved config, its open index, its name scan and `parallel`'s layer plans,
+    with the ledger checked (missing, duplicated or unexpected tensors raise before any read)."""
+    moe, ledger = read_config_files(path), Ledger()
+    with CheckpointIndex(path) as index:
+        scan = CheckpointScan.of(index)
+        plans = plan_layers(index, moe, parallel, ledger, scan)
+        ledger.check()
+        warn_reduced_groups(rank_logger(parallel), group_size=moe.quant.group_size, tp_size=parallel.tp_size,
+                            effective={p.prefix: p.fused.group_size for p in plans},
+                            intermediate=moe.intermediate_size)
+        yield moe, index, scan, plans
+
+
+def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
+               allow_nonfinite: bool, *, convert_on_device: bool = True) -> tuple[FusedExperts, int, int]:
+    """Read, convert and write every local projection of one layer (the hook's own write path); device
+    copies are queued, not waited for (the caller synchronises once)."""
+    writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
+    layer = LayerLoad(plan.prefix, moe, plan.geometry, allow_nonfinite=allow_nonfinite)
+    layer.load_plan(index, writer, plan)
+    return writer.finish(), layer.tensors, writer.bytes_written

@@ -1,0 +1,97 @@
+"""The completeness ledger: every (layer, expert, projection, role) slot a load must fill, and what filled it.
+
+A load declares the slots it expects, records each tensor that fills one, and rejects tensors that have
+none; `check` raises one CompletenessError naming every missing, duplicated or unexpected entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, NamedTuple
+
+from ..errors import CompletenessError, format_offenders
+from ..formats import Role
+from ..models.names import Proj
+
+
+class Slot(NamedTuple):
+    """One (layer, expert, projection, role) cell of the fused layout (a named tuple: every load
+    records thousands, so hashing and ordering run as tuple operations in C)."""
+
+    prefix: str
+    expert: int
+    proj: str
+    role: str
+
+    def __str__(self) -> str:
+        return f"{self.prefix}.{self.expert}.{self.proj}.{self.role}"
+
+    @classmethod
+    def of(cls, prefix: str, expert: int, proj: Proj, role: Role) -> "Slot":
+        """The slot of one (layer, expert, projection, role); `_value_` is the member's value, read as a plain
+        attribute (`.value` is a Python-level descriptor, and a load makes thousands of slots)."""
+        return cls(prefix, expert, proj._value_, role._value_)
+
+
+@dataclass
+class Ledger:
+    """Records every slot written; `check` raises one error naming every offender."""
+
+    expected: set[Slot] = field(default_factory=set)
+    written: dict[Slot, list[str]] = field(default_factory=dict)
+    unexpected: list[str] = field(default_factory=list)
+    absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
+
+    def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
+        """Declare a slot that must be written exactly once."""
+        self.expected.add(Slot.of(prefix, expert, proj, role))
+
+    def expect_slots(self, slots: Iterable[Slot]) -> None:
+        """Declare many slots at once (as `expect` for each)."""
+        self.expected.update(slots)
+
+    def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
+        """Note that tensor `name` fills a slot."""
+        self.record_slot(Slot.of(prefix, expert, proj, role), name)
+
+    def record_slot(self, slot: Slot, name: str) -> None:
+        """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
+        self.written.setdefault(slot, []).append(name)
+
+    def record_slots(self, records: Iterable[tuple[Slot, str]]) -> None:
+        """Note many (slot, name) writes at once, in order (as `record_slot` for each)."""
+        written = self.written
+        for slot, name in records:
+            written.setdefault(slot, []).append(name)
+
+    def clear_records(self) -> None:
+        """Forget every write and rejection (the expected slots stay)."""
+        self.written.clear()
+        self.unexpected.clear()
+        self.absent.clear()
+
+    def reject(self, name: str, why: str) -> None:
+        """Note a tensor that has no slot."""
+        self.unexpected.append(f"{name} ({why})")
+
+    def lack(self, what: str, why: str) -> None:
+        """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
+        self.absent.append(f"{what} ({why})")
+
+    def missing(self) -> list[Slot]:
+        """Expected slots not written yet, sorted."""
+        return sorted(self.expected - set(self.written))
+
+    def offenders(self) -> list[str]:
+        """Every missing, duplicated or unexpected entry, in a stable order."""
+        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
+        dups = [f"written {len(names)} times: {slot} from {names}"
+                for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
+        return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
+
+    def check(self) -> None:
+        """Raise CompletenessError listing the first 20 offenders and a count."""
+        problems = self.offenders()
+        if problems:
+            raise CompletenessError(f"the load is incomplete or inconsistent: {len(problems)} problems\n"
+                                    f"{format_offenders(problems)}")

@@ -1,0 +1,316 @@
+"""Plan a load: which checkpoint tensors feed which fused slots on this rank.
+
+Works from tensor names and headers only: nothing is read here. Experts that are
+not local to the rank are dropped before any read, for every suffix.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+
+from ..errors import CheckpointError, FormatError
+from ..formats import Role
+from ..models.config import MoEConfig
+from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, prefix_at_layer
+from ..parallel.config import ParallelConfig
+from ..parallel.partition import LayerGeometry
+from ..storage.bulk import gc_paused
+from ..storage.index import CheckpointIndex, TensorRef
+from .fused import FusedSpec, layer_projections
+from .ledger import Ledger, Slot
+from .params import SourceTensors, check_header, expected_shape
+
+STACKED_SOURCES = (Source.GATE_UP, Source.DOWN)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Everything needed to load one MoE layer on one rank."""
+
+    prefix: str
+    layer: int
+    geometry: LayerGeometry
+    fused: FusedSpec
+    sources: dict[tuple[int, Proj], SourceTensors]
+
+
+@dataclass(frozen=True)
+class CheckpointScan:
+    """A checkpoint's tensor names split into routed-expert layers and the rest."""
+
+    layers: dict[str, list[ExpertTensorKey]]
+    others: tuple[str, ...]
+
+    @classmethod
+    def of(cls, index: CheckpointIndex) -> "CheckpointScan":
+        """Parse every name once (the name regex once per name shape: `ExpertNameParser`)."""
+        layers: dict[str, list[ExpertTensorKey]] = defaultdict(list)
+        others = []
+        parse = ExpertNameParser()
+        with gc_paused():  # one key per name: see bulk.py
+            for name in index.refs:
+                key = parse(name)
+                if key is None:
+                    others.append(name)
+                else:
+                    layers[key.experts_prefix].append(key)
+        return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
+
+
+def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, ledger: Ledger,
+                scan: CheckpointScan | None = None, tables: LayerTables | None = None) -> list[LayerPlan]:
+    """Plan every MoE layer of the checkpoint for `parallel`'s rank. Plans of several ranks of one
+    checkpoint share one `tables` (built from `index` and `moe`), so that what does not depend on the
+    rank is worked out once."""
+    scan = scan or CheckpointScan.of(index)
+    tables = tables or LayerTables(index, moe)
+    if not scan.layers:
+        raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
+                              f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
+    report_missing_layers(moe, scan, ledger)
+    plans = []
+    with gc_paused():  # tables, slots and sources per tensor: see bulk.py
+        for prefix, keys in scan.layers.items():
+            layer = keys[0].layer
+            if layer not in moe.moe_layers:
+                for key in keys:
+                    ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
+                continue
+            plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger, tables))
+    return plans
+
+
+def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
+    """Every MoE layer of the config without expert tensors in the checkpoint, as a *missing* entry."""
+    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items()}
+    example = next(iter(found.values()), None)
+    why = "every layer" if moe.resolution is None else moe.resolution["MoE layers"].source
+    for layer in moe.moe_layers:
+        if layer not in found and example is not None:
+            ledger.lack(f"{prefix_at_layer(example, layer)} (all experts of layer {layer})",
+                        f"the config makes layer {layer} a MoE layer ({why}) but the checkpoint has no expert "
+                        f"tensors for it")
+
+
+def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
+               keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables | None = None) -> LayerPlan:
+    """Plan one layer: EP filter, header checks, ledger entries."""
+    geometry = layer_geometry(moe, parallel, keys[0].layer)
+    table = (tables or LayerTables(index, moe)).layer(prefix, keys)
+    for name, why in table.rejects:
+        ledger.reject(name, why)
+    sources: dict[tuple[int, Proj], SourceTensors] = {}
+    checks: list[tuple[EntryKey, SourceTensors]] = []
+    scales: dict[torch.dtype, str] = {}  # scale dtype -> the last tensor of that dtype
+    for expert in sorted(set(geometry.experts)):
+        slots = table.expert(expert)
+        ledger.expect_slots(slots.expected)
+        ledger.record_slots(slots.records)
+        for proj, entry, src in slots.sources:
+            sources[(expert, proj)] = src
+            checks.append((entry, src))
+        scales.update(slots.scales)
+    table.check_headers(checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
+                         activation=moe.activation)
+    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
+
+
+EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
+
+
+class ExpertSlots(NamedTuple):
+    """One expert of one layer, for any rank that holds it: the first source of each projection (with
+    its entry), the slots it must fill and the (slot, tensor name) writes of every source found."""
+
+    sources: tuple[tuple[Proj, EntryKey, SourceTensors], ...]
+    expected: tuple[Slot, ...]
+    records: tuple[tuple[Slot, str], ...]
+    scales: tuple[tuple[torch.dtype, str], ...]  # (dtype, name) of the scales of each source that has them
+
+
+class LayerTable:
+    """One layer's routed-expert tensors under one config, rank by rank the same: the tensors that feed no
+    slot (name, why), the entries (expert or None, source) -> {role: ref} of the others, each expert's
+    `ExpertSlots` (made when first asked) and the entries whose headers passed `check_headers`."""
+
+    def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
+                 rules: KeyRules) -> None:
+        self.moe, self.prefix = moe, prefix
+        self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
+        self.rejects: list[tuple[str, str]] = []
+        self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
+        self.passed: set[EntryKey] = set()
+        self._experts: dict[int, ExpertSlots] = {}
+        self._required = required_roles(moe)
+        refs, entries, roles = index.refs, self.entries, rules.roles
+        for key in keys:
+            problem = rules.problem(key)
+            if problem is not None:
+                self.rejects.append((key.name, problem))
+            else:
+                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = refs[key.name]
+
+    def expert(self, expert: int) -> ExpertSlots:
+        """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
+        if expert not in self._experts:
+            sources, expected, records = [], [], []
+            for proj in layer_projections(self.moe.gated):
+                entries = _candidates(self.entries, expert, proj)
+                candidates = [self._source(entry, expert) for entry in entries]
+                expected += [Slot.of(self.prefix, expert, proj, role) for role in self._required]
+                records += [(Slot.of(self.prefix, expert, proj, role), ref.name)
+                            for src in candidates for role, ref in src.tensors.items()]
+                if candidates:
+                    sources.append((proj, entries[0], candidates[0]))
+            scales = tuple((src.tensors[Role.SCALES].dtype, src.tensors[Role.SCALES].name)
+                           for _, _, src in sources if Role.SCALES in src.tensors)
+            self._experts[expert] = ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
+        return self._experts[expert]
+
+    def check_headers(self, checks: list[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
+        """`check_headers` of the sources whose entries have not passed it yet (in order)."""
+        todo = [(entry, src) for entry, src in checks if entry not in self.passed]
+        check_headers(self.moe, [src for _, src in todo], num_experts)
+        self.passed.update(entry for entry, _ in todo)
+
+    def _source(self, entry: EntryKey, expert: int) -> SourceTensors:
+        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], self.entries[entry],
+                                    expert if entry[0] is None else None)
+
+
+class KeyRules:
+    """`expert_key_problem` over the many keys of one checkpoint: its kind part once per (suffix, source,
+    stacked), the expert count once per layer, module coverage once per module name."""
+
+    def __init__(self, moe: MoEConfig) -> None:
+        self.moe = moe
+        self.roles = {layout.suffix: layout.role for layout in reversed(moe.quant.layouts)}  # first wins
+        self._kinds = _Memo(lambda kind: _kind_problem(moe, *kind))
+        self._counts = _Memo(lambda layer: moe.layer(layer).num_experts)
+        self._covers = _Memo(moe.quant.modules.covers).__getitem__
+
+    def problem(self, key: ExpertTensorKey) -> str | None:
+        """`expert_key_problem(self.moe, key)`."""
+        return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer],
+                            self._covers)
+
+
+class _Memo(dict):
+    """`fn(key)` for each key, worked out at its first lookup and kept (a later lookup is one dict lookup)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def __missing__(self, key: Any) -> Any:
+        value = self[key] = self.fn(key)
+        return value
+
+
+class LayerTables:
+    """Every layer's `LayerTable` of one checkpoint (`index`) under one config (`moe`), made when first
+    planned: the plans of all ranks (`wna16-shard`) share one, so 8 ranks cost little more than 1."""
+
+    def __init__(self, index: CheckpointIndex, moe: MoEConfig) -> None:
+        self.index, self.moe, self.rules = index, moe, KeyRules(moe)
+        self._layers: dict[str, LayerTable] = {}
+
+    def layer(self, prefix: str, keys: list[ExpertTensorKey]) -> LayerTable:
+        """The table of the layer whose keys (all of them, from the scan) are `keys`."""
+        if prefix not in self._layers:
+            self._layers[prefix] = LayerTable(self.index, self.moe, prefix, keys, self.rules)
+        return self._layers[prefix]
+
+
+def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors], num_experts: int) -> None:
+    """dtype and shape of every tensor of `sources` against the layout and config: the expected shape of
+    each (source kind, stacked or not, role) is computed once for the batch and compared with the
+    header table; a mismatch raises `check_header`'s own error for that tensor."""
+    wanted: dict[tuple[Source, bool, Role], tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
+    for src in sources:
+        for role, ref in src.tensors.items():
+            key = (src.source, src.expert_row is None, role)
+            if key not in wanted:
+                layout = moe.quant.layout(role)
+                wanted[key] = (layout.dtypes, expected_shape(layout, moe.quant, src, num_experts))
+            dtypes, shape = wanted[key]
+            if ref.shape != shape or ref.dtype not in dtypes:
+                check_header(ref, moe.quant.layout(role), moe.quant, src, num_experts)
+
+
+def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None = None) -> LayerGeometry:
+    """The validated sizes of MoE layer `layer` of `moe` on `parallel`'s rank (None: the first MoE layer's)."""
+    values = moe.layer(layer) if layer is not None else moe.layer(moe.moe_layers[0] if moe.moe_layers else 0)
+    return LayerGeometry(hidden=moe.hidden_size, intermediate=values.intermediate_size, num_experts=values.num_experts,
+                         bits=moe.quant.bits, group_size=moe.quant.group_size, act_order=moe.quant.act_order,
+                         parallel=parallel)
+
+
+def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors: dict[Role, TensorRef],
+                         expert_row: int | None) -> SourceTensors:
+    """SourceTensors of one checkpoint source of a layer with sizes H = `hidden`, I = `intermediate`."""
+    n_one = hidden if source is Source.DOWN else intermediate
+    k_total = intermediate if source is Source.DOWN else hidden
+    return SourceTensors(source=source, tensors=tensors, expert_row=expert_row, n_total=n_one * len(source.projs),
+                         k_total=k_total)
+
+
+def required_roles(moe: MoEConfig) -> list[Role]:
+    """The roles the format requires of every projection (e.g. qweight, scales; qzeros when asymmetric)."""
+    return [layout.role for layout in moe.quant.layouts if moe.quant.required(layout)]
+
+
+def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj) -> None:
+    """Declare every role the format requires for one projection of one local expert."""
+    ledger.expect_slots(Slot.of(prefix, expert, proj, role) for role in required_roles(moe))
+
+
+def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
+    """Why routed-expert tensor `key` feeds no fused slot under `moe` (None when it does): the one rule
+    shared by the planner, the engine hook and the name mapping."""
+    return _key_problem(key, _kind_problem(moe, key.suffix, key.source, key.expert is None),
+                        moe.layer(key.layer).num_experts, moe.quant.modules.covers)
+
+
+def _kind_problem(moe: MoEConfig, suffix: str, source: Source, stacked: bool) -> str | None:
+    """The part of the rule that depends on the kind of tensor only (suffix, source, stacked or not)."""
+    if moe.quant.layout_for_suffix(suffix) is None:
+        return f"suffix {suffix!r} is not a {moe.quant.format_name} expert tensor"
+    if not moe.gated and Proj.GATE in source.projs:
+        return f"a {source.value} tensor, but {moe.family} experts are not gated (up and down projections only)"
+    if stacked and source not in STACKED_SOURCES:
+        return f"a stacked {source.value} tensor; only gate_up_proj and down_proj stack"
+    return None
+
+
+def _key_problem(key: ExpertTensorKey, kind_problem: str | None, count: int,
+                 covers: Callable[[str], bool]) -> str | None:
+    """The rule, given its kind part, the layer's expert `count` and the module filter."""
+    if kind_problem is not None:
+        return kind_problem
+    if key.expert is not None and key.expert >= count:
+        return f"expert id {key.expert} >= expert count {count}"
+    if not covers(key.module_name):
+        return "its module is excluded by the quantization config (targets/ignore)"
+    return None
+
+
+SOURCES_OF: dict[Proj, tuple[Source, ...]] = {proj: tuple(s for s in Source if proj in s.projs) for proj in Proj}
+
+
+def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[EntryKey]:
+    """Entries that hold `proj` of `expert`: its own per-expert sources, then stacked ones (O(1) lookups)."""
+    return [ek for source in SOURCES_OF[proj] for ek in ((expert, source), (None, source)) if ek in entries]
+
+
+def _scale_dtype(prefix: str, found: dict[torch.dtype, str]) -> torch.dtype:
+    """The one dtype of a layer's scales (`found`: dtype -> a tensor of that dtype; float16 when none)."""
+    if len(found) > 1:
+        raise FormatError(f"{prefix}: scales use several dtypes {[(str(d), n) for d, n in found.items()]}; one "
+                          f"layer's fused scales need one dtype.")
+    return next(iter(found), torch.float16)

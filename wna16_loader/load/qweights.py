@@ -1,0 +1,162 @@
+"""Read the weights of one projection's rank slice, for a batch of experts, in the fused byte packing.
+
+Slice first, then convert: only the int32 words covering the rank's rows and columns are read, and
+the conversion touches nothing else. Pieces come a bounded chunk of experts at a time, so a batch
+never holds a whole layer's converted weights:
+
+| words packed along K, cut on word boundaries | already the fused packing: views of the words     |
+| 4-bit words packed along N, K cut on 8 rows  | an 8x8 nibble transpose of every word block        |
+| anything else                                | unpacked, trimmed and repacked                     |
+
+| QweightPiece.tensor | [E_c, N_c, K_l/P8] uint8 (a chunk of experts, a block of rows), or the same |
+|                     | bytes as int32 words                                                         |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from ..formats import Dim, QuantSpec, Role, TensorLayout
+from ..formats.packing import pack_bytes, transpose_nibble_words
+from ..parallel.partition import Span
+from .device import DevicePolicy
+from .params import SourceTensors, TensorReader, storage_index, storage_indices, unpacked
+
+QWEIGHT_CHUNK_BYTES = 2 << 20  # words converted at once on the host: amortises per-op cost, stays in cache
+UPLOAD_CHUNK_BYTES = 64 << 20  # words staged and sent to a device at once
+PAGE_BYTES = 4096  # rows a multiple of this apart all fall into the same cache sets (see fused.copy_transposing)
+
+
+@dataclass(frozen=True)
+class QweightPiece:
+    """Weights of `sources[experts]` for the rows `n` of the rank's N slice (0-based inside it), in the
+    fused byte packing [E_c, len(n), K_l/P8] uint8, or the same bytes as int32 words."""
+
+    experts: slice
+    n: Span
+    tensor: torch.Tensor
+
+
+def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceTensors], spans: dict[Dim, Span],
+                  *, upload: DevicePolicy | None = None) -> Iterator[QweightPiece]:
+    """The weights of a batch of experts in the fused byte packing, piece by piece.
+
+    | words packed along K, cut on word boundaries | already the fused packing: a view of the words    |
+    |                                              | (the writer's copy does the transpose)             |
+    | 4-bit words packed along N, K cut on 8 rows  | an 8x8 nibble transpose of every word block        |
+    | anything else                                | unpacked, trimmed and repacked                     |
+
+    On the host, views come one expert at a time and conversions work on about QWEIGHT_CHUNK_BYTES
+    of words (several experts, or slabs of N words of one large expert). With `upload` (the policy of a GPU
+    that converts weights), the raw words of UPLOAD_CHUNK_BYTES of experts are copied out of the file
+    mapping into one pinned host buffer, sent in one non-blocking copy, and converted on the device by
+    the same tensor operations.
+    """
+    if not len(spans[Dim.N]) or not len(spans[Dim.K]):
+        return  # a rank whose slice is all padding reads no weights
+    layout = spec.layout(Role.QWEIGHT)
+    fused, whole = _words_are_fused(layout, spec, spans), Span(0, len(spans[Dim.N]))
+    if upload is None and fused:
+        yield from _fused_views(reader, spec, layout, sources, spans)
+        return
+    words = _words_per_expert(layout, spec, spans)
+    if upload is None and _nibble_path(layout, spec, spans) and 4 * words > QWEIGHT_CHUNK_BYTES:
+        yield from _nibble_slabs(reader, spec, layout, sources, spans)
+        return
+    step = max(1, (QWEIGHT_CHUNK_BYTES if upload is None else UPLOAD_CHUNK_BYTES) // (4 * words))
+    for start in range(0, len(sources), step):
+        chunk = slice(start, min(start + step, len(sources)))
+        refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
+        indices = storage_indices(layout, spans, spec.pack_factor, sources[chunk])
+        raw = reader.gather(refs, indices) if upload is None else \
+            _stacked([reader.view(ref, index) for ref, index in zip(refs, indices)], upload)
+        yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
+                           _converted_qweight(raw, spec, layout, spans))
+
+
+def _fused_views(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
+                 spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
+    """Words that already hold the fused bytes, about QWEIGHT_CHUNK_BYTES of experts at a time: one
+    strided view of the chunk when its slices are evenly spaced in one file (no copy here); else one view
+    per expert when a slice fills half a chunk, and small slices gathered into one buffer (one copy, in
+    cache: per-expert Python work would cost more than the bytes)."""
+    whole = Span(0, len(spans[Dim.N]))
+    step = max(1, QWEIGHT_CHUNK_BYTES // (4 * _words_per_expert(layout, spec, spans)))
+    for start in range(0, len(sources), step):
+        chunk = slice(start, min(start + step, len(sources)))
+        refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
+        indices = storage_indices(layout, spans, spec.pack_factor, sources[chunk])
+        words = reader.view_stacked(refs, indices) if len(refs) > 1 else None
+        if words is not None or step > 2:
+            words = reader.gather(refs, indices) if words is None else words
+            yield QweightPiece(chunk, whole, _as_fused(words, layout))
+            continue
+        for i, (ref, index) in enumerate(zip(refs, indices)):
+            yield QweightPiece(slice(start + i, start + i + 1), whole, _as_fused(reader.view(ref, index)[None], layout))
+
+
+def _words_per_expert(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> int:
+    """int32 words of one expert's storage slice covering `spans`."""
+    index = storage_index(layout, spans, spec.pack_factor, None)
+    return math.prod(s.stop - s.start for s in index if isinstance(s, slice))
+
+
+def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
+                  spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
+    """The nibble path for experts larger than a chunk: one expert at a time, in slabs of N words
+    (all K rows) holding about QWEIGHT_CHUNK_BYTES each; a slab fills a block of output rows."""
+    n, per_word = spans[Dim.N], spec.pack_factor
+    words = max(1, QWEIGHT_CHUNK_BYTES // (4 * len(spans[Dim.K])))
+    words -= words > 1 and 4 * per_word * words % PAGE_BYTES == 0  # converted rows must not alias
+    width = per_word * words  # N values per slab
+    cuts = [n.start] + list(range(n.start // per_word * per_word + width, n.stop, width)) + [n.stop]
+    for i, src in enumerate(sources):
+        for start, stop in zip(cuts, cuts[1:]):
+            part = {**spans, Dim.N: Span(start, stop)}
+            index = storage_index(layout, part, per_word, src.expert_row)
+            raw = _stacked([reader.view(src.tensors[Role.QWEIGHT], index)], None)
+            yield QweightPiece(slice(i, i + 1), Span(start - n.start, stop - n.start),
+                               _converted_qweight(raw, spec, layout, part))
+
+
+def _stacked(slices: list[torch.Tensor], upload: DevicePolicy | None) -> torch.Tensor:
+    """Stack file slices into ordinary memory, or into `upload`'s pinned host buffer and send them to its device."""
+    shape = (len(slices), *slices[0].shape)
+    host = torch.empty(shape, dtype=slices[0].dtype) if upload is None else upload.host_buffer(shape, slices[0].dtype)
+    torch.stack(slices, out=host)  # the one copy out of the mapping: never DMA from a safetensors mmap
+    return host if upload is None else upload.upload(host)
+
+
+def _as_fused(words: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
+    """[E_c, storage dims] words packed along K -> a [E_c, N_l, K_l/(4*P8)] view."""
+    return words.permute([0, 1 + layout.dims.index(Dim.N), 1 + layout.dims.index(Dim.K)])
+
+
+def _words_are_fused(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> bool:
+    """Words packed sequentially along K and cut on word boundaries hold the fused bytes as they are."""
+    k, per_word = spans[Dim.K], spec.pack_factor
+    return layout.packed is Dim.K and layout.slot_order is None and k.start % per_word == 0 and \
+        k.stop % per_word == 0
+
+
+def _nibble_path(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Span]) -> bool:
+    """4-bit words packed along N, with K cut on whole 8-row blocks: the nibble transpose applies."""
+    k = spans[Dim.K]
+    return layout.packed is Dim.N and spec.bits == 4 and k.start % 8 == 0 and k.stop % 8 == 0
+
+
+def _converted_qweight(raw: torch.Tensor, spec: QuantSpec, layout: TensorLayout,
+                       spans: dict[Dim, Span]) -> torch.Tensor:
+    """[E_c, storage dims] words -> [E_c, N_l, K_l/P8] fused bytes (or their int32 words)."""
+    k_axis, n_axis = 1 + layout.dims.index(Dim.K), 1 + layout.dims.index(Dim.N)
+    n = spans[Dim.N]
+    if _nibble_path(layout, spec, spans):
+        words = transpose_nibble_words(raw.permute([0, k_axis, n_axis]), slot_order=layout.slot_order)
+        return words.narrow(1, n.start % spec.pack_factor, len(n))  # [E_c, N words * 8 -> N_l, K_l/8]
+    values = unpacked(raw, spec, layout, spans, lead=1)  # storage dim order
+    packed = pack_bytes(values, bits=spec.bits, dim=k_axis)  # pack before transposing
+    return packed.permute([0, n_axis, k_axis])

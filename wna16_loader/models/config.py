@@ -1,0 +1,280 @@
+"""One resolver for the model config keys of every MoE family.
+
+Families differ only in key names, where the decoder config lives, MoE-layer rules
+and tensor names; all of it is data in families.py and layer_rules.py. The
+resolver is one function over that table, and records for every value the key or
+rule it came from (`MoEConfig.resolution`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..formats import QuantSpec, accepted_formats, resolve_quant_spec
+from .families import GENERIC, Family, family_of
+from .layer_rules import compact, layer_count_from_lists, select_moe_layers
+
+EXPERT_COUNT_KEYS = GENERIC.keys.experts
+TOP_K_KEYS = GENERIC.keys.top_k
+INTERMEDIATE_KEYS = GENERIC.keys.intermediate
+HIDDEN_KEYS = GENERIC.keys.hidden
+LAYER_COUNT_KEYS = GENERIC.keys.layers
+NESTED_KEYS = GENERIC.nested
+QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # file: implied quant_method
+TABLE = "wna16_loader/models/families.py"
+MOE_LAYERS = "MoE layers"
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """How one value was found: `key` is the config key read (None for a derived value)."""
+
+    what: str
+    value: Any
+    source: str
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The record of a resolution: the table row used, where the decoder config was, and every value."""
+
+    family: str
+    decoder: str
+    values: tuple[Resolved, ...]
+
+    def __getitem__(self, what: str) -> Resolved:
+        return next(v for v in self.values if v.what == what)
+
+    def describe(self) -> str:
+        """One line per value: `what = value  <- source`."""
+        lines = [f"family row: {self.family} ({TABLE}); decoder config: {self.decoder}"]
+        width = max(len(v.what) for v in self.values)
+        lines += [f"  {v.what:<{width}} = {compact(v.value) if v.what == MOE_LAYERS else v.value}  <- {v.source}"
+                  for v in self.values]
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class LayerValues:
+    """The values of one MoE layer (per-layer config lists give each layer its own)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The resolved description of a checkpoint's routed experts.
+
+    `num_experts`, `top_k` and `intermediate_size` are those of the first MoE layer;
+    `layer(L)` gives each layer's own when the config lists them per layer.
+    `zero_experts`: routed-to identity experts without tensors (not placed on ranks).
+    """
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    quant: QuantSpec
+    model_type: str | None = None
+    experts_prefixes: tuple[str, ...] = ()  # filled by read_moe_config from the checkpoint
+    per_layer: tuple[tuple[int, LayerValues], ...] = ()
+    zero_experts: int = 0
+    gated: bool = True
+    activation: str | None = None
+    family: str = GENERIC.name
+    resolution: Resolution | None = field(default=None, compare=False)
+
+    def layer(self, layer: int) -> LayerValues:
+        """The values of MoE layer `layer`."""
+        for index, values in self.per_layer:
+            if index == layer:
+                return values
+        return LayerValues(self.num_experts, self.top_k, self.intermediate_size)
+
+
+def decoder_config(config: dict[str, Any], family: Family) -> tuple[dict[str, Any], str]:
+    """(the decoder's config, where it was): the first of the row's nested keys (then the generic ones, for a
+    wrapper found through its decoder's model_type) holding a decoder, else the top level. A nested dict counts
+    when it has a key of the row's expert-count or hidden-size aliases."""
+    for key in dict.fromkeys(family.nested + GENERIC.nested):
+        nested = config.get(key)
+        if isinstance(nested, dict) and any(k in nested for k in family.keys.experts + family.keys.hidden):
+            return nested, key
+    return config, "top level"
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's config under the row of `config`'s model_type (the generic row's nesting otherwise)."""
+    return decoder_config(config, _row(config))[0]
+
+
+def _row(config: dict[str, Any]) -> Family:
+    nested = [config[k].get("model_type") for k in GENERIC.nested if isinstance(config.get(k), dict)]
+    return family_of(config.get("model_type"), *nested)
+
+
+def _missing(what: str, keys: tuple[str, ...], family: Family, model_type: Any) -> ConfigError:
+    return ConfigError(f"config.json: no key gives the {what}; tried {list(keys)}. Add one of them to "
+                       f"config.json (model_type={model_type!r}), or add the key to the {family.name!r} row of "
+                       f"the families table ({TABLE}).")
+
+
+def _positive(key: str, value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.json: {key}={value!r} ({what}) must be a positive integer.")
+    return value
+
+
+def first_key(config: dict[str, Any], keys: tuple[str, ...], what: str,
+              family: Family = GENERIC) -> tuple[int, str]:
+    """(value, key) of the first alias present, as a positive int (error naming every key tried)."""
+    for key in keys:
+        if config.get(key) is not None:
+            return _positive(key, config[key], what), key
+    raise _missing(what, keys, family, config.get("model_type"))
+
+
+def per_layer_key(config: dict[str, Any], keys: tuple[str, ...], what: str, family: Family,
+                  num_layers: int) -> tuple[tuple[int, ...], str]:
+    """(one value per decoder layer, key): an int applies to every layer; a list gives each layer's."""
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            return (_positive(key, value, what),) * num_layers, key
+        if len(value) != num_layers:
+            raise ConfigError(f"config.json: {key} lists {len(value)} values ({what}) but the decoder has "
+                              f"{num_layers} layers; a per-layer list needs one value per layer.")
+        return tuple(_positive(f"{key}[{i}]", v, what) for i, v in enumerate(value)), key
+    raise _missing(what, keys, family, config.get("model_type"))
+
+
+def _layer_count(text: dict[str, Any], family: Family) -> Resolved:
+    """The decoder layer count: a count key, else the length of a per-layer list; both must agree."""
+    listed = layer_count_from_lists(text)
+    for key in family.keys.layers:
+        if text.get(key) is not None:
+            count = _positive(key, text[key], "decoder layer count")
+            if listed and listed[0] != count:
+                raise ConfigError(f"config.json: {key}={count} but {listed[1]} lists {listed[0]} layers; the two "
+                                  f"keys disagree. Fix or remove one of them.")
+            return Resolved("decoder layer count", count, f"{key} (row {family.name})", key)
+    if listed:
+        return Resolved("decoder layer count", listed[0], f"length of {listed[1]} (no layer-count key)")
+    raise _missing("decoder layer count", family.keys.layers, family, text.get("model_type"))
+
+
+def _moe_layers(text: dict[str, Any], count: int) -> Resolved:
+    layers, rule = select_moe_layers(text, count)
+    source = "every layer (no MoE-layer key present)" if rule is None else \
+        f"rule {rule.name}: {rule.describe(text)} ({rule.doc})"
+    return Resolved(MOE_LAYERS, layers, source)
+
+
+def _per_moe_layer(values: tuple[int, ...], key: str, what: str, family: Family,
+                   moe_layers: tuple[int, ...]) -> Resolved:
+    mine = tuple(values[layer] for layer in moe_layers)
+    uniform = len(set(mine)) <= 1
+    shown = (mine[0] if mine else values[0]) if uniform else mine
+    kind = "" if len(set(values)) <= 1 else ", one value per layer"
+    return Resolved(what, shown, f"{key} (row {family.name}{kind})", key)
+
+
+def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = None) -> MoEConfig:
+    """Resolve a parsed config.json (and optionally a separate quantization config)."""
+    family = _row(config)
+    text, where = decoder_config(config, family)
+    qconfig = qconfig or text.get("quantization_config") or config.get("quantization_config")
+    if qconfig is None:
+        raise ConfigError("config.json has no quantization_config, and no quantize_config.json or "
+                          "quant_config.json was found; this is not a WNA16-quantized checkpoint.")
+    count = _layer_count(text, family)
+    moe_layers = _moe_layers(text, count.value)
+    lists = {what: per_layer_key(text, keys, what, family, count.value) for what, keys in (
+        ("routed expert count", family.keys.experts), ("experts per token (top-k)", family.keys.top_k),
+        ("expert intermediate size", family.keys.intermediate))}
+    hidden, hidden_key = first_key(text, family.keys.hidden, "hidden size", family)
+    zero = _zero_experts(text, family)
+    values = _layer_values(lists, moe_layers.value, zero.value)
+    record = (Resolved("hidden size", hidden, f"{hidden_key} (row {family.name})", hidden_key), count, moe_layers,
+              *(_per_moe_layer(v, k, what, family, moe_layers.value) for what, (v, k) in lists.items()), zero,
+              *_kind(text, family))
+    first = values[0][1] if values else LayerValues(*(v[0] for v, _ in lists.values()))
+    return MoEConfig(
+        num_experts=first.num_experts, top_k=first.top_k, hidden_size=hidden,
+        intermediate_size=first.intermediate_size, num_layers=count.value, moe_layers=moe_layers.value,
+        quant=resolve_quant_spec(qconfig), model_type=text.get("model_type") or config.get("model_type"),
+        per_layer=values if len(set(v for _, v in values)) > 1 else (), zero_experts=zero.value,
+        gated=family.gated, activation=record[-1].value, family=family.name,
+        resolution=Resolution(family.name, where, record))
+
+
+def _layer_values(lists: dict[str, tuple[tuple[int, ...], str]], moe_layers: tuple[int, ...],
+                  zero: int) -> tuple[tuple[int, LayerValues], ...]:
+    experts, top_k, inter = (v for v, _ in lists.values())
+    out = []
+    for layer in moe_layers:
+        if top_k[layer] > experts[layer] + zero:
+            raise ConfigError(f"config.json: top-k = {top_k[layer]} is larger than the expert count "
+                              f"{experts[layer] + zero} (layer {layer}).")
+        out.append((layer, LayerValues(experts[layer], top_k[layer], inter[layer])))
+    return tuple(out)
+
+
+def _zero_experts(text: dict[str, Any], family: Family) -> Resolved:
+    for key in family.keys.zero_experts:
+        if text.get(key) is not None:
+            value = text[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"config.json: {key}={value!r} (zero experts) must be an integer >= 0.")
+            return Resolved("zero (identity) experts", value, f"{key} (row {family.name})", key)
+    return Resolved("zero (identity) experts", 0, f"none (row {family.name} names no zero-expert key)")
+
+
+def _kind(text: dict[str, Any], family: Family) -> tuple[Resolved, Resolved]:
+    """(gated, activation) records: gating from the row, activation from the row's keys."""
+    gated = Resolved("gated", family.gated, f"row {family.name} (projections {[p for p, _ in family.projections]})")
+    for key in family.keys.activation:
+        if isinstance(text.get(key), str):
+            return gated, Resolved("activation", text[key], f"{key} (row {family.name})", key)
+    return gated, Resolved("activation", None, f"not given (tried {list(family.keys.activation)})")
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    """Parse a JSON object file, with errors that name the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found; a checkpoint folder needs a config.json.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc}).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(data).__name__}.")
+    return data
+
+
+def read_config_files(folder: str | Path) -> MoEConfig:
+    """Resolve `folder`/config.json, falling back to quantize_config.json / quant_config.json."""
+    folder = Path(folder)
+    config = load_json(folder / "config.json")
+    qconfig = None
+    if "quantization_config" not in text_config(config) and "quantization_config" not in config:
+        for name, method in QUANT_FILES.items():
+            if (folder / name).is_file():
+                qconfig = {"quant_method": method, **load_json(folder / name)}
+                break
+        else:
+            raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
+                              f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
+                              f"formats: {accepted_formats()}.")
+    return resolve_moe_config(config, qconfig)

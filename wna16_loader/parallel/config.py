@@ -1,0 +1,209 @@
+"""ParallelConfig: the only source of tensor- and expert-parallel sizes and ranks.
+
+TP and EP compose: experts are split across `ep_size` ranks, and each expert's
+intermediate dimension across `tp_size` ranks. The global rank of a (tp, ep)
+pair is `ep_rank * tp_size + tp_rank`. `ShardJob` is the same for the processes of a
+rank-parallel `wna16-shard` run.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+from ..errors import ShardingError
+
+
+class ExpertPlacement(enum.Enum):
+    """How global expert ids are dealt to EP ranks."""
+
+    LINEAR = "linear"  # consecutive blocks; the first E % ep ranks get one more
+    ROUND_ROBIN = "round_robin"  # ids ep_rank, ep_rank + ep, ...
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes and ranks of one process, validated on construction."""
+
+    tp_size: int
+    tp_rank: int
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_placement: ExpertPlacement | str = ExpertPlacement.LINEAR
+
+    def __post_init__(self) -> None:
+        for label, size, rank in (("tp", self.tp_size, self.tp_rank), ("ep", self.ep_size, self.ep_rank)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in (size, rank)):
+                raise ShardingError(f"ParallelConfig: {label}_size and {label}_rank must be integers, "
+                                    f"got {label}_size={size!r}, {label}_rank={rank!r}.")
+            if size < 1:
+                raise ShardingError(f"ParallelConfig: {label}_size must be >= 1, got {size}.")
+            if not 0 <= rank < size:
+                raise ShardingError(f"ParallelConfig: {label}_rank={rank} is out of range for "
+                                    f"{label}_size={size}; valid ranks are 0..{size - 1}.")
+        placement = self.expert_placement
+        if not isinstance(placement, ExpertPlacement):
+            try:
+                placement = ExpertPlacement(placement)
+            except ValueError:
+                raise ShardingError(f"ParallelConfig: expert_placement={placement!r} is unknown; use one of "
+                                    f"{[p.value for p in ExpertPlacement]}.") from None
+            object.__setattr__(self, "expert_placement", placement)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the TP x EP grid."""
+        return self.tp_size * self.ep_size
+
+    @property
+    def rank(self) -> int:
+        """Global rank in the grid: `ep_rank * tp_size + tp_rank`."""
+        return self.ep_rank * self.tp_size + self.tp_rank
+
+    @classmethod
+    def from_rank(cls, rank: int, *, tp_size: int, ep_size: int = 1,
+                  expert_placement: ExpertPlacement | str = ExpertPlacement.LINEAR) -> "ParallelConfig":
+        """The config of global `rank` in a `tp_size` x `ep_size` grid."""
+        world = tp_size * ep_size
+        if not 0 <= rank < world:
+            raise ShardingError(f"ParallelConfig: rank {rank} is out of range for tp_size={tp_size} x "
+                                f"ep_size={ep_size} = {world} ranks.")
+        return cls(tp_size=tp_size, tp_rank=rank % tp_size, ep_size=ep_size, ep_rank=rank // tp_size,
+                   expert_placement=expert_placement)
+
+    @classmethod
+    def all_ranks(cls, *, tp_size: int, ep_size: int = 1,
+                  expert_placement: ExpertPlacement | str = ExpertPlacement.LINEAR) -> list["ParallelConfig"]:
+        """Every rank of the grid, in global rank order."""
+        return [cls.from_rank(r, tp_size=tp_size, ep_size=ep_size, expert_placement=expert_placement)
+                for r in range(tp_size * ep_size)]
+
+    @classmethod
+    def from_manifest(cls, manifest: Mapping[str, Any], *, rank: int) -> "ParallelConfig":
+        """The config of global `rank` in the layout a `wna16-shard` output was written for.
+
+        `manifest` is the parsed manifest (`read_manifest(OUT)`; `presharded.parallel_config(OUT, rank=r)`
+        reads it for you): its `parallel` record gives tp, ep and the expert placement.
+        """
+        par = manifest.get("parallel") if isinstance(manifest, Mapping) else None
+        if not isinstance(par, Mapping) or not all(key in par for key in ("tp", "ep", "placement")):
+            raise ShardingError(f"ParallelConfig.from_manifest: the manifest has no 'parallel' record with tp, ep "
+                                f"and placement (found {par!r}); pass read_manifest(OUT) of a wna16-shard output.")
+        return cls.from_rank(rank, tp_size=par["tp"], ep_size=par["ep"], expert_placement=par["placement"])
+
+    @classmethod
+    def from_environment(cls, *, tp_size: int | None = None, ep_size: int = 1, process_group: Any = None,
+                         expert_placement: ExpertPlacement | str = ExpertPlacement.LINEAR) -> "ParallelConfig":
+        """Build from torch.distributed, torchrun's environment or accelerate's PartialState.
+
+        The one place in the package that reads them. Order: an initialised
+        torch.distributed (optionally `process_group`), then accelerate's
+        `PartialState` when it is initialised, then torchrun's `RANK` /
+        `WORLD_SIZE`, else a single process. `tp_size` defaults to
+        world_size // ep_size; tp_size * ep_size must equal the world size.
+        """
+        rank, world = _detect_rank_and_world(process_group)
+        if tp_size is None:
+            if world % ep_size:
+                raise ShardingError(f"ParallelConfig.from_environment: world size {world} is not divisible "
+                                    f"by ep_size={ep_size}; use an ep_size that divides {world}.")
+            tp_size = world // ep_size
+        if tp_size * ep_size != world:
+            raise ShardingError(f"ParallelConfig.from_environment: tp_size={tp_size} x ep_size={ep_size} = "
+                                f"{tp_size * ep_size} but the world size is {world}.")
+        return cls.from_rank(rank, tp_size=tp_size, ep_size=ep_size, expert_placement=expert_placement)
+
+    from_process_group = from_environment
+
+
+@dataclass(frozen=True)
+class ShardJob:
+    """Which process of a rank-parallel `wna16-shard` run this is: process p of K writes the output
+    ranks r with r % K == p (and p = 0 also common/ and the manifest). The few collectives the run
+    needs (small Python objects over gloo) are methods here, next to the one place that reads
+    torch.distributed."""
+
+    process: int = 0
+    processes: int = 1
+    process_group: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.process < self.processes:
+            raise ShardingError(f"ShardJob: process {self.process} outside 0..{self.processes - 1}; the process "
+                                f"index must be below the process count (torchrun's RANK < WORLD_SIZE).")
+
+    @classmethod
+    def from_environment(cls, process_group: Any = None) -> "ShardJob":
+        """Build from torch.distributed (optionally `process_group`), accelerate or torchrun's environment,
+        like `ParallelConfig.from_environment`; a single process when none is set up."""
+        process, processes = _detect_rank_and_world(process_group)
+        return cls(process, processes, process_group)
+
+    @classmethod
+    @contextmanager
+    def joined(cls) -> Iterator["ShardJob"]:
+        """`from_environment`, first joining torchrun's rendezvous with gloo when several processes were
+        started and no process group exists yet (left again on exit)."""
+        import torch.distributed as dist
+
+        job = cls.from_environment()
+        started = job.processes > 1 and not dist.is_initialized()
+        if started:
+            dist.init_process_group("gloo")
+        try:
+            yield job
+        finally:
+            if started:
+                dist.destroy_process_group()
+
+    def broadcast(self, value: Any) -> Any:
+        """Process 0's `value`, on every process."""
+        import torch.distributed as dist
+
+        box = [value]
+        if self.processes > 1:
+            dist.broadcast_object_list(box, src=0, group=self.process_group)
+        return box[0]
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every process's `value`, in process order."""
+        import torch.distributed as dist
+
+        if self.processes == 1:
+            return [value]
+        out: list[Any] = [None] * self.processes
+        dist.all_gather_object(out, value, group=self.process_group)
+        return out
+
+    def barrier(self) -> None:
+        """Wait for every process."""
+        import torch.distributed as dist
+
+        if self.processes > 1:
+            dist.barrier(group=self.process_group)
+
+
+def _detect_rank_and_world(process_group: Any) -> tuple[int, int]:
+    """(rank, world size) from torch.distributed, accelerate or torchrun's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(process_group), dist.get_world_size(process_group)
+    try:
+        from accelerate import PartialState
+
+        if PartialState._shared_state:  # initialised by the user; never create one here
+            state = PartialState()
+            return state.process_index, state.num_processes
+    except ImportError:  # accelerate is a dependency, but stay usable without it
+        pass
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        try:
+            return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        except ValueError:
+            raise ShardingError(f"ParallelConfig.from_environment: RANK={os.environ['RANK']!r} and WORLD_SIZE="
+                                f"{os.environ['WORLD_SIZE']!r} must be integers (as torchrun sets them).") from None
+    return 0, 1

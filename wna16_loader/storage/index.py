@@ -1,0 +1,234 @@
+"""Checkpoint IO: a name -> (file, shape, dtype) index and reads by validated header offsets.
+
+The index is built once from the shard headers: safetensors opens (and so validates) every
+file, `filemap.MappedFile` maps it once and checks every entry's byte span; the index is then
+checked against model.safetensors.index.json when present. Reads are strided views over the
+mappings (`view`, `gather`); whole files are never loaded, nothing is copied until asked.
+
+| read(ref, index)          | ordinary memory, safe to keep                                     |
+| view(ref, index)          | file pages: valid while kept, never for a device copy or to keep  |
+| gather(refs, indices)     | [E, ...] stacked into ordinary memory (or the caller's `out`)     |
+| view_stacked(refs, ...)   | [E, ...] as one strided view of file pages, when evenly spaced    |
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError, format_offenders
+from .bulk import gc_paused
+from .filemap import Index, MappedFile, gather, stacked_view
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+DTYPES: dict[str, torch.dtype] = {
+    "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
+ITEMSIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.items()}
+
+
+class TensorRef(NamedTuple):
+    """Where one tensor lives and what its header says (a named tuple: an index holds one per tensor)."""
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor."""
+        return nbytes_of(self.shape, self.dtype)
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of `shape` and `dtype`."""
+    return math.prod(shape) * dtype.itemsize
+
+
+class CheckpointIndex:
+    """Every tensor of a safetensors checkpoint folder, readable by slices.
+
+    Use as a context manager, or call `close()` (views already handed out keep their mapping).
+    `bytes_read` counts the bytes of every slice returned. `begins[name]` is the tensor's first byte
+    in its file.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder)
+        self.files, weight_map = _shard_files(self.folder)
+        self._maps: dict[str, MappedFile] = {}
+        self.refs: dict[str, TensorRef] = {}
+        self.begins: dict[str, int] = {}
+        self.metadata: dict[str, dict[str, str]] = {}
+        self.bytes_read = 0
+        with gc_paused():  # one TensorRef per tensor: see bulk.py
+            for file in self.files:
+                self._index_file(file)
+            if weight_map is not None:
+                _check_index_file(self.folder / INDEX_FILE, weight_map, self.refs)
+
+    def _index_file(self, file: str) -> None:
+        try:
+            with safe_open(str(self.folder / file), framework="pt") as handle:  # the format's own checks
+                self.metadata[file] = handle.metadata() or {}
+        except Exception as exc:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"{self.folder / file}: not a readable safetensors file ({exc}).") from None
+        mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
+        refs, begins = self.refs, self.begins
+        for name, (dtype_name, shape, begin, _) in mapped.entries.items():
+            dtype = DTYPES.get(dtype_name)
+            if name in refs or dtype is None:
+                self._refuse(file, name, dtype_name)
+            refs[name] = TensorRef(name, file, shape, dtype)
+            begins[name] = begin
+
+    def _refuse(self, file: str, name: str, dtype_name: str) -> None:
+        if name in self.refs:
+            raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs[name].file} and {file}; "
+                                  f"a checkpoint must hold each tensor once.")
+        raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name!r}, which this "
+                              f"loader does not know; known: {sorted(DTYPES)}.")
+
+    def __enter__(self) -> "CheckpointIndex":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop the mappings (each is unmapped once no view of it is left)."""
+        self._maps.clear()
+
+    def view(self, ref: TensorRef, index: Index = ()) -> torch.Tensor:
+        """`ref[index]` (basic slices and ints) as a VIEW of the file mapping: copy it before keeping it,
+        and never hand it to a device copy."""
+        begin, file, shape, dtype, rest = self.locate(ref, index)
+        tensor = self._maps[file].view(begin, shape, dtype, rest)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read(self, ref: TensorRef, index: Index = ()) -> torch.Tensor:
+        """`ref[index]` (basic slices and ints) as an ordinary in-memory tensor (a copy, safe to keep)."""
+        return self.view(ref, index).clone(memory_format=torch.contiguous_format)
+
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False) -> torch.Tensor:
+        """`[ref[index] for ...]` stacked into fresh ordinary memory (pinned with `pin`), safe to keep:
+        tensors of one file, dtype and shape under one index (leading ints, e.g. rows of a stacked
+        tensor, may differ) are located by offset and copied in one strided pass; others one at a time."""
+        located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
+        begin, file, shape, dtype, index = located[0]
+        one = self._maps[file].view(begin, shape, dtype, index)
+        out = torch.empty((len(located), *one.shape), dtype=dtype, pin_memory=pin)
+        if all(loc[1:] == located[0][1:] for loc in located):
+            gather(self._maps[file], [loc[0] for loc in located], shape, dtype, index, out)
+        else:
+            torch.stack([self._maps[f].view(b, s, d, i) for b, f, s, d, i in located], out=out)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> torch.Tensor | None:
+        """`[ref[index] for ...]` as ONE strided view [E, ...] of a file mapping (no copy; file memory, as
+        `view`) when the slices lie evenly spaced in one file with one shape, dtype and index; else None."""
+        located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
+        if any(loc[1:] != located[0][1:] for loc in located):
+            return None
+        _, file, shape, dtype, index = located[0]
+        stacked = stacked_view(self._maps[file], [loc[0] for loc in located], shape, dtype, index)
+        if stacked is not None:
+            self.bytes_read += stacked.numel() * stacked.element_size()
+        return stacked
+
+    def locate(self, ref: TensorRef, index: Index) -> tuple[int, str, tuple[int, ...], torch.dtype, Index]:
+        """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,
+        file, shape, dtype, rest of the index), leading int indices folded into the first byte."""
+        begin, shape = self.begins[ref.name], ref.shape
+        while index and isinstance(index[0], int):
+            if not 0 <= index[0] < shape[0]:
+                raise IndexError(f"{ref.name}: row {index[0]} outside 0..{shape[0] - 1}")
+            begin += index[0] * nbytes_of(shape[1:], ref.dtype)
+            index, shape = index[1:], shape[1:]
+        return begin, ref.file, shape, ref.dtype, index
+
+
+def _allowed_roots(folder: Path) -> tuple[Path, ...]:
+    """Where a shard file may really live: the folder, and for a Hugging Face cache snapshot
+    (`<repo>/snapshots/<rev>/`, whose files are symlinks into `<repo>/blobs/`) that blobs folder."""
+    roots = [folder.resolve()]
+    if folder.resolve().parent.name == "snapshots":
+        roots.append(folder.resolve().parent.parent / "blobs")
+    return tuple(roots)
+
+
+def _inside(folder: Path, entry: str) -> Path:
+    """`folder / entry`, refusing entries (or symlinks) that leave the folder."""
+    path = Path(entry)
+    resolved = (folder / path).resolve()
+    if path.is_absolute() or ".." in path.parts:
+        raise CheckpointError(f"{folder / INDEX_FILE}: entry {entry!r} points outside the checkpoint folder "
+                              f"{folder}; refusing to read it.")
+    if not any(resolved.is_relative_to(root) for root in _allowed_roots(folder)):
+        raise CheckpointError(f"{folder / entry}: a symlink to {resolved}, outside the checkpoint folder {folder}; "
+                              f"refusing to read it. Copy the file into the folder.")
+    return resolved
+
+
+def _shard_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of a checkpoint, by the Hugging Face rule: the files of
+    model.safetensors.index.json when it exists; else model.safetensors alone when it exists (a stray
+    *.safetensors beside it, e.g. a reference dump, is not part of the model); else every *.safetensors.
+    Also the index file's weight map (None without one)."""
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory).")
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        weight_map = _weight_map(index_path)
+        files = sorted(set(weight_map.values()))
+        for file in files:
+            if not _inside(folder, file).is_file():
+                raise CheckpointError(f"{index_path}: names {file!r}, which does not exist in {folder}.")
+        return files, weight_map
+    files = [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else sorted(p.name for p in folder.glob("*.safetensors"))
+    for file in files:
+        _inside(folder, file)
+    if files:
+        return files, None
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(f"{folder}: holds only pickle checkpoints {pickles[:5]}; they can run code when "
+                              f"loaded and are refused. Convert them to safetensors first.")
+    raise CheckpointError(f"{folder}: no *.safetensors files and no {INDEX_FILE}.")
+
+
+def _weight_map(index_path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(index_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{index_path}: not valid JSON ({exc}).") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> file.")
+    return weight_map
+
+
+def _check_index_file(index_path: Path, weight_map: dict[str, str], refs: dict[str, TensorRef]) -> None:
+    """The index file's weight map and the shard headers must agree name for name."""
+    problems = [f"{name}: index says {file}, header says {refs[name].file if name in refs else 'nowhere'}"
+                for name, file in weight_map.items() if name not in refs or refs[name].file != file]
+    problems += [f"{name}: in {ref.file} but not in the index" for name, ref in refs.items()
+                 if name not in weight_map]
+    if problems:
+        raise CheckpointError(f"{index_path} disagrees with the shard headers for {len(problems)} tensors:\n"
+                              f"{format_offenders(problems)}")
+
