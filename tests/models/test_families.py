@@ -34,6 +34,7 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "gemma4": (128, 8, 704, 30, tuple(range(30)), "enable_moe_block"),
     "glm4_moe": (128, 8, 1408, 46, tuple(range(1, 46)), "first_k_dense_replace"),
     "glm4_moe_lite": (64, 4, 1536, 47, tuple(range(1, 47)), "mlp_layer_types"),
+    "glm4_moe_lite-flash": (64, 4, 1536, 47, tuple(range(1, 47)), "mlp_layer_types"),
     "glm_moe_dsa": (256, 8, 2048, 78, tuple(range(3, 78)), "mlp_layer_types"),
     "hunyuan_v1_moe": (1, 1, 11008, 32, tuple(range(32)), None),
     "hunyuan_v1_moe-a13b": (64, 8, 3072, 32, tuple(range(32)), None),
@@ -52,10 +53,11 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "phimoe": (16, 2, 6400, 32, tuple(range(32)), None),
     "qwen2_moe": (60, 4, 1408, 24, tuple(range(24)), "decoder_sparse_step"),
     "qwen3_5_moe": (256, 8, 512, 40, tuple(range(40)), None),
+    "qwen3_5_moe-mtp": (256, 8, 512, 40, tuple(range(40)), None),
     "qwen3_moe": (128, 8, 768, 24, tuple(range(24)), "decoder_sparse_step"),
     "qwen3_next": (512, 10, 512, 48, tuple(range(48)), "decoder_sparse_step"),
 }
-# the issue's 28 model types and the two published variants
+# the issue's 28 model types, the two published variants and two publishers' MTP counts
 ISSUE_TYPES = {"afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
                "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
                "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
@@ -214,7 +216,7 @@ def test_rendered_table_has_one_line_per_row():
     assert nemotron == ("| nemotron_h | top level | `n_routed_experts` ; `num_experts_per_tok` ; `moe_intermediate_size` | "
                         "`layers_block_type`, `hybrid_override_pattern` | "
                         "`backbone.layers.L.mixer.experts.E.{up_proj, down_proj}` | **not gated**, activation "
-                        "`mlp_hidden_act` |")
+                        "`mlp_hidden_act` | — |")
 
 
 def test_readme_table_is_the_rendered_one():

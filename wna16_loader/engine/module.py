@@ -85,6 +85,7 @@ class FusedMoEExperts(nn.Module):
     intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
     intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
     padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
+    mtp = property(lambda self: self.moe.mtp.index(self.prefix) is not None, doc="Whether this is an MTP layer.")
 
     def extra_repr(self) -> str:
         return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I={self.spec.intermediate}, "
@@ -203,7 +204,8 @@ class FusedMoEExperts(nn.Module):
 
     def to_fused(self) -> FusedExperts:
         """The parameters as a FusedExperts (shared storage)."""
-        return FusedExperts(self.prefix, self.spec, {n: p.data for n, p in self.named_parameters(recurse=False)})
+        return FusedExperts(self.prefix, self.spec, {n: p.data for n, p in self.named_parameters(recurse=False)},
+                            mtp=self.mtp)
 
     def dequantize(self) -> DequantizedExperts:
         """Float32 weights of every local expert."""

@@ -25,18 +25,21 @@ from .results import LoadedExperts, LoadReport
 
 
 def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
-    """The resolved description of a checkpoint: config keys, quantization and experts prefixes.
+    """The resolved description of a checkpoint: config keys, quantization and experts prefixes (those of
+    the decoder's MoE layers in `experts_prefixes`, those of MTP layers in `mtp_prefixes`; `mtp` says how
+    many MTP layers the config declares and where that came from).
     `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
     path = resolve_checkpoint(path, revision=revision)
     moe = read_config_files(path)
     with CheckpointIndex(path) as index:
-        prefixes = tuple(CheckpointScan.of(index).layers)
-    return replace(moe, experts_prefixes=prefixes)
+        scan = CheckpointScan.of(index)
+    mtp = scan.mtp_prefixes(moe.mtp)
+    return replace(moe, experts_prefixes=tuple(p for p in scan.layers if p not in mtp), mtp_prefixes=mtp)
 
 
 def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
                  device: torch.device | str = "cpu", allow_nonfinite_scales: bool = False,
-                 convert_on_device: bool = True) -> LoadedExperts:
+                 convert_on_device: bool = True, include_mtp: bool = False) -> LoadedExperts:
     """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
 
     Tensors of non-local experts are never read; each local projection is read as
@@ -49,13 +52,16 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
     `path` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
+    MTP (multi-token-prediction) layers are left alone by default, their expert tensors counted as
+    non-expert tensors (an engine loads its draft layer separately); `include_mtp=True` loads them too,
+    each with `mtp=True`.
     """
     policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
     path = resolve_checkpoint(path, revision=revision)
     if is_presharded(path):
-        return load_presharded(path, parallel, device=device)
+        return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
     start = time.perf_counter()
-    with planned(path, parallel) as (moe, index, scan, plans):
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:
@@ -74,19 +80,27 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
 
 
 @contextmanager
-def planned(path: str | Path, parallel: ParallelConfig) -> Iterator[
+def planned(path: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> Iterator[
         tuple[MoEConfig, CheckpointIndex, CheckpointScan, list[LayerPlan]]]:
     """The checkpoint's resolved config, its open index, its name scan and `parallel`'s layer plans,
-    with the ledger checked (missing, duplicated or unexpected tensors raise before any read)."""
+    with the ledger checked (missing, duplicated or unexpected tensors raise before any read). Without
+    `include_mtp` the MTP layers' expert tensors are non-expert tensors of the scan."""
     moe, ledger = read_config_files(path), Ledger()
     with CheckpointIndex(path) as index:
-        scan = CheckpointScan.of(index)
+        scan = scan_for(index, moe, include_mtp)
         plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
         warn_reduced_groups(rank_logger(parallel), group_size=moe.quant.group_size, tp_size=parallel.tp_size,
                             effective={p.prefix: p.fused.group_size for p in plans},
                             intermediate=moe.intermediate_size)
         yield moe, index, scan, plans
+
+
+def scan_for(index: CheckpointIndex, moe: MoEConfig, include_mtp: bool) -> CheckpointScan:
+    """The checkpoint's name scan, its MTP layers' expert tensors moved to the non-expert tensors unless
+    `include_mtp`."""
+    scan = CheckpointScan.of(index)
+    return scan if include_mtp else scan.without(scan.mtp_prefixes(moe.mtp))
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
@@ -96,4 +110,4 @@ def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: 
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
     layer = LayerLoad(plan.prefix, moe, plan.geometry, allow_nonfinite=allow_nonfinite)
     layer.load_plan(index, writer, plan)
-    return writer.finish(), layer.tensors, writer.bytes_written
+    return writer.finish(mtp=plan.mtp), layer.tensors, writer.bytes_written

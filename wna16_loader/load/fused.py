@@ -132,13 +132,14 @@ class DequantizedExperts:
 
 
 class FusedExperts:
-    """One MoE layer's fused parameters on one rank (see the module table)."""
+    """One MoE layer's fused parameters on one rank (see the module table); `mtp`: an MTP layer's."""
 
-    def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, mtp: bool = False) -> None:
         assert set(tensors) == set(spec.shapes()), f"{prefix}: tensors {sorted(tensors)} do not match the layout"
         self.prefix = prefix
         self.spec = spec
         self.tensors = tensors
+        self.mtp = mtp
 
     def __getattr__(self, name: str) -> torch.Tensor | None:
         if name in FUSED_NAMES:
@@ -322,15 +323,15 @@ class FusedWriter:
             copy_transposing(target, value)
         self.bytes_written += value.numel() * value.element_size()
 
-    def finish(self) -> FusedExperts:
+    def finish(self, *, mtp: bool = False) -> FusedExperts:
         """Move the parameters staged on the host to the device (one copy each, queued: the load
-        synchronises once at its end) and return the layer."""
+        synchronises once at its end) and return the layer (`mtp`: an MTP layer's)."""
         if not self.policy.gpu:
-            return FusedExperts(self.prefix, self.spec, self.staging)
+            return FusedExperts(self.prefix, self.spec, self.staging, mtp=mtp)
         with self.policy.scope():
             moved = {name: buf if name in self.device_bound else self.policy.upload(buf)
                      for name, buf in self.staging.items()}
-        return FusedExperts(self.prefix, self.spec, moved)
+        return FusedExperts(self.prefix, self.spec, moved, mtp=mtp)
 
 
 def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Tensor]:

@@ -7,14 +7,15 @@ not local to the rank are dropped before any read, for every suffix.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, UnquantizedExpertsError
 from ..formats import Role
 from ..models.config import MoEConfig
+from ..models.mtp import MTPLayers
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, prefix_at_layer
 from ..parallel.config import ParallelConfig
 from ..parallel.partition import LayerGeometry
@@ -36,6 +37,7 @@ class LayerPlan:
     geometry: LayerGeometry
     fused: FusedSpec
     sources: dict[tuple[int, Proj], SourceTensors]
+    mtp: bool = False  # an MTP (multi-token-prediction) layer
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,18 @@ class CheckpointScan:
                     layers[key.experts_prefix].append(key)
         return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
 
+    def mtp_prefixes(self, mtp: MTPLayers) -> tuple[str, ...]:
+        """The experts prefixes of the scan that belong to MTP layers (declared by the config or not)."""
+        return tuple(prefix for prefix in self.layers if mtp.index(prefix) is not None)
+
+    def without(self, prefixes: tuple[str, ...]) -> "CheckpointScan":
+        """This scan with the expert tensors of `prefixes` counted as non-expert tensors (`others`)."""
+        if not prefixes:
+            return self
+        moved = [key.name for prefix in prefixes for key in self.layers[prefix]]
+        return CheckpointScan({p: keys for p, keys in self.layers.items() if p not in prefixes},
+                              tuple(sorted((*self.others, *moved))))
+
 
 def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, ledger: Ledger,
                 scan: CheckpointScan | None = None, tables: LayerTables | None = None) -> list[LayerPlan]:
@@ -76,7 +90,9 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     with gc_paused():  # tables, slots and sources per tensor: see bulk.py
         for prefix, keys in scan.layers.items():
             layer = keys[0].layer
-            if layer not in moe.moe_layers:
+            if moe.mtp.index(prefix) is not None:
+                plans += plan_mtp_layer(index, moe, parallel, prefix, keys, ledger, tables)
+            elif layer not in moe.moe_layers:
                 for key in keys:
                     ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
                 continue
@@ -86,7 +102,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
 
 def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
     """Every MoE layer of the config without expert tensors in the checkpoint, as a *missing* entry."""
-    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items()}
+    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items() if moe.mtp.index(prefix) is None}
     example = next(iter(found.values()), None)
     why = "every layer" if moe.resolution is None else moe.resolution["MoE layers"].source
     for layer in moe.moe_layers:
@@ -94,6 +110,36 @@ def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) 
             ledger.lack(f"{prefix_at_layer(example, layer)} (all experts of layer {layer})",
                         f"the config makes layer {layer} a MoE layer ({why}) but the checkpoint has no expert "
                         f"tensors for it")
+
+
+MTP_FIX = "load with include_mtp=False (wna16-shard --no-mtp) to keep them as non-expert tensors"
+
+
+def plan_mtp_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
+                   keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables) -> list[LayerPlan]:
+    """The plan of an MTP layer's experts ([] when the config declares no such MTP layer: each tensor is
+    then unexpected); UnquantizedExpertsError for experts stored as 16-bit `.weight` tensors."""
+    problem = moe.mtp.problem(prefix)
+    if problem is not None:
+        for key in keys:
+            ledger.reject(key.name, f"{problem}; {MTP_FIX}")
+        return []
+    check_quantized(index, moe, prefix, keys)
+    return [replace(plan_layer(index, moe, parallel, prefix, keys, ledger, tables), mtp=True)]
+
+
+def check_quantized(index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey]) -> None:
+    """A layer whose expert tensors are all `.weight` (16-bit, not quantized) where the format stores none:
+    UnquantizedExpertsError (this loader has no unquantized fused layout yet)."""
+    weights = [key.name for key in keys if key.suffix == "weight"]
+    if len(weights) != len(keys) or moe.quant.layout_for_suffix("weight") is not None:
+        return
+    dtypes = sorted({str(index.refs[name].dtype).removeprefix("torch.") for name in weights})
+    raise UnquantizedExpertsError(
+        f"{prefix}: the MTP layer's {len(weights)} expert tensors are unquantized {'/'.join(dtypes)} `.weight` "
+        f"tensors (e.g. {weights[0]}), while config.json quantizes experts as {moe.quant.format_name} "
+        f"{moe.quant.bits}-bit; this loader has no unquantized fused layout yet. To leave the MTP layer to "
+        f"the engine's own loader, {MTP_FIX}.")
 
 
 def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..formats import QuantSpec, accepted_formats, resolve_quant_spec
 from .families import GENERIC, Family, family_of
 from .layer_rules import compact, layer_count_from_lists, select_moe_layers
+from .mtp import MTPLayers, resolve_mtp
 
 EXPERT_COUNT_KEYS = GENERIC.keys.experts
 TOP_K_KEYS = GENERIC.keys.top_k
@@ -27,6 +28,7 @@ NESTED_KEYS = GENERIC.nested
 QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # file: implied quant_method
 TABLE = "wna16_loader/models/families.py"
 MOE_LAYERS = "MoE layers"
+MTP_LAYERS = "MTP layers"
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class MoEConfig:
     `num_experts`, `top_k` and `intermediate_size` are those of the first MoE layer;
     `layer(L)` gives each layer's own when the config lists them per layer.
     `zero_experts`: routed-to identity experts without tensors (not placed on ranks).
+    `mtp`: the MTP layers the config declares (their experts take the first MoE layer's values);
+    `mtp_prefixes`: the experts prefixes of the checkpoint's MTP layers (filled by read_moe_config).
     """
 
     num_experts: int
@@ -92,6 +96,8 @@ class MoEConfig:
     activation: str | None = None
     family: str = GENERIC.name
     resolution: Resolution | None = field(default=None, compare=False)
+    mtp: MTPLayers = MTPLayers()
+    mtp_prefixes: tuple[str, ...] = ()
 
     def layer(self, layer: int) -> LayerValues:
         """The values of MoE layer `layer`."""
@@ -206,17 +212,18 @@ def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = 
     hidden, hidden_key = first_key(text, family.keys.hidden, "hidden size", family)
     zero = _zero_experts(text, family)
     values = _layer_values(lists, moe_layers.value, zero.value)
+    mtp, kind = resolve_mtp(text, family, count.value), _kind(text, family)
     record = (Resolved("hidden size", hidden, f"{hidden_key} (row {family.name})", hidden_key), count, moe_layers,
               *(_per_moe_layer(v, k, what, family, moe_layers.value) for what, (v, k) in lists.items()), zero,
-              *_kind(text, family))
+              *kind, Resolved(MTP_LAYERS, mtp.describe(), mtp.source))
     first = values[0][1] if values else LayerValues(*(v[0] for v, _ in lists.values()))
     return MoEConfig(
         num_experts=first.num_experts, top_k=first.top_k, hidden_size=hidden,
         intermediate_size=first.intermediate_size, num_layers=count.value, moe_layers=moe_layers.value,
         quant=resolve_quant_spec(qconfig), model_type=text.get("model_type") or config.get("model_type"),
         per_layer=values if len(set(v for _, v in values)) > 1 else (), zero_experts=zero.value,
-        gated=family.gated, activation=record[-1].value, family=family.name,
-        resolution=Resolution(family.name, where, record))
+        gated=family.gated, activation=kind[1].value, family=family.name,
+        resolution=Resolution(family.name, where, record), mtp=mtp)
 
 
 def _layer_values(lists: dict[str, tuple[tuple[int, ...], str]], moe_layers: tuple[int, ...],

@@ -12,7 +12,7 @@ import enum
 import re
 from typing import NamedTuple
 
-from .families import all_rows
+from .families import all_rows, mtp_roots
 
 
 class Proj(enum.Enum):
@@ -66,10 +66,10 @@ def _aliases() -> dict[str, Source]:
 
 
 PROJ_ALIASES: dict[str, Source] = _aliases()
-ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots])
+ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots] + list(mtp_roots()))
 MODULES: tuple[str, ...] = _union([m for family in all_rows() for m in family.modules if m is not None])
 
-_PREFIX = r"(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
+_PREFIX = r"(?P<prefix>(?P<root>{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
     roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES))
 _PREFIX_RE = re.compile(f"^{_PREFIX}$")
 _EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
@@ -157,6 +157,13 @@ def layer_of_prefix(prefix: str) -> int | None:
     """The decoder layer of an experts prefix (e.g. 3 for `model.layers.3.mlp.experts`), None for other names."""
     match = _PREFIX_RE.match(prefix)
     return None if match is None else int(match.group("layer"))
+
+
+def prefix_parts(prefix: str) -> tuple[str, int] | None:
+    """(root, decoder layer) of an experts prefix (e.g. ("mtp", 0) for `mtp.layers.0.mlp.experts`), None for
+    other names."""
+    match = _PREFIX_RE.match(prefix)
+    return None if match is None else (match.group("root"), int(match.group("layer")))
 
 
 def prefix_at_layer(prefix: str, layer: int) -> str:
