@@ -92,7 +92,8 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
             layer = keys[0].layer
             if moe.mtp.index(prefix) is not None:
                 plans += plan_mtp_layer(index, moe, parallel, prefix, keys, ledger, tables)
-            elif layer not in moe.moe_layers:
+                continue
+            if layer not in moe.moe_layers:
                 for key in keys:
                     ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
                 continue

@@ -81,6 +81,7 @@ class ShardPlan:
     common: tuple[FilePlan, ...]
     expert_sources: dict[str, tuple[int, ...]]  # source tensor -> ranks whose fused tensors it feeds
     copied: tuple[str, ...]
+    mtp_layers: tuple[str, ...] = ()  # the source's MTP experts prefixes (sharded when params["mtp"], else in common/)
 
     def all_files(self) -> list[FilePlan]:
         """Common files first, then every rank's, in rank order."""
@@ -93,8 +94,10 @@ def rank_folder(rank: int, world: int) -> str:
 
 
 def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str = "linear",
-              max_file_size: int = 4 * 2**30, layout: str = "fused") -> ShardPlan:
+              max_file_size: int = 4 * 2**30, layout: str = "fused", mtp: bool = True) -> ShardPlan:
     """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers.
+    `mtp`: shard the MTP layers' experts like the others (else their tensors go to common/ unchanged; a
+    source without MTP experts is planned, and recorded, exactly as before).
 
     layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
     fall on word and group boundaries.
@@ -111,18 +114,20 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
     moe = read_config_files(src)
     with CheckpointIndex(src) as index:
         scan = CheckpointScan.of(index)
+        mtp_layers = scan.mtp_prefixes(moe.mtp)
+        scan = scan if mtp else scan.without(mtp_layers)
         ranks, expert_sources = _plan_ranks(index, moe, scan, (tp_size, ep_size, placement), max_file_size, layout)
         common_sizes = {name: index.refs[name].nbytes for name in scan.others}
         _check_account(index, scan, expert_sources)
         fingerprint = source_fingerprint(src, index.files)
     params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
-              "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION}
+              "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION, **({"mtp": mtp} if mtp_layers else {})}
     quant = _quant_summary(moe, ranks)
     warn_reduced_groups(log, group_size=moe.quant.group_size, effective=quant["group_size_eff"], tp_size=tp_size,
                         intermediate=moe.intermediate_size)
     return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
-                     expert_sources=expert_sources, copied=_copied_files(src))
+                     expert_sources=expert_sources, copied=_copied_files(src), mtp_layers=mtp_layers)
 
 
 def check_source_folder(src: str | Path) -> Path:

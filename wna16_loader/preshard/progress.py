@@ -45,6 +45,9 @@ def describe_plan(plan: ShardPlan) -> str:
     if plan.moe.resolution is not None:  # how every model value was found: the first thing to read when a model fails
         lines += ["model config: " + line.strip() if i == 0 else line
                   for i, line in enumerate(plan.moe.resolution.describe().splitlines())]
+    if plan.mtp_layers:
+        where = "sharded like the MoE layers" if plan.params["mtp"] else "copied unchanged into common/ (--no-mtp)"
+        lines.append(f"MTP layers: {', '.join(plan.mtp_layers)}: {where}")
     groups = [(COMMON_DIR, plan.common)] + [(r.folder, r.files) for r in plan.ranks]
     for folder, files in groups:
         total = sum(f.nbytes for f in files)
