@@ -658,3 +658,40 @@ def test_non_gated_forward_rank_sum_equals_relu2_reference(tmp_path: Path) -> No
             load_model_experts(model, tmp_path, parallel)
             total += experts_of(model)[prefix](hidden, ids, weights)
         torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"tp={tp} ep={ep}")
+
+
+# ---------------------------------------------------------------------- MTP layers
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe-mtp"])  # appended model.layers.L / mtp.layers.0
+def test_mtp_modules_load_through_every_engine_path(tmp_path: Path, name: str) -> None:
+    """FusedMoEExperts for the MTP layer (by its experts prefix) fill through load_model_experts(include_mtp=True),
+    the weight_loader and load_state_dict exactly as load_experts(include_mtp=True); without include_mtp the
+    MTP module is an error of coverage, and a model without it loads the decoder's layers alone."""
+    from sources import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path, name)
+    moe = read_moe_config(tmp_path)
+    prefixes = (*moe.experts_prefixes, *moe.mtp_prefixes)
+    for parallel in ParallelConfig.all_ranks(tp_size=2, ep_size=2):
+        want = load_experts(tmp_path, parallel, include_mtp=True)
+        full = build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+        report = load_model_experts(full, tmp_path, parallel, include_mtp=True)
+        hooked = build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+        assert engine_load(hooked, moe, list(checkpoint_tensors(tmp_path))) > 0
+        check_model_complete(hooked)
+        state = build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+        install_load_hook(state)
+        result = state.load_state_dict(dict(checkpoint_tensors(tmp_path)), strict=False)
+        assert not result.missing_keys
+        assert report.layers == len(prefixes) == len(want)
+        for model in (full, hooked, state):
+            modules = experts_of(model)
+            assert [p for p, m in modules.items() if m.mtp] == [ckpt.prefixes[-1]]
+            assert modules[ckpt.prefixes[-1]].to_fused().mtp
+            for prefix, layer in want.items():
+                for tensor_name, tensor in layer.tensors.items():
+                    assert torch.equal(getattr(modules[prefix], tensor_name), tensor), (prefix, tensor_name)
+    parallel = ParallelConfig(1, 0)
+    with pytest.raises(CompletenessError, match=f"module {re.escape(ckpt.prefixes[-1])} has no expert tensors"):
+        load_model_experts(build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel)), tmp_path, parallel)
+    main_only = build_model(moe.experts_prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+    assert load_model_experts(main_only, tmp_path, parallel).layers == len(moe.experts_prefixes)
