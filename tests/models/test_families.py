@@ -192,6 +192,20 @@ def test_family_loads_exactly(tmp_path, name):
         assert_exact(weights, ckpt.references)
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if resolve(fixture(n)).mtp.count and resolve(fixture(n)).mtp.routed])
+def test_family_mtp_layers_load_exactly(tmp_path, name):
+    """Every fixture that declares MTP layers with routed experts, written with them (in the row's naming):
+    the decoder's layers alone by default, every layer exactly with include_mtp=True."""
+    ckpt = write_family_checkpoint(tmp_path, shrink(fixture(name)), QUANT, seed=len(name), mtp=True)
+    moe = read_moe_config(tmp_path)
+    assert moe.mtp_prefixes == ckpt.prefixes[-moe.mtp.count:] and moe.experts_prefixes == ckpt.prefixes[:-1]
+    main = {k: v for k, v in ckpt.references.items() if k[0] in moe.experts_prefixes}
+    assert_exact(reassemble(tmp_path, 2, 2)[0], main)
+    weights, owners = reassemble(tmp_path, 2, 2, include_mtp=True)
+    assert_owners(owners, ckpt.prefixes, E, 2, 2)
+    assert_exact(weights, ckpt.references)
+
+
 def test_per_layer_sizes_load_with_their_own_geometry(tmp_path):
     """Hunyuan-A13B's per-layer lists at test sizes: I alternates 64 / 96, so at TP 2 the layers have I_p 32 / 48
     and G_eff 32 / 16."""
