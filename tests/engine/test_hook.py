@@ -695,3 +695,25 @@ def test_mtp_modules_load_through_every_engine_path(tmp_path: Path, name: str) -
         load_model_experts(build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel)), tmp_path, parallel)
     main_only = build_model(moe.experts_prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
     assert load_model_experts(main_only, tmp_path, parallel).layers == len(moe.experts_prefixes)
+
+
+def test_load_model_experts_mtp_from_a_presharded_output(tmp_path: Path) -> None:
+    """From a wna16-shard output: the MTP module fills only with include_mtp=True; by default the model needs
+    (and gets) the decoder's layers alone."""
+    from sources import mtp_checkpoint
+
+    from wna16_loader.preshard import preshard_checkpoint
+    mtp_checkpoint(tmp_path / "src", "qwen3_next")
+    preshard_checkpoint(tmp_path / "src", tmp_path / "out", tp_size=2, progress=False)
+    moe = read_moe_config(tmp_path / "src")
+    parallel = ParallelConfig(tp_size=2, tp_rank=1)
+    everything = build_model((*moe.experts_prefixes, *moe.mtp_prefixes), lambda p: FusedMoEExperts(moe, p, parallel))
+    assert load_model_experts(everything, tmp_path / "out", parallel, include_mtp=True).layers == 3
+    want = load_experts(tmp_path / "src", parallel, include_mtp=True)["mtp.layers.0.mlp.experts"]
+    got = experts_of(everything)["mtp.layers.0.mlp.experts"]
+    assert all(torch.equal(getattr(got, name), tensor) for name, tensor in want.tensors.items())
+    main_only = build_model(moe.experts_prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+    assert load_model_experts(main_only, tmp_path / "out", parallel).layers == 2
+    with pytest.raises(CompletenessError, match="module mtp.layers.0.mlp.experts is not in the pre-sharded output"):
+        load_model_experts(build_model((*moe.experts_prefixes, *moe.mtp_prefixes),
+                                       lambda p: FusedMoEExperts(moe, p, parallel)), tmp_path / "out", parallel)

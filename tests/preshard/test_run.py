@@ -286,7 +286,7 @@ def test_mtp_layers_sharded_or_copied(tmp_path: Path, name: str) -> None:
         assert f"experts in {3 if shard else 2} layer(s) reassembled over TP exactly" in summary.verified
         manifest = read_manifest(out)
         assert manifest["params"]["mtp"] is shard
-        assert manifest["mtp"] == {"layers": [mtp_prefix], "sharded": shard, "where": "ranks' fused tensors"
+        assert manifest["mtp"] == {"layers": [mtp_prefix], "sharded": shard, "where": "the ranks' files"
                                    if shard else "common/ (--no-mtp), unchanged"}
         assert all(bool(rank["layers"].get(mtp_prefix, {}).get("mtp")) is shard for rank in manifest["ranks"])
         common = raw_tensors(out / "common")

@@ -52,4 +52,4 @@ def _mtp_record(plan: ShardPlan) -> dict[str, Any]:
     if not plan.mtp_layers:
         return {}
     return {"mtp": {"layers": list(plan.mtp_layers), "sharded": plan.params["mtp"],
-                    "where": "ranks' fused tensors" if plan.params["mtp"] else "common/ (--no-mtp), unchanged"}}
+                    "where": "the ranks' files" if plan.params["mtp"] else "common/ (--no-mtp), unchanged"}}
