@@ -71,7 +71,7 @@ def real_rows(spec: FusedSpec, rows: tuple[str, slice, slice]) -> tuple[str, sli
     if half == "w2" or not spec.padding:
         return rows
     return half, slice(weight_rows.start, weight_rows.start + spec.real), \
-        slice(zero_rows.start, zero_rows.start + spec.real // (8 // spec.bits))
+        slice(zero_rows.start, zero_rows.start + spec.real // max(1, 8 // spec.bits))
 
 
 def fill_padding(staging: dict[str, torch.Tensor], spec: FusedSpec, slots: slice,
