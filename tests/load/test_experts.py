@@ -290,7 +290,7 @@ def test_fused_shapes_act_order(tmp_path):
         "w2_g_idx": ((e_l, i_p), torch.int32),
         "expert_ids": ((e_l,), torch.int32),
     }
-    assert set(layer.tensors) == set(want) == set(FUSED_NAMES)
+    assert set(layer.tensors) == set(want) == set(FUSED_NAMES) - {"w13_weight", "w2_weight"}  # those: float experts
     for name, (shape, dtype) in want.items():
         tensor = getattr(layer, name)
         assert tuple(tensor.shape) == shape, name
