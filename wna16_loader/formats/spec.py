@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:
-    from .rules import ModuleRules
 
 
 class Role(enum.Enum):
@@ -163,7 +160,7 @@ class FormatDecl:
     quant_methods: tuple[str, ...]
     parse: Callable[[dict[str, Any]], QuantSpec]
     to_config: Callable[..., dict[str, Any]]  # (bits, group_size, symmetric, act_order, **extra) -> config
-    rules: Callable[[dict[str, Any], QuantSpec], ModuleRules]
+    rules: Callable[[dict[str, Any], QuantSpec], Any]  # -> rules.ModuleRules (declared above this module)
 
 
 def int_key(qconfig: dict[str, Any], keys: tuple[str, ...], default: int | None = None) -> int:
