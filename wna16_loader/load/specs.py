@@ -62,12 +62,16 @@ def _fitting_spec(moe: MoEConfig, prefix: str, keys: Sequence[ExpertTensorKey],
     candidates = moe.rules.specs() if moe.rules is not None else (moe.quant,)
     tried = []
     for spec in candidates:
-        probe = {spec.layout_for_suffix(key.suffix).role: key for key in keys
-                 if spec.layout_for_suffix(key.suffix) is not None}
+        probe: dict[Role, ExpertTensorKey] = {}
+        for key in keys:
+            layout = spec.layout_for_suffix(key.suffix)
+            if layout is not None:
+                probe.setdefault(layout.role, key)
         wanted = {role: _wanted(moe, spec, probe[role]) for role in (Role.QWEIGHT, Role.SCALES) if role in probe}
         if Role.QWEIGHT in wanted and all(refs[probe[r].name].shape == shape for r, shape in wanted.items()):
             return spec
-        tried.append(f"{spec.describe()}: " + ", ".join(f"{probe[r].name} {list(shape)}" for r, shape in wanted.items()))
+        tried.append(f"{spec.describe()}: " + ", ".join(
+            f"{probe[r].name} {list(refs[probe[r].name].shape)} (expected {list(shape)})" for r, shape in wanted.items()))
     found = ", ".join(_named(key, refs) for key in keys[:3])
     raise FormatError(f"{prefix}: the config leaves this layer in float, but its expert tensors are quantized "
                       f"({found}); they fit none of the config's quantized specs (H={moe.hidden_size}, "
