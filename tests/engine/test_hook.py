@@ -661,3 +661,19 @@ def test_non_gated_forward_rank_sum_equals_relu2_reference(tmp_path: Path) -> No
             load_model_experts(model, tmp_path, parallel)
             total += experts_of(model)[prefix](hidden, ids, weights)
         torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"tp={tp} ep={ep}")
+
+
+def test_float_layer_weights_are_never_rounded(tmp_path: Path) -> None:
+    """A float (bf16) layer built with fp16 weights: the hook refuses to round, naming the option that fits."""
+    folder = FIXTURES / "autoround_layer_config_mixed" / "checkpoint"
+    moe = read_moe_config(folder)
+    prefix = "model.layers.2.mlp.experts"
+    module = FusedMoEExperts(moe, prefix, ParallelConfig(1, 0), weight_dtype=torch.float16)
+    assert not module.quantized and module.w13_weight.dtype == torch.float16
+    name = f"{prefix}.0.gate_proj.weight"
+    tensor = dict(checkpoint_tensors(folder))[name]
+    with pytest.raises(FormatError, match=re.escape(f"{name}: weights are torch.bfloat16 but {prefix} stores "
+                                                    f"torch.float16 weights; converting would round them. Build the "
+                                                    f"module with weight_dtype=torch.bfloat16.")):
+        module.weight_loader(module.w13_weight, tensor, name, "w1", 0)
+    assert FusedMoEExperts(moe, prefix, ParallelConfig(1, 0)).w13_weight.dtype == torch.bfloat16  # as stored

@@ -186,3 +186,13 @@ def test_rule_kinds() -> None:
     assert not Rule(Match.OUTSIDE, "model.layers,mtp", spec, "x").matches("mtp.layers.0.x")
     assert Rule(Match.CONTAINS, "mlp.gate", spec, "x").matches("model.layers.0.mlp.gate_up_proj")
     assert Rule(Match.ANY, "Linear", spec, "x").matches("anything")
+
+
+@pytest.mark.parametrize("qconfig,message", [
+    (_gptq(dynamic=["-:.*"]), r"dynamic=\['-:\.\*'\] must be an object mapping module-name patterns to overrides"),
+    (_ar(extra_config=[EXPERT]), r"extra_config=\[.*\] must be an object mapping module names \(or regexes\)"),
+    (_ar(extra_config={EXPERT: 16}), rf"extra_config\['{EXPERT}'\]=16 must be an object"),
+])
+def test_malformed_rules_are_config_errors(qconfig: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve_module_rules(qconfig)
