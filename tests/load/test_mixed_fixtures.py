@@ -13,7 +13,8 @@ from conftest import FIXTURES, assert_exact, assert_owners, load_all_ranks, stit
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from wna16_loader import FusedMoEExperts, LoadedExperts, ParallelConfig, expert_param_mapping, read_moe_config
+from wna16_loader import (FusedMoEExperts, LoadedExperts, ParallelConfig, check_model_complete, expert_param_mapping,
+                          install_load_hook, load_experts, load_model_experts, read_moe_config)
 from wna16_loader.preshard import preshard_checkpoint
 from wna16_loader.preshard.verify import verify_output
 
@@ -134,3 +135,29 @@ def test_checkpoint_layout_output_verifies(name: str, tp: int, ep: int, tmp_path
     with safe_open(str(out / f"rank-00000-of-{tp * ep:05d}" / "model.safetensors"), framework="pt") as handle:
         gate = handle.get_slice(f"{PREFIXES[2]}.0.gate_proj.weight")
         assert gate.get_shape() == [128 // tp, 64]  # the rank's rows of the float gate_proj [I, H]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_model_level_loads_build_each_layers_own_parameters(name: str, tmp_path: Path) -> None:
+    """load_model_experts (from the checkpoint and from a wna16-shard output) and load_state_dict fill each layer's
+    own parameter set (w13_weight for the float layer), equal to load_experts."""
+    parallel = ParallelConfig(tp_size=2, tp_rank=1, ep_size=2, ep_rank=0)
+    want = load_experts(checkpoint(name), parallel)
+    out = tmp_path / "out"
+    preshard_checkpoint(checkpoint(name), out, tp_size=2, ep_size=2, progress=False)
+    moe = read_moe_config(checkpoint(name))
+    for fill in ("checkpoint", "output", "state_dict"):
+        model = torch.nn.ModuleDict({str(i): FusedMoEExperts(moe, p, parallel) for i, p in enumerate(PREFIXES)})
+        if fill == "state_dict":
+            install_load_hook(model)
+            prefixed = {f"{i}.{n[len(p) + 1:]}": t for i, p in enumerate(PREFIXES)
+                        for n, t in load_file(str(checkpoint(name) / "model.safetensors")).items()
+                        if n.startswith(p + ".")}
+            model.load_state_dict(prefixed, strict=False)
+            check_model_complete(model)
+        else:
+            load_model_experts(model, checkpoint(name) if fill == "checkpoint" else out, parallel)
+        for i, prefix in enumerate(PREFIXES):
+            got = dict(model[str(i)].named_parameters())
+            assert sorted(got) == sorted(want[prefix].tensors), (fill, prefix)
+            assert all(torch.equal(got[n], t) for n, t in want[prefix].tensors.items()), (fill, prefix)
