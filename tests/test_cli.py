@@ -277,9 +277,9 @@ def test_version_usage_and_closed_pipe(source: Path, tmp_path: Path) -> None:
     assert proc.wait(timeout=120) == 0 and stderr == ""
 
 
-def test_no_mtp_flag_dry_run_and_the_bf16_mtp_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_mtp_flag_dry_run_and_bf16_mtp_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--dry-run says where the MTP layers go and where their count came from; official-Qwen3.5-style bf16 MTP
-    experts: without --no-mtp one error line naming the fix (exit 2), with it a verified output (exit 0)."""
+    experts shard (float fused layout) by default and are copied into common/ with --no-mtp, both verified."""
     import torch
     from sources import mtp_checkpoint
     mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp", mtp_dtype=torch.bfloat16)
@@ -288,9 +288,7 @@ def test_no_mtp_flag_dry_run_and_the_bf16_mtp_error(tmp_path: Path, capsys: pyte
     text = capsys.readouterr().out
     assert "MTP layers: mtp.layers.0.mlp.experts: copied unchanged into common/ (--no-mtp)" in text
     assert "MTP layers                = 1: mtp.layers.{0..0}  <- mtp_num_hidden_layers=1 (row qwen3_5_moe)" in text
-    line = one_error_line(cli(src, out, "--tp", "2"))
-    assert line.startswith("wna16-shard: error: mtp.layers.0.mlp.experts: the MTP layer's 12 expert tensors are "
-                           "unquantized bfloat16 `.weight` tensors") and line.endswith(
-        "load with include_mtp=False (wna16-shard --no-mtp) to keep them as non-expert tensors.")
     assert main([src, out, "--tp", "2", "--no-mtp", "--verify", "--quiet"]) == 0
     assert json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["mtp"]["sharded"] is False
+    assert main([src, str(tmp_path / "sharded"), "--tp", "2", "--verify", "--quiet"]) == 0
+    assert json.loads((tmp_path / "sharded" / MANIFEST_NAME).read_text())["mtp"]["sharded"] is True

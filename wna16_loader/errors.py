@@ -20,10 +20,6 @@ class FormatError(WNA16Error):
     """A tensor's dtype, shape or content disagrees with its declared format."""
 
 
-class UnquantizedExpertsError(FormatError):
-    """A layer's routed experts are stored unquantized (16-bit `.weight`) where a quantized layout is needed."""
-
-
 class CheckpointError(WNA16Error):
     """A checkpoint file or index is missing, unsafe or inconsistent."""
 

@@ -7,6 +7,7 @@ every TP x EP rank, against the unsharded forward.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import replace
@@ -26,6 +27,7 @@ from wna16_loader import (
     FUSED_NAMES,
     Activation,
     CompletenessError,
+    ConfigError,
     FormatError,
     FusedMoEExperts,
     LayoutMismatchError,
@@ -41,8 +43,7 @@ from wna16_loader import (
     read_moe_config,
     reference_forward,
 )
-from wna16_loader.formats import Role
-from wna16_loader.formats.spec import ModuleFilter
+from wna16_loader.formats import Role, resolve_module_rules
 from wna16_loader.testing.synthetic import (
     WRITER_MODELS,
     QuantizedProjection,
@@ -320,20 +321,22 @@ def test_weight_loader_rejects_inconsistent_arguments(checkpoints: Callable[...,
     assert module.weight_loader(module.w13_qweight, tensors[name], "qweight", ShardId.W1, 1)  # bare suffix + ids
 
 
-def test_weight_loader_refuses_a_module_the_config_excludes(checkpoints: Callable[..., Path]) -> None:
-    """The hook applies the planner's rules: a tensor of an ignored module is refused, not written."""
+def test_module_refuses_a_layer_whose_modules_resolve_differently(checkpoints: Callable[..., Path]) -> None:
+    """One layer, one spec: a config that leaves one expert's gate_proj in float (the rest quantized) is refused
+    when the layer's module is built, naming both specs, their modules and the rules."""
     folder = checkpoints("awq")
     moe = read_moe_config(folder)
     prefix = moe.experts_prefixes[0]
-    ignored = replace(moe, quant=replace(moe.quant, modules=ModuleFilter(ignore=(f"{prefix}.1.gate_proj",))))
-    module = FusedMoEExperts(ignored, prefix, ParallelConfig(1, 0))
-    tensors = dict(checkpoint_tensors(folder))
-    name = f"{prefix}.1.gate_proj.qweight"
-    with pytest.raises(FormatError, match=rf"{re.escape(name)}: its module is excluded by the quantization config"):
-        module.weight_loader(module.w13_qweight, tensors[name], name, "w1", 1)
-    assert module.map_checkpoint_name(name) == ()
-    up = f"{prefix}.1.up_proj.qweight"
-    assert module.weight_loader(module.w13_qweight, tensors[up], up, "w3", 1)
+    qconfig = {**json.loads((folder / "config.json").read_text())["quantization_config"],
+               "modules_to_not_convert": [f"{prefix}.1.gate_proj"]}
+    mixed = replace(moe, rules=resolve_module_rules(qconfig), layer_specs=())
+    with pytest.raises(ConfigError, match=rf"{re.escape(prefix)}: the expert modules of this MoE layer resolve to 2 "
+                                          rf"different quantization specs, but one fused layer holds one spec:\n"
+                                          rf"  - awq 4-bit g\d+ (a)?sym \(\d+ modules, by the top-level "
+                                          rf"quantization_config\): .*\n  - not quantized \(float weights\) \(1 "
+                                          rf"modules, by modules_to_not_convert entry '{re.escape(prefix)}.1.gate_proj'"
+                                          rf"\): {re.escape(prefix)}.1.gate_proj\n"):
+        FusedMoEExperts(mixed, prefix, ParallelConfig(1, 0))
 
 
 def test_late_optional_role_is_checked(checkpoints: Callable[..., Path]) -> None:
@@ -717,3 +720,19 @@ def test_load_model_experts_mtp_from_a_presharded_output(tmp_path: Path) -> None
     with pytest.raises(CompletenessError, match="module mtp.layers.0.mlp.experts is not in the pre-sharded output"):
         load_model_experts(build_model((*moe.experts_prefixes, *moe.mtp_prefixes),
                                        lambda p: FusedMoEExperts(moe, p, parallel)), tmp_path / "out", parallel)
+
+
+def test_float_layer_weights_are_never_rounded(tmp_path: Path) -> None:
+    """A float (bf16) layer built with fp16 weights: the hook refuses to round, naming the option that fits."""
+    folder = FIXTURES / "autoround_layer_config_mixed" / "checkpoint"
+    moe = read_moe_config(folder)
+    prefix = "model.layers.2.mlp.experts"
+    module = FusedMoEExperts(moe, prefix, ParallelConfig(1, 0), weight_dtype=torch.float16)
+    assert not module.quantized and module.w13_weight.dtype == torch.float16
+    name = f"{prefix}.0.gate_proj.weight"
+    tensor = dict(checkpoint_tensors(folder))[name]
+    with pytest.raises(FormatError, match=re.escape(f"{name}: weights are torch.bfloat16 but {prefix} stores "
+                                                    f"torch.float16 weights; converting would round them. Build the "
+                                                    f"module with weight_dtype=torch.bfloat16.")):
+        module.weight_loader(module.w13_weight, tensor, name, "w1", 0)
+    assert FusedMoEExperts(moe, prefix, ParallelConfig(1, 0)).w13_weight.dtype == torch.bfloat16  # as stored

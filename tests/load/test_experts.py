@@ -13,10 +13,11 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from conftest import assert_exact, assert_owners, expected_experts, load_all_ranks, reassemble, stitch
 
 from wna16_loader import FUSED_NAMES, FusedExperts, LoadReport, ParallelConfig, load_experts, read_moe_config
-from wna16_loader.errors import CompletenessError, UnquantizedExpertsError
+from wna16_loader.errors import CompletenessError
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.testing.synthetic import WRITER_MODELS, quant_config, write_checkpoint
 
@@ -291,7 +292,7 @@ def test_fused_shapes_act_order(tmp_path):
         "w2_g_idx": ((e_l, i_p), torch.int32),
         "expert_ids": ((e_l,), torch.int32),
     }
-    assert set(layer.tensors) == set(want) == set(FUSED_NAMES)
+    assert set(layer.tensors) == set(want) == set(FUSED_NAMES) - {"w13_weight", "w2_weight"}  # those: float experts
     for name, (shape, dtype) in want.items():
         tensor = getattr(layer, name)
         assert tuple(tensor.shape) == shape, name
@@ -498,8 +499,9 @@ def test_declared_mtp_layers_without_tensors_are_normal(tmp_path, name):
 
 @pytest.mark.parametrize("name", ("deepseek_v3", "qwen3_5_moe-mtp"))
 def test_bf16_mtp_experts(tmp_path, name):
-    """Official Qwen3.5 GPTQ-Int4 releases: MTP experts in bf16, the rest 4-bit. Left alone they load
-    cleanly; asked for, a named error (the unquantized fused layout is not there yet)."""
+    """Official Qwen3.5 GPTQ-Int4 releases: MTP experts in bf16, the rest 4-bit. Left alone they are
+    non-expert tensors; asked for, the MTP layer loads into the float fused layout (the tensors decide its
+    spec), exactly, at every split."""
     from sources import mtp_checkpoint
     ckpt = mtp_checkpoint(tmp_path, name, mtp_dtype=torch.bfloat16)
     prefix = ckpt.prefixes[-1]
@@ -507,13 +509,15 @@ def test_bf16_mtp_experts(tmp_path, name):
     assert_exact(weights, ckpt.references)
     assert sum(n.startswith(f"{prefix}.") and n.endswith("_proj.weight") for n in
                load_experts(tmp_path, ParallelConfig(1, 0)).ignored) == E * 3
-    with pytest.raises(UnquantizedExpertsError) as error:
-        load_experts(tmp_path, ParallelConfig(1, 0), include_mtp=True)
-    assert str(error.value) == (
-        f"{prefix}: the MTP layer's 12 expert tensors are unquantized bfloat16 `.weight` tensors (e.g. "
-        f"{prefix}.0.down_proj.weight), while config.json quantizes experts as gptq 4-bit; this loader has no "
-        f"unquantized fused layout yet. To leave the MTP layer to the engine's own loader, load with "
-        f"include_mtp=False (wna16-shard --no-mtp) to keep them as non-expert tensors.")
+    stored = {name: t for file in tmp_path.glob("*.safetensors") for name, t in load_file(file).items()}
+    float_refs = {(prefix, e, kind): stored[f"{prefix}.{e}.{kind}_proj.weight"].float()
+                  for e in range(E) for kind in ("gate", "up", "down")}
+    for tp, ep in ((1, 1), (2, 2), (4, 1)):
+        weights, _ = reassemble(tmp_path, tp, ep, include_mtp=True)
+        assert_exact(weights, {**ckpt.references, **float_refs})
+    layer = load_experts(tmp_path, ParallelConfig(2, 1), include_mtp=True)[prefix]
+    assert layer.mtp and not layer.quantized and layer.w13_weight.dtype == torch.bfloat16
+    assert set(layer.tensors) == {"w13_weight", "w2_weight", "expert_ids"}
 
 
 def test_undeclared_mtp_layer_is_unexpected_only_when_asked(tmp_path):

@@ -304,21 +304,23 @@ def test_mtp_layers_sharded_or_copied(tmp_path: Path, name: str) -> None:
                 assert all(torch.equal(t, with_mtp[prefix].tensors[k]) for k, t in layer.tensors.items())
 
 
-def test_bf16_mtp_experts_shard_with_no_mtp(tmp_path: Path) -> None:
-    """Official Qwen3.5 GPTQ-Int4 layout (bf16 MTP experts): --no-mtp shards cleanly and verifies; the default
-    names the problem and the flag before anything is written."""
+def test_bf16_mtp_experts_shard_with_and_without_no_mtp(tmp_path: Path) -> None:
+    """Official Qwen3.5 GPTQ-Int4 layout (bf16 MTP experts): by default the MTP layer is sharded in the float
+    fused layout and verifies; --no-mtp copies its tensors unchanged into common/ and verifies."""
     from sources import mtp_checkpoint
-
-    from wna16_loader.errors import UnquantizedExpertsError
     mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp", mtp_dtype=torch.bfloat16)
     summary = preshard_checkpoint(tmp_path / "src", tmp_path / "out", tp_size=2, progress=False, mtp=False,
                                   verify=True)
     assert summary.problems == ()
     source, common = raw_tensors(tmp_path / "src"), raw_tensors(tmp_path / "out" / "common")
     assert all(common[n] == source[n] for n in source if n.startswith("mtp."))
-    with pytest.raises(UnquantizedExpertsError, match=r"wna16-shard --no-mtp"):
-        preshard_checkpoint(tmp_path / "src", tmp_path / "default", tp_size=2, progress=False)
-    assert not (tmp_path / "default").exists()
+    summary = preshard_checkpoint(tmp_path / "src", tmp_path / "default", tp_size=2, progress=False, verify=True)
+    assert summary.problems == ()
+    parallel = ParallelConfig(tp_size=2, tp_rank=1)
+    want = load_experts(tmp_path / "src", parallel, include_mtp=True)["mtp.layers.0.mlp.experts"]
+    got = load_experts(tmp_path / "default", parallel, include_mtp=True)["mtp.layers.0.mlp.experts"]
+    assert not got.quantized and got.mtp
+    assert all(torch.equal(got.tensors[name], tensor) for name, tensor in want.tensors.items())
 
 
 def test_sources_without_mtp_record_nothing_new(tmp_path: Path) -> None:

@@ -15,7 +15,8 @@ from ..load.plan import expert_key_problem
 from ..models.config import MoEConfig
 from ..models.names import PROJ_ALIASES, Proj, parse_expert_name
 
-FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx"}
+FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx",
+                    Role.WEIGHT: "weight"}
 
 
 class ShardId(enum.Enum):
@@ -71,29 +72,39 @@ class ExpertParamMapping:
     """Checkpoint tensor name -> the fused parameters it feeds, in O(1) per name.
 
     Names under another experts prefix (when `prefix` is given), with a suffix the
-    format does not declare, an expert id >= E, a module the quantization config
-    excludes, or stacked sources other than gate_up/down map to ().
+    layer's spec does not declare (each layer's own: `MoEConfig.spec_of`), an expert id >= E,
+    or stacked sources other than gate_up/down map to ().
     """
 
     def __init__(self, moe: MoEConfig, prefix: str | None = None) -> None:
         self.moe, self.prefix = moe, prefix
-        stored = {Role.QWEIGHT, Role.SCALES} | ({Role.G_IDX} if moe.quant.act_order else set())
-        stored |= set() if moe.quant.symmetric else {Role.ZEROS}
-        self._fused = {(proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}"
-                       if layout.role in stored else f"{fused_half(proj)}_qweight"
-                       for proj in Proj for layout in moe.quant.layouts}
+        self._layers: dict[str, tuple[MoEConfig, dict[tuple[Proj, Role], str]]] = {}
+
+    def _layer(self, experts_prefix: str) -> tuple[MoEConfig, dict[tuple[Proj, Role], str]]:
+        """The layer's config (its own spec) and (projection, role) -> fused parameter name, made once."""
+        if experts_prefix not in self._layers:
+            moe = self.moe.at_layer(experts_prefix)
+            quant = moe.quant
+            stored = {Role.QWEIGHT, Role.SCALES, Role.WEIGHT} | ({Role.G_IDX} if quant.act_order else set())
+            stored |= set() if quant.symmetric else {Role.ZEROS}
+            main = "qweight" if quant.quantized else "weight"
+            self._layers[experts_prefix] = (moe, {
+                (proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}" if layout.role in stored
+                else f"{fused_half(proj)}_{main}" for proj in Proj for layout in quant.layouts})
+        return self._layers[experts_prefix]
 
     def __call__(self, name: str) -> tuple[ParamTarget, ...]:
         """The targets of checkpoint tensor `name`: two for gate_up_proj, one otherwise, () if none."""
         key = parse_expert_name(name)
-        if key is None or (self.prefix is not None and key.experts_prefix != self.prefix) or \
-                expert_key_problem(self.moe, key) is not None:
+        if key is None or (self.prefix is not None and key.experts_prefix != self.prefix):
             return ()
-        layout = self.moe.quant.layout_for_suffix(key.suffix)
+        moe, fused = self._layer(key.experts_prefix)
+        if expert_key_problem(moe, key) is not None:
+            return ()
+        layout = moe.quant.layout_for_suffix(key.suffix)
         assert layout is not None, "expert_key_problem checks the suffix"
-        return tuple(ParamTarget(f"{key.experts_prefix}.{self._fused[(proj, layout.role)]}",
-                                 self._fused[(proj, layout.role)], ShardId.of_proj(proj), key.expert)
-                     for proj in key.source.projs)
+        return tuple(ParamTarget(f"{key.experts_prefix}.{fused[(proj, layout.role)]}", fused[(proj, layout.role)],
+                                 ShardId.of_proj(proj), key.expert) for proj in key.source.projs)
 
     map_checkpoint_name = __call__
 

@@ -130,7 +130,7 @@ def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Pat
 
 def synchronize(modules: Iterable[FusedMoEExperts]) -> None:
     """Wait once for the device work queued by loads into `modules` (once per device they live on)."""
-    for module in {str(m.w13_qweight.device): m for m in modules}.values():
+    for module in {str(m.expert_ids.device): m for m in modules}.values():
         module.synchronize()
 
 

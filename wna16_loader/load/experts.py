@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from ..logs import rank_logger, warn_reduced_groups
+from ..logs import rank_logger
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.hub import resolve_checkpoint
@@ -19,9 +19,10 @@ from .device import DevicePolicy
 from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
-from .plan import CheckpointScan, LayerPlan, plan_layers
+from .plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
 from .presharded import is_presharded, load_presharded
 from .results import LoadedExperts, LoadReport
+from .specs import warn_reduced_groups_by_spec
 
 
 def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
@@ -33,8 +34,12 @@ def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConf
     moe = read_config_files(path)
     with CheckpointIndex(path) as index:
         scan = CheckpointScan.of(index)
-    mtp = scan.mtp_prefixes(moe.mtp)
-    return replace(moe, experts_prefixes=tuple(p for p in scan.layers if p not in mtp), mtp_prefixes=mtp)
+        mtp = scan.mtp_prefixes(moe.mtp)
+        tables = LayerTables(index, moe)
+        specs = tuple((prefix, tables.layer(prefix, keys).spec) for prefix, keys in scan.layers.items()
+                      if keys[0].layer in moe.moe_layers or prefix in mtp)
+    return replace(moe, experts_prefixes=tuple(p for p in scan.layers if p not in mtp), mtp_prefixes=mtp,
+                   layer_specs=specs)
 
 
 def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
@@ -90,9 +95,9 @@ def planned(path: str | Path, parallel: ParallelConfig, *, include_mtp: bool = F
         scan = scan_for(index, moe, include_mtp)
         plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
-        warn_reduced_groups(rank_logger(parallel), group_size=moe.quant.group_size, tp_size=parallel.tp_size,
-                            effective={p.prefix: p.fused.group_size for p in plans},
-                            intermediate=moe.intermediate_size)
+        warn_reduced_groups_by_spec(rank_logger(parallel), tp_size=parallel.tp_size,
+                                    effective={p.prefix: (p.moe.quant.group_size, p.fused.group_size) for p in plans},
+                                    intermediate=moe.intermediate_size)
         yield moe, index, scan, plans
 
 
@@ -108,6 +113,6 @@ def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: 
     """Read, convert and write every local projection of one layer (the hook's own write path); device
     copies are queued, not waited for (the caller synchronises once)."""
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
-    layer = LayerLoad(plan.prefix, moe, plan.geometry, allow_nonfinite=allow_nonfinite)
+    layer = LayerLoad(plan.prefix, plan.moe, plan.geometry, allow_nonfinite=allow_nonfinite)
     layer.load_plan(index, writer, plan)
     return writer.finish(mtp=plan.mtp), layer.tensors, writer.bytes_written

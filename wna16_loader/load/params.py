@@ -30,6 +30,7 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
     Role.SCALES: (Dim.N, Dim.GROUP),
     Role.G_IDX: (Dim.K,),
     Role.SHAPE: (Dim.PAIR,),
+    Role.WEIGHT: (Dim.N, Dim.K),
 }
 
 
