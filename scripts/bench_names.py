@@ -18,6 +18,9 @@ Contenders, alternated within each repetition, one process, freed heap returned 
   hook tp8/1   the engine convention: every expert tensor get_tensor'ed and handed to its parameter's
                weight_loader, then check_model_complete (modules and the engine's name mapping built before)
 
+Each is timed in wall-clock seconds and in this process's CPU seconds (one torch thread: CPU time is the
+work done, which other processes sharing the machine disturb far less than the wall clock).
+
 Then the conversions (scripts/bench_common.conversion_rates): GB/s of each on one and two threads against a
 plain copy of the same bytes.
 """
@@ -165,32 +168,40 @@ def build_model(path: Path, parallel: ParallelConfig) -> dict[str, FusedMoEExper
     return root
 
 
-def engine_calls(path: Path, model: torch.nn.Module) -> dict[str, list[tuple[str, Any, str, int | None]]]:
-    """file -> (name, parameter, shard id, expert id) of every expert tensor, in the file's key order: the
-    engine's own name mapping, worked out before the clock (an engine does it with string replaces)."""
+Calls = tuple[list[Any], dict[str, list[tuple[str, int, str, int | None]]]]
+
+
+def engine_calls(path: Path, model: torch.nn.Module) -> Calls:
+    """(parameters, file -> (name, parameter number, shard id, expert id) of every expert tensor in the file's
+    key order): the engine's own name mapping, worked out before the clock (an engine does it with string
+    replaces). Plain tuples of strings and ints, which the garbage collector stops tracking, so that the
+    harness adds no objects for every collection during the timed loops to scan."""
     moe = read_moe_config(path)
     mapping = expert_param_mapping(moe)
-    params = dict(model.named_parameters())
+    named = dict(model.named_parameters())
+    params, number = list(named.values()), {name: i for i, name in enumerate(named)}
     prefix_of = {m.prefix: f"layer{i}" for i, m in enumerate(model.experts.values())}
-    out: dict[str, list[tuple[str, Any, str, int | None]]] = {}
+    out: dict[str, list[tuple[str, int, str, int | None]]] = {}
     for file in sorted(p.name for p in path.glob("*.safetensors")):
         calls = out.setdefault(file, [])
         with safe_open(str(path / file), framework="pt") as handle:
             for name in handle.keys():
                 for target in mapping(name):
                     prefix = target.param_name.rsplit(".", 1)[0]
-                    param = params[f"{prefix_of[prefix]}.{target.fused_name}"]
-                    calls.append((name, param, target.shard_id.value, target.expert_id))
-    return out
+                    calls.append((name, number[f"{prefix_of[prefix]}.{target.fused_name}"], target.shard_id.value,
+                                  target.expert_id))
+    return params, out
 
 
-def run_hook(path: Path, model: torch.nn.Module, calls: dict[str, list[tuple[str, Any, str, int | None]]]) -> None:
+def run_hook(path: Path, model: torch.nn.Module, calls: Calls) -> None:
     """The engine loop: get_tensor every expert tensor, hand it to weight_loader; then the completeness check."""
     for module in model.experts.values():
         module.reset_load()
-    for file, entries in calls.items():
+    params, files = calls
+    for file, entries in files.items():
         with safe_open(str(path / file), framework="pt") as handle:
-            for name, param, shard_id, expert_id in entries:
+            for name, number, shard_id, expert_id in entries:
+                param = params[number]
                 param.weight_loader(param, handle.get_tensor(name), name, shard_id, expert_id)
     check_model_complete(model)
 
@@ -215,19 +226,22 @@ def contenders(path: Path) -> dict[str, Callable[[], Any]]:
             "hook tp1": lambda: run_hook(path, models["tp1"], calls["tp1"])}
 
 
-def measure(path: Path, reps: int, only: list[str] | None = None) -> dict[str, float]:
-    """Median seconds per contender over `reps` alternated repetitions (order reversed every other one)."""
+def measure(path: Path, reps: int, only: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Median wall-clock and CPU seconds (this process: on a shared machine the steadier of the two) per
+    contender over `reps` alternated repetitions (order reversed every other one)."""
     tasks = contenders(path)
     labels = [label for label in tasks if not only or label in only]
-    times: dict[str, list[float]] = {label: [] for label in labels}
+    times: dict[str, dict[str, list[float]]] = {"wall": {label: [] for label in labels},
+                                                "cpu": {label: [] for label in labels}}
     for rep in range(reps):
         for label in labels if rep % 2 == 0 else labels[::-1]:
             release_freed_memory()
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             result = tasks[label]()
-            times[label].append(time.perf_counter() - start)
+            times["cpu"][label].append(time.process_time() - cpu)
+            times["wall"][label].append(time.perf_counter() - wall)
             del result
-    return {label: statistics.median(values) for label, values in times.items()}
+    return {clock: {label: statistics.median(v) for label, v in runs.items()} for clock, runs in times.items()}
 
 
 def report(seconds: dict[str, float], tensors: int) -> str:
@@ -275,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         file.read_bytes()  # into the page cache
     tensors = sum(len(v) for v in expert_tensors(path).values())
     seconds = measure(path, args.reps, [s for s in args.only.split(",") if s] or None)
-    text = report(seconds, tensors)
+    text = "\n\n".join(f"{clock} seconds:\n" + report(seconds[clock], tensors) for clock in ("wall", "cpu"))
     rates = {} if args.no_conversions else conversion_rates()
     print(f"\nsize={args.size} reps={args.reps} expert tensors={tensors} cpus={os.cpu_count()} "
           f"threads={torch.get_num_threads()}\n{text}")
