@@ -1,7 +1,8 @@
 """Engine-facing names: vLLM's projection ids, and checkpoint tensor name -> the fused parameters it feeds.
 
 `ExpertParamMapping` maps a checkpoint name to the fused parameters it feeds in
-O(1) (one regex match, dict lookups).
+O(1): the name regex runs once per name shape (`ExpertNameParser`), the planner's rule once per kind
+(`KeyRules`); every other name is a split and dict lookups.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from ..formats import Role
-from ..load.plan import expert_key_problem
+from ..load.plan import KeyRules
 from ..models.config import MoEConfig
-from ..models.names import PROJ_ALIASES, Proj, parse_expert_name
+from ..models.names import PROJ_ALIASES, ExpertNameParser, Proj
 
 FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx"}
 
@@ -77,6 +78,7 @@ class ExpertParamMapping:
 
     def __init__(self, moe: MoEConfig, prefix: str | None = None) -> None:
         self.moe, self.prefix = moe, prefix
+        self._parse, self._rules = ExpertNameParser(), KeyRules(moe)
         stored = {Role.QWEIGHT, Role.SCALES} | ({Role.G_IDX} if moe.quant.act_order else set())
         stored |= set() if moe.quant.symmetric else {Role.ZEROS}
         self._fused = {(proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}"
@@ -85,9 +87,9 @@ class ExpertParamMapping:
 
     def __call__(self, name: str) -> tuple[ParamTarget, ...]:
         """The targets of checkpoint tensor `name`: two for gate_up_proj, one otherwise, () if none."""
-        key = parse_expert_name(name)
+        key = self._parse(name)
         if key is None or (self.prefix is not None and key.experts_prefix != self.prefix) or \
-                expert_key_problem(self.moe, key) is not None:
+                self._rules.problem(key) is not None:
             return ()
         layout = self.moe.quant.layout_for_suffix(key.suffix)
         assert layout is not None, "expert_key_problem checks the suffix"
