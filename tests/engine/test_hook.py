@@ -260,6 +260,60 @@ def test_weight_loader_equals_load_experts(checkpoints: Callable[..., Path], cas
         assert all(len(m.hook.store) == 0 and not m.hook.pending for m in experts_of(model).values())
 
 
+@pytest.mark.parametrize("order", ["file", "reversed"])
+@pytest.mark.parametrize("case", ["gptq_act_order_tp2_ep2", "awq_tp3_padded", "gptq_stacked_tp2_ep2"])
+def test_weight_loader_batches_of_any_size(checkpoints: Callable[..., Path], case: str, order: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch cap of one byte writes every projection as it completes (runs of one slot): same bytes."""
+    monkeypatch.setattr("wna16_loader.engine.hook.HOOK_BATCH_BYTES", 1)
+    fmt, kwargs, tp, ep = ENGINE_CASES[case]
+    folder = checkpoints(fmt, **kwargs)
+    tensors = list(checkpoint_tensors(folder))[::-1 if order == "reversed" else 1]
+    for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep):
+        model, moe = model_for(folder, parallel)
+        engine_load(model, moe, tensors)
+        for module in experts_of(model).values():
+            assert not module.hook.ready and not module.hook.pending and len(module.hook.store) == 0
+        check_model_complete(model)
+        assert_equal_to_load_experts(model, folder, parallel)
+
+
+def test_complete_projections_wait_for_their_batch_until_read(checkpoints: Callable[..., Path]) -> None:
+    """Expert 0 alone: its projections are complete but held (their batch waits for the other experts);
+    reading the module (to_fused, ledger_report, check_complete) writes them first."""
+    folder = checkpoints("awq")
+    model, moe = model_for(folder, ParallelConfig(1, 0))
+    module = next(iter(experts_of(model).values()))
+    engine_load(model, moe, [(n, t) for n, t in checkpoint_tensors(folder) if f"{module.prefix}.0." in n])
+    assert set(module.hook.ready) == set(module.spec.projections) and not module.w13_qweight.any()
+    fused, want = module.to_fused(), load_experts(folder, ParallelConfig(1, 0))[module.prefix]
+    assert not module.hook.ready and len(module.hook.store) == 0
+    for name, tensor in want.tensors.items():
+        if name != "expert_ids":
+            assert torch.equal(fused.tensors[name][0], tensor[0]), name
+    assert module.ledger_report() and all(f"{module.prefix}.0." not in line for line in module.ledger_report())
+
+
+def test_fast_path_refuses_what_the_checked_path_refuses(checkpoints: Callable[..., Path]) -> None:
+    """Once a tensor of a kind took the checked path, the next of that kind takes the fast one: every
+    inconsistent argument still raises its own error there."""
+    folder = checkpoints("awq")
+    model, moe = model_for(folder, ParallelConfig(1, 0))
+    module = next(iter(experts_of(model).values()))
+    tensors = dict(checkpoint_tensors(folder))
+    first, name = f"{module.prefix}.0.gate_proj.qweight", f"{module.prefix}.1.gate_proj.qweight"
+    assert module.weight_loader(module.w13_qweight, tensors[first], first, "w1", 0)
+    cases = [((tensors[name], name, "w2", 1), "means down"),
+             ((tensors[name], name, "w1", 2), "expert_id=2 but the name says expert 1"),
+             ((tensors[name], f"{module.prefix}.7.gate_proj.qweight", "w1", None), "outside 0..3"),
+             ((tensors[name][:, :4], name, "w1", 1), r"shape \[64, 4\]"),
+             ((tensors[name].float(), name, "w1", 1), "dtype torch.float32")]
+    for args, message in cases:
+        with pytest.raises(FormatError, match=message):
+            module.weight_loader(module.w13_qweight, *args)
+    assert module.weight_loader(module.w13_qweight, tensors[name], name, "w1", None)
+
+
 @pytest.mark.skipif(not REAL, reason="no real fixtures")
 @pytest.mark.parametrize("name", REAL)
 def test_weight_loader_real_checkpoints(name: str) -> None:
@@ -735,4 +789,5 @@ def test_float_layer_weights_are_never_rounded(tmp_path: Path) -> None:
                                                     f"torch.float16 weights; converting would round them. Build the "
                                                     f"module with weight_dtype=torch.bfloat16.")):
         module.weight_loader(module.w13_weight, tensor, name, "w1", 0)
+        module.flush()  # complete projections are written in batches; the write refuses to round
     assert FusedMoEExperts(moe, prefix, ParallelConfig(1, 0)).w13_weight.dtype == torch.bfloat16  # as stored

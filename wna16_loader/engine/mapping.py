@@ -1,7 +1,8 @@
 """Engine-facing names: vLLM's projection ids, and checkpoint tensor name -> the fused parameters it feeds.
 
 `ExpertParamMapping` maps a checkpoint name to the fused parameters it feeds in
-O(1) (one regex match, dict lookups).
+O(1): the name regex runs once per name shape (`ExpertNameParser`), the planner's rule once per kind
+(`KeyRules`); every other name is a split and dict lookups.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from ..formats import Role
-from ..load.plan import expert_key_problem
+from ..load.plan import KeyRules
 from ..models.config import MoEConfig
-from ..models.names import PROJ_ALIASES, Proj, parse_expert_name
+from ..models.names import PROJ_ALIASES, ExpertNameParser, Proj
 
 FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx",
                     Role.WEIGHT: "weight"}
@@ -78,10 +79,12 @@ class ExpertParamMapping:
 
     def __init__(self, moe: MoEConfig, prefix: str | None = None) -> None:
         self.moe, self.prefix = moe, prefix
-        self._layers: dict[str, tuple[MoEConfig, dict[tuple[Proj, Role], str]]] = {}
+        self._parse = ExpertNameParser()
+        self._layers: dict[str, tuple[MoEConfig, dict[tuple[Proj, Role], str], KeyRules]] = {}
 
-    def _layer(self, experts_prefix: str) -> tuple[MoEConfig, dict[tuple[Proj, Role], str]]:
-        """The layer's config (its own spec) and (projection, role) -> fused parameter name, made once."""
+    def _layer(self, experts_prefix: str) -> tuple[MoEConfig, dict[tuple[Proj, Role], str], KeyRules]:
+        """The layer's config (its own spec), (projection, role) -> fused parameter name, and the planner's
+        rule for its keys, made once per layer."""
         if experts_prefix not in self._layers:
             moe = self.moe.at_layer(experts_prefix)
             quant = moe.quant
@@ -90,16 +93,16 @@ class ExpertParamMapping:
             main = "qweight" if quant.quantized else "weight"
             self._layers[experts_prefix] = (moe, {
                 (proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}" if layout.role in stored
-                else f"{fused_half(proj)}_{main}" for proj in Proj for layout in quant.layouts})
+                else f"{fused_half(proj)}_{main}" for proj in Proj for layout in quant.layouts}, KeyRules(moe))
         return self._layers[experts_prefix]
 
     def __call__(self, name: str) -> tuple[ParamTarget, ...]:
         """The targets of checkpoint tensor `name`: two for gate_up_proj, one otherwise, () if none."""
-        key = parse_expert_name(name)
+        key = self._parse(name)
         if key is None or (self.prefix is not None and key.experts_prefix != self.prefix):
             return ()
-        moe, fused = self._layer(key.experts_prefix)
-        if expert_key_problem(moe, key) is not None:
+        moe, fused, rules = self._layer(key.experts_prefix)
+        if rules.problem(key) is not None:
             return ()
         layout = moe.quant.layout_for_suffix(key.suffix)
         assert layout is not None, "expert_key_problem checks the suffix"

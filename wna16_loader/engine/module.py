@@ -166,6 +166,7 @@ class FusedMoEExperts(nn.Module):
                                       f"was built as {self.spec}; build it from this checkpoint's read_moe_config "
                                       f"and the same ParallelConfig.")
         with torch.no_grad():
+            self.hook.flush()
             self.hook.load_plan(index, self._fused_writer(), plan)
 
     def load_fused(self, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, source: str) -> None:
@@ -179,21 +180,31 @@ class FusedMoEExperts(nn.Module):
             raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {spec} but the module was built "
                                       f"as {self.spec}; build it with the ParallelConfig the output was sharded for.")
         with torch.no_grad():
+            self.hook.flush()
             put_layer(source, self._fused_writer(), tensors)
         for slot in self.ledger.missing():
             self.ledger.record_slot(slot, f"{source}:{self.prefix}")
 
+    def flush(self) -> None:
+        """Write the projections the weight loader has complete but still holds for a batch (see
+        `engine.hook`); everything that reads the parameters or the ledger calls it first."""
+        with torch.no_grad():
+            self.hook.flush()
+
     def synchronize(self) -> None:
         """Wait for the device work queued by loads into this module (nothing on the CPU or meta)."""
+        self.flush()
         if not self.expert_ids.is_meta:
             DevicePolicy.of(self.expert_ids.device).synchronize()
 
     def ledger_report(self) -> list[str]:
         """Every missing, duplicated or unexpected slot so far (empty when complete)."""
+        self.flush()
         return self.ledger.offenders()
 
     def check_complete(self) -> None:
         """Raise CompletenessError naming every missing or duplicated slot."""
+        self.flush()
         self.ledger.check()
 
     def reset_load(self) -> None:
@@ -212,6 +223,7 @@ class FusedMoEExperts(nn.Module):
 
     def to_fused(self) -> FusedExperts:
         """The parameters as a FusedExperts (shared storage)."""
+        self.flush()
         return FusedExperts(self.prefix, self.spec, {n: p.data for n, p in self.named_parameters(recurse=False)},
                             mtp=self.mtp)
 
