@@ -1,6 +1,6 @@
 """wna16-shard: pre-shard a WNA16 MoE checkpoint per TP/EP rank, or verify such an output.
 
-Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input.
+Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from .errors import CheckpointError, WNA16Error
+from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
 from .parallel.config import ExpertPlacement, ShardJob
 from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint, preshard_distributed
@@ -45,7 +45,7 @@ examples:
   torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
 Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
-exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input.
+exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input, 130 interrupted (re-run with --resume).
 """
 
 VERIFY_EPILOG = """\
@@ -154,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     except WNA16Error as exc:
         print(f"wna16-shard: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line saying how far it got (ShardInterrupted) and how to go on
+        if isinstance(exc, ShardInterrupted):
+            print(f"wna16-shard: {exc}", file=sys.stderr)
+        elif argv[:1] == ["verify"]:
+            print("wna16-shard verify: interrupted (it only reads: nothing changed); re-run it", file=sys.stderr)
+        else:
+            print("wna16-shard: interrupted; re-run the same command (with --resume when it had started writing)",
+                  file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop writing, no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -50,3 +50,16 @@ class PreshardError(WNA16Error):
 
 class DeviceError(WNA16Error):
     """A requested device does not exist or this PyTorch build cannot drive it."""
+
+
+class ShardInterrupted(KeyboardInterrupt):
+    """A `wna16-shard` run stopped by Ctrl-C (SIGINT). Not a WNA16Error (the input was not bad): a caller
+    that catches KeyboardInterrupt still does. The message says how far it got and how to finish:
+    `interrupted after F of N files; re-run with --resume`. `done`, `total`: the files finished and planned."""
+
+    def __init__(self, done: int, total: int) -> None:
+        super().__init__(f"interrupted after {done} of {total} files; re-run with --resume")
+        self.done, self.total = done, total
+
+    def __str__(self) -> str:
+        return str(self.args[0])
