@@ -44,6 +44,13 @@ def format_offenders(items: list[str], *, limit: int = 20) -> str:
     return "\n".join(shown)
 
 
+class ExpertsPrefixError(WNA16Error, KeyError):
+    """A lookup names an experts prefix that the load (or checkpoint) does not have. Also a KeyError, so that
+    code written for a dict (`except KeyError`) keeps working; its text is the message, not a quoted key."""
+
+    __str__ = WNA16Error.__str__
+
+
 class PreshardError(WNA16Error):
     """A pre-sharded output folder is locked, foreign, or was written with other parameters."""
 

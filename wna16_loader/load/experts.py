@@ -20,15 +20,18 @@ from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
 from .plan import CheckpointScan, LayerPlan, plan_layers
-from .presharded import is_presharded, load_presharded
+from .presharded import is_presharded, load_presharded, output_prefixes
 from .results import LoadedExperts, LoadReport
 
 
 def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
     """The resolved description of a checkpoint: config keys, quantization and experts prefixes.
-    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
+    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`), or a
+    `wna16-shard` output (self-contained: its copied config.json, and the experts prefixes of its manifest)."""
     path = resolve_checkpoint(path, revision=revision)
     moe = read_config_files(path)
+    if is_presharded(path):
+        return replace(moe, experts_prefixes=output_prefixes(path))
     with CheckpointIndex(path) as index:
         prefixes = tuple(CheckpointScan.of(index).layers)
     return replace(moe, experts_prefixes=prefixes)
