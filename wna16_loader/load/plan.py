@@ -72,6 +72,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
         raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
                               f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
     report_missing_layers(moe, scan, ledger)
+    ledger.names = CheckpointNames(moe, scan)
     plans = []
     with gc_paused():  # tables, slots and sources per tensor: see bulk.py
         for prefix, keys in scan.layers.items():
@@ -82,6 +83,58 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
                 continue
             plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger, tables))
     return plans
+
+
+class CheckpointNames:
+    """The ledger's `SlotNames` for a checkpoint: a slot named as the checkpoint names that projection's
+    tensors (module name taken from another expert of the layer, suffix from the format), and the summary of
+    whole experts that config.json counts and the checkpoint lacks. Worked out only when a check fails."""
+
+    def __init__(self, moe: MoEConfig, scan: CheckpointScan) -> None:
+        self.moe, self.scan = moe, scan
+        self._modules: dict[tuple[str, str], str] = {}
+
+    def name(self, slot: Slot) -> str:
+        """e.g. `model.layers.0.mlp.experts.8.down_proj.qzeros` (the slot's own text when the layer has no
+        per-expert tensor of that projection to take the module name from)."""
+        if not self._modules:
+            self._modules = {(key.experts_prefix, key.source.value): key.module_name.rpartition(".")[2]
+                             for keys in self.scan.layers.values() for key in keys
+                             if key.expert is not None and len(key.source.projs) == 1}
+        module = self._modules.get((slot.prefix, slot.proj))
+        layout = self.moe.quant.layout(Role(slot.role))
+        if module is None or layout is None:
+            return str(slot)
+        return f"{slot.prefix}.{slot.expert}.{module}.{layout.suffix}"
+
+    def summary(self, missing: list[Slot]) -> str | None:
+        """`config.json says 16 experts (num_experts), the checkpoint has experts 0–7 ...` when whole experts
+        that the config counts have no tensor at all in some MoE layer; None otherwise."""
+        lacking = {slot.prefix for slot in missing}
+        present = {prefix: sorted({k.expert for k in keys if k.expert is not None})
+                   for prefix, keys in self.scan.layers.items() if prefix in lacking}
+        counts = {prefix: self.moe.layer(self.scan.layers[prefix][0].layer).num_experts for prefix in present}
+        short = {prefix: ids for prefix, ids in present.items() if ids and len(ids) < counts[prefix]}
+        if not short:
+            return None
+        prefix, ids = next(iter(short.items()))
+        resolved = self.moe.resolution["routed expert count"] if self.moe.resolution is not None else None
+        key = f" ({resolved.key})" if resolved is not None and resolved.key else ""
+        where = f"in all {len(short)} MoE layers" if len(set(map(tuple, short.values()))) == 1 and len(short) > 1 \
+            else f"in {prefix}" + (f" (and {len(short) - 1} more layers lack experts)" if len(short) > 1 else "")
+        return (f"config.json says {counts[prefix]} experts{key}, the checkpoint has experts {_id_ranges(ids)} "
+                f"{where}: fix the expert count in config.json, or restore the missing expert tensors")
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 3, 5] -> '0–3, 5' (sorted ids as runs)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
