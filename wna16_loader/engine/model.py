@@ -81,7 +81,7 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     `checkpoint_folder` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     """
     start = time.perf_counter()
-    checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision)
+    checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision, rank=parallel.rank)
     modules = experts_modules(model)
     _check_parallel(modules, parallel)
     if is_presharded(checkpoint_folder):

@@ -54,7 +54,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     `path` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     """
     policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
-    path = resolve_checkpoint(path, revision=revision)
+    path = resolve_checkpoint(path, revision=revision, rank=parallel.rank)
     if is_presharded(path):
         return load_presharded(path, parallel, device=device)
     start = time.perf_counter()
