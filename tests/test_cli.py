@@ -60,9 +60,9 @@ def test_shard_then_verify_exit_codes(source: Path, tmp_path: Path) -> None:
 
 def test_bad_input_and_bad_usage_exit_2(tmp_path: Path) -> None:
     run = cli(str(tmp_path / "missing"), str(tmp_path / "out"), "--tp", "2")
-    assert run.returncode == 2
-    assert run.stderr.startswith("wna16-shard: error: ") and "missing" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    assert one_error_line(run) == (f"wna16-shard: error: {tmp_path / 'missing'}: no such folder: {tmp_path} has no "
+                                   f"'missing'. Pass an existing checkpoint folder (config.json and *.safetensors), "
+                                   f"or a Hugging Face repo id such as 'org/name'.")  # no huggingface_hub text
 
 
 def test_bad_usage_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -93,11 +93,12 @@ def rank_folder(rank: int, world: int) -> str:
 
 
 def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str = "linear",
-              max_file_size: int = 4 * 2**30, layout: str = "fused") -> ShardPlan:
+              max_file_size: int = 4 * 2**30, layout: str = "fused", warn: bool = True) -> ShardPlan:
     """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers.
 
     layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
-    fall on word and group boundaries.
+    fall on word and group boundaries. warn: log the reduced-group-size warning (once per run: a
+    rank-parallel run's other processes plan with warn=False).
     """
     src = check_source_folder(src)
     for flag, size in (("--tp", tp_size), ("--ep", ep_size)):
@@ -118,8 +119,9 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
     params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
               "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION}
     quant = _quant_summary(moe, ranks)
-    warn_reduced_groups(log, group_size=moe.quant.group_size, effective=quant["group_size_eff"], tp_size=tp_size,
-                        intermediate=moe.intermediate_size)
+    if warn:
+        warn_reduced_groups(log, group_size=moe.quant.group_size, effective=quant["group_size_eff"],
+                            tp_size=tp_size, intermediate=moe.intermediate_size)
     return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src))

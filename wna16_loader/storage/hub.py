@@ -12,6 +12,7 @@ cache folder (HF_HUB_CACHE) and offline mode.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -76,19 +77,21 @@ def _patterns(head: Path | None, rank: int | None, common: bool) -> tuple[str, .
 
 
 def _repo_id(path_or_repo: str | Path) -> str:
-    """`path_or_repo` as a repo id, or CheckpointError when it is neither a folder nor an `org/name` id."""
-    if not isinstance(path_or_repo, str):
-        problem = f"a repo id is passed as a str, not a {type(path_or_repo).__name__}"
-    elif "/" not in path_or_repo:
-        problem = "a repo id has the form 'org/name'"
-    else:
+    """`path_or_repo` as a repo id, or CheckpointError when it is neither a folder nor an `org/name` id: the
+    message names the part of the path that does not exist (no huggingface_hub validation text)."""
+    if isinstance(path_or_repo, str) and "/" in path_or_repo:
         try:
             validate_repo_id(path_or_repo)
             return path_or_repo
-        except HFValidationError as exc:
-            problem = str(exc).rstrip(".")
-    raise CheckpointError(f"{path_or_repo}: no such folder, and not a Hugging Face repo id ({problem}). "
-                          f"Pass an existing checkpoint folder or a repo id such as 'org/name'.")
+        except HFValidationError:
+            pass
+    absolute = Path(os.path.abspath(Path(path_or_repo).expanduser()))
+    existing = next(p for p in absolute.parents if p.is_dir())
+    missing = absolute.relative_to(existing).parts[0]
+    hint = "" if isinstance(path_or_repo, str) else f" (a repo id is passed as a str, not a {type(path_or_repo).__name__})"
+    raise CheckpointError(f"{path_or_repo}: no such folder: {existing} has no {missing!r}{hint}. Pass an existing "
+                          f"checkpoint folder (config.json and *.safetensors), or a Hugging Face repo id such as "
+                          f"'org/name'.")
 
 
 def _snapshot(repo_id: str, revision: str | None, patterns: tuple[str, ...], *,
