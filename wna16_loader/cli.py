@@ -51,7 +51,8 @@ exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input, 130 interru
 VERIFY_EPILOG = """\
 examples:
   wna16-shard verify ./out                    # every file's and tensor's sha256 vs the manifest
-  wna16-shard verify ./out --source ./ckpt    # also: experts reassemble exactly, common/ byte-identical
+  wna16-shard verify ./out --source ./ckpt    # also: every tensor equals a fresh conversion, common/ identical
+  wna16-shard verify ./out --source ./ckpt --reassemble   # also: dequantised experts stitched over TP (slow)
 exit codes: 0 no problems, 1 problems found (listed on stderr), 2 bad usage.
 """
 
@@ -128,6 +129,9 @@ def verify_parser() -> argparse.ArgumentParser:
                                                    "exactly and that common/ is byte-identical (a folder or "
                                                    "a Hugging Face repo id org/name)")
     add_revision(p, "--source")
+    p.add_argument("--reassemble", action="store_true", help="with --source, also dequantise every rank's fused "
+                                                             "experts and compare them, stitched over TP, with a "
+                                                             "TP 1 load of SRC (float32 of the whole model: slow)")
     return p
 
 
@@ -182,8 +186,10 @@ def _verify(args: argparse.Namespace) -> int:
     if args.source is None and args.revision is not None:
         raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
                               f"pass --source org/name or drop --revision.")
+    if args.source is None and args.reassemble:
+        raise CheckpointError("--reassemble compares the output with its source; pass --source SRC too.")
     source = None if args.source is None else resolve_checkpoint(args.source, revision=args.revision)
-    return _print_verify(verify_report(args.out, source=source))
+    return _print_verify(verify_report(args.out, source=source, reassemble=args.reassemble))
 
 
 def _print_verify(report: VerifyReport) -> int:

@@ -132,7 +132,7 @@ def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
     futures = []
     if todo:
         with nullcontext(index) if index is not None else CheckpointIndex(plan.source) as source_index:
-            source = _tensor_source(plan, rank, source_index)
+            source = tensor_source(plan, rank, source_index)
             for fp in todo:
                 written = write_temporary(out, fp, source, metadata)
                 futures.append(commits.submit(_commit_file, out, fp, written, state, advance))
@@ -183,7 +183,7 @@ class TensorSource:
         self.meta, self.fetch = meta, fetch
 
 
-def _tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
+def tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
     """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
     if rank is None:
         return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),
