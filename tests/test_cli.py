@@ -282,3 +282,25 @@ def test_version_usage_and_closed_pipe(source: Path, tmp_path: Path) -> None:
     proc.stdout.close()  # like `| head` that has already exited: every write gets EPIPE
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and stderr == ""
+
+
+def test_padding_is_reported_per_rank_and_empty_ranks_warned(tmp_path: Path) -> None:
+    """The demo's I = 768: --tp 5 pads to I' = 800 (TP rank 4: 32 padding columns of 160); --tp 32 pads to 1024 and
+    TP ranks 24-31 hold nothing but padding, which the run warns about."""
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", group_size=128), hidden=64, intermediate=768, num_experts=2,
+                     num_layers=2)
+    run = cli(str(src), str(tmp_path / "tp5"), "--tp", "5")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert ("padding: I = 768 is padded to I' = 800 (160 columns per TP rank) in 2 layer(s); TP rank 4: 32 of 160 "
+            "columns") in run.stdout.splitlines()
+    assert "hold only padding" not in run.stderr
+    run = cli(str(src), str(tmp_path / "tp32"), "--tp", "32", "--quiet")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "padded" in line]
+    assert warnings == ["wna16-shard: warning: tp=32: I = 768 is padded to I' = 1024 (32 columns per TP rank) in 2 "
+                        "layer(s): TP ranks 24–31 hold only padding (their experts are all zeros: memory and compute "
+                        "spent on nothing). TP sizes that need no padding: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]."]
+    summary = cli(str(src), str(tmp_path / "tp32b"), "--tp", "32").stdout.splitlines()
+    assert ("padding: I = 768 is padded to I' = 1024 (32 columns per TP rank) in 2 layer(s); TP ranks 24–31: 32 of 32 "
+            "columns (only padding)") in summary

@@ -51,6 +51,17 @@ class ExpertsPrefixError(WNA16Error, KeyError):
     __str__ = WNA16Error.__str__
 
 
+def format_ranges(ids: list[int]) -> str:
+    """Sorted ids as runs: [0, 1, 2, 3, 5] -> '0–3, 5'."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
 class PreshardError(WNA16Error):
     """A pre-sharded output folder is locked, foreign, or was written with other parameters."""
 

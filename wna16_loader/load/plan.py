@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, format_ranges
 from ..formats import Role
 from ..models.config import MoEConfig
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, prefix_at_layer
@@ -122,19 +122,8 @@ class CheckpointNames:
         key = f" ({resolved.key})" if resolved is not None and resolved.key else ""
         where = f"in all {len(short)} MoE layers" if len(set(map(tuple, short.values()))) == 1 and len(short) > 1 \
             else f"in {prefix}" + (f" (and {len(short) - 1} more layers lack experts)" if len(short) > 1 else "")
-        return (f"config.json says {counts[prefix]} experts{key}, the checkpoint has experts {_id_ranges(ids)} "
+        return (f"config.json says {counts[prefix]} experts{key}, the checkpoint has experts {format_ranges(ids)} "
                 f"{where}: fix the expert count in config.json, or restore the missing expert tensors")
-
-
-def _id_ranges(ids: list[int]) -> str:
-    """[0, 1, 2, 3, 5] -> '0–3, 5' (sorted ids as runs)."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][-1] + 1:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
