@@ -7,7 +7,7 @@
 #   2.13.0 installed first, so pip never pulls a CUDA build for the `torch>=` range in pyproject.toml.
 # Every pip install is constrained to the torch already present: pip fails rather than replace it.
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+root="$(cd -P "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"  # -P: through a symlinked scripts/ too
 cd "$root"
 
 gpu_torch() {  # does interpreter $1 import a torch built for CUDA or ROCm?

@@ -60,9 +60,9 @@ def test_shard_then_verify_exit_codes(source: Path, tmp_path: Path) -> None:
 
 def test_bad_input_and_bad_usage_exit_2(tmp_path: Path) -> None:
     run = cli(str(tmp_path / "missing"), str(tmp_path / "out"), "--tp", "2")
-    assert run.returncode == 2
-    assert run.stderr.startswith("wna16-shard: error: ") and "missing" in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1
+    assert one_error_line(run) == (f"wna16-shard: error: {tmp_path / 'missing'}: no such folder: {tmp_path} has no "
+                                   f"'missing'. Pass an existing checkpoint folder (config.json and *.safetensors), "
+                                   f"or a Hugging Face repo id such as 'org/name'.")  # no huggingface_hub text
 
 
 def test_bad_usage_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,13 +243,20 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert lines[3].split()[:6] == ["rank-00000-of-00002", "1", "7", "13.9", "KiB", "32"]
     assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
     assert lines[6].startswith(f"verified: {out}: ok: 3 files (") and lines[6].endswith(
-        f"19 tensors match the manifest's sha256; 4 experts in 1 layer(s) reassembled over TP exactly equal "
+        f"19 tensors match the manifest's sha256; 4 experts in 1 layer(s) equal their tensors converted afresh from "
         f"{source}, 5 common tensors byte-identical")
     assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
     assert main(["verify", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "ok: 3 files (" in lines[0] and "KiB on disk), 19 tensors match" in lines[0]
     assert lines[1].startswith(f"next: wna16-shard verify {out} --source SRC")
+    assert main(["verify", str(out), "--source", str(source), "--reassemble"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(
+        f"4 experts in 1 layer(s) equal their tensors converted afresh from {source} and reassemble over TP exactly, "
+        f"5 common tensors byte-identical")
+    assert main(["verify", str(out), "--reassemble"]) == 2
+    assert capsys.readouterr().err == ("wna16-shard: error: --reassemble compares the output with its source; pass "
+                                       "--source SRC too.\n")
 
 
 def test_no_quantization_config_names_folder_and_formats(source: Path, tmp_path: Path) -> None:
@@ -292,3 +299,25 @@ def test_no_mtp_flag_dry_run_and_bf16_mtp_experts(tmp_path: Path, capsys: pytest
     assert json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["mtp"]["sharded"] is False
     assert main([src, str(tmp_path / "sharded"), "--tp", "2", "--verify", "--quiet"]) == 0
     assert json.loads((tmp_path / "sharded" / MANIFEST_NAME).read_text())["mtp"]["sharded"] is True
+
+
+def test_padding_is_reported_per_rank_and_empty_ranks_warned(tmp_path: Path) -> None:
+    """The demo's I = 768: --tp 5 pads to I' = 800 (TP rank 4: 32 padding columns of 160); --tp 32 pads to 1024 and
+    TP ranks 24-31 hold nothing but padding, which the run warns about."""
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", group_size=128), hidden=64, intermediate=768, num_experts=2,
+                     num_layers=2)
+    run = cli(str(src), str(tmp_path / "tp5"), "--tp", "5")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert ("padding: I = 768 is padded to I' = 800 (160 columns per TP rank) in 2 layer(s); TP rank 4: 32 of 160 "
+            "columns") in run.stdout.splitlines()
+    assert "hold only padding" not in run.stderr
+    run = cli(str(src), str(tmp_path / "tp32"), "--tp", "32", "--quiet")
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "padded" in line]
+    assert warnings == ["wna16-shard: warning: tp=32: I = 768 is padded to I' = 1024 (32 columns per TP rank) in 2 "
+                        "layer(s): TP ranks 24–31 hold only padding (their experts are all zeros: memory and compute "
+                        "spent on nothing). TP sizes that need no padding: [1, 2, 3, 4, 6, 8, 12, 16, 24, 48]."]
+    summary = cli(str(src), str(tmp_path / "tp32b"), "--tp", "32").stdout.splitlines()
+    assert ("padding: I = 768 is padded to I' = 1024 (32 columns per TP rank) in 2 layer(s); TP ranks 24–31: 32 of 32 "
+            "columns (only padding)") in summary

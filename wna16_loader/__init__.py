@@ -9,6 +9,7 @@ from .errors import (
                      CheckpointError,
                      CompletenessError,
                      ConfigError,
+                     ExpertsPrefixError,
                      FormatError,
                      LayoutMismatchError,
                      ShardingError,
@@ -25,7 +26,8 @@ from .storage.hub import resolve_checkpoint
 from .version import __version__
 
 __all__ = [
-    "CheckpointError", "CompletenessError", "ConfigError", "DequantizedExperts", "ExpertPlacement", "FUSED_NAMES",
+    "CheckpointError", "CompletenessError", "ConfigError", "DequantizedExperts", "ExpertPlacement",
+    "ExpertsPrefixError", "FUSED_NAMES",
     "FormatError", "FusedExperts", "FusedSpec", "LayoutMismatchError", "LoadReport", "LoadedExperts", "MoEConfig",
     "ParallelConfig", "QuantSpec", "ShardingError", "WNA16Error", "__version__", "load_experts", "read_moe_config",
 ]

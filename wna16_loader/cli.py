@@ -1,6 +1,6 @@
 """wna16-shard: pre-shard a WNA16 MoE checkpoint per TP/EP rank, or verify such an output.
 
-Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input.
+Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input, 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from .errors import CheckpointError, WNA16Error
+from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
 from .parallel.config import ExpertPlacement, ShardJob
 from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint, preshard_distributed
@@ -46,13 +46,14 @@ examples:
   torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
 Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
-exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input.
+exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input, 130 interrupted (re-run with --resume).
 """
 
 VERIFY_EPILOG = """\
 examples:
   wna16-shard verify ./out                    # every file's and tensor's sha256 vs the manifest
-  wna16-shard verify ./out --source ./ckpt    # also: experts reassemble exactly, common/ byte-identical
+  wna16-shard verify ./out --source ./ckpt    # also: every tensor equals a fresh conversion, common/ identical
+  wna16-shard verify ./out --source ./ckpt --reassemble   # also: dequantised experts stitched over TP (slow)
 exit codes: 0 no problems, 1 problems found (listed on stderr), 2 bad usage.
 """
 
@@ -133,6 +134,9 @@ def verify_parser() -> argparse.ArgumentParser:
                                                    "exactly and that common/ is byte-identical (a folder or "
                                                    "a Hugging Face repo id org/name)")
     add_revision(p, "--source")
+    p.add_argument("--reassemble", action="store_true", help="with --source, also dequantise every rank's fused "
+                                                             "experts and compare them, stitched over TP, with a "
+                                                             "TP 1 load of SRC (float32 of the whole model: slow)")
     return p
 
 
@@ -159,6 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     except WNA16Error as exc:
         print(f"wna16-shard: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line saying how far it got (ShardInterrupted) and how to go on
+        if isinstance(exc, ShardInterrupted):
+            print(f"wna16-shard: {exc}", file=sys.stderr)
+        elif argv[:1] == ["verify"]:
+            print("wna16-shard verify: interrupted (it only reads: nothing changed); re-run it", file=sys.stderr)
+        else:
+            print("wna16-shard: interrupted; re-run the same command (with --resume when it had started writing)",
+                  file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop writing, no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -178,8 +191,10 @@ def _verify(args: argparse.Namespace) -> int:
     if args.source is None and args.revision is not None:
         raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
                               f"pass --source org/name or drop --revision.")
+    if args.source is None and args.reassemble:
+        raise CheckpointError("--reassemble compares the output with its source; pass --source SRC too.")
     source = None if args.source is None else resolve_checkpoint(args.source, revision=args.revision)
-    return _print_verify(verify_report(args.out, source=source))
+    return _print_verify(verify_report(args.out, source=source, reassemble=args.reassemble))
 
 
 def _print_verify(report: VerifyReport) -> int:

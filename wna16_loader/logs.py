@@ -42,14 +42,15 @@ def warn_reduced_groups(logger: logging.Logger | logging.LoggerAdapter, *, group
                         effective: dict[str, int], tp_size: int, intermediate: int) -> None:
     """Log one warning when some layers' effective group size G_eff (prefix -> G_eff) is below the
     checkpoint's G: each checkpoint scale is then repeated G / G_eff times, and kernels that accept
-    only some group sizes may refuse the result. Names the layers and the TP sizes that keep G."""
+    only some group sizes may refuse the result. Names the layers and the TP sizes that keep G (TP 1 always:
+    one rank holds every column)."""
     reduced = {prefix: g for prefix, g in effective.items() if 0 < g < group_size}
     if not reduced:
         return
-    keep = [t for t in range(1, 65) if intermediate % t == 0 and (intermediate // t) % group_size == 0]
+    keep = [1] + [t for t in range(2, 65) if intermediate % t == 0 and (intermediate // t) % group_size == 0]
     names = ", ".join(list(reduced)[:3]) + (f" and {len(reduced) - 3} more" if len(reduced) > 3 else "")
     logger.warning("tp=%d: group size %d becomes G_eff %s in %d layer(s) (%s): I/tp = %d/%d is not a multiple of "
                    "%d, so each scale and zero point is repeated; kernels that accept only some group sizes may "
                    "refuse it. TP sizes that keep group size %d: %s.", tp_size, group_size,
                    ",".join(str(g) for g in sorted(set(reduced.values()))), len(reduced), names, intermediate,
-                   tp_size, group_size, group_size, keep or "none")
+                   tp_size, group_size, group_size, keep)

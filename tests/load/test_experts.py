@@ -534,3 +534,27 @@ def test_undeclared_mtp_layer_is_unexpected_only_when_asked(tmp_path):
     assert ("unexpected tensor: mtp.layers.1.mlp.experts.0.down_proj.g_idx (MTP layer 1, but config.json declares "
             "1 MTP layer(s) (mtp_num_hidden_layers=1 (row qwen3_next)); load with include_mtp=False (wna16-shard "
             "--no-mtp) to keep them as non-expert tensors)") in str(error.value)
+
+
+def test_an_output_is_self_contained(tmp_path):
+    """A rank that has only the wna16-shard output (the source is gone) reads the model config from it and builds
+    its modules from that alone, as the README's API section shows."""
+    from wna16_loader import FusedMoEExperts, load_model_experts
+    from wna16_loader.preshard import preshard_checkpoint
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_checkpoint(src, quant_config("gptq"), hidden=64, intermediate=128, num_layers=2)
+    expected = read_moe_config(src)
+    preshard_checkpoint(src, out, tp_size=2, progress=False)
+    reference = load_experts(src, ParallelConfig(2, 1))
+    for path in src.iterdir():
+        path.unlink()
+    src.rmdir()
+    moe = read_moe_config(out)
+    assert moe == expected and moe.experts_prefixes == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    parallel = ParallelConfig.from_manifest(out, rank=1)
+    model = torch.nn.ModuleList(FusedMoEExperts(moe, prefix, parallel) for prefix in moe.experts_prefixes)
+    load_model_experts(model, out, parallel)
+    for module in model:
+        for name, tensor in reference[module.prefix].tensors.items():
+            assert torch.equal(getattr(module, name), tensor), (module.prefix, name)

@@ -45,14 +45,13 @@ def edit_config(folder: Path, edit) -> None:
 
 # --- completeness ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fmt,role,suffix", [("gptq", "qweight", "qweight"), ("gptq", "scales", "scales"),
-                                             ("gptq", "zeros", "qzeros"), ("awq", "zeros", "qzeros"),
-                                             ("compressed-tensors", "qweight", "weight_packed"),
-                                             ("compressed-tensors", "shape", "weight_shape")])
-def test_missing_role_of_one_expert(tmp_path, fmt, role, suffix):
+@pytest.mark.parametrize("fmt,suffix", [("gptq", "qweight"), ("gptq", "scales"), ("gptq", "qzeros"),
+                                        ("awq", "qzeros"), ("compressed-tensors", "weight_packed"),
+                                        ("compressed-tensors", "weight_shape")])
+def test_missing_role_of_one_expert(tmp_path, fmt, suffix):
     good(tmp_path, fmt)
     rewrite(model(tmp_path), lambda t: t.pop(f"{P}.1.up_proj.{suffix}"))
-    with pytest.raises(CompletenessError, match=rf"1 problems\n  - missing: {P}\.1\.up\.{role}$"):
+    with pytest.raises(CompletenessError, match=rf"1 problems\n  - missing: {P}\.1\.up_proj\.{suffix}$"):
         load_experts(tmp_path, TP1)
 
 
@@ -61,15 +60,34 @@ def test_missing_projection_of_one_expert(tmp_path):
     rewrite(model(tmp_path), lambda t: [t.pop(n) for n in list(t) if n.startswith(f"{P}.2.down_proj.")])
     with pytest.raises(CompletenessError, match=r"4 problems") as info:
         load_experts(tmp_path, ParallelConfig(tp_size=2, tp_rank=1))
-    for role in ("g_idx", "qweight", "scales", "zeros"):
-        assert f"missing: {P}.2.down.{role}" in str(info.value)
+    for suffix in ("g_idx", "qweight", "scales", "qzeros"):  # the checkpoint's names, not the ledger's
+        assert f"missing: {P}.2.down_proj.{suffix}" in str(info.value)
+    assert str(info.value).startswith("the load is incomplete or inconsistent: 4 problems\n")
 
 
 def test_missing_act_order_g_idx(tmp_path):
     good(tmp_path, "compressed-tensors", act_order=True)
     rewrite(model(tmp_path), lambda t: t.pop(f"{P}.3.gate_proj.weight_g_idx"))
-    with pytest.raises(CompletenessError, match=rf"missing: {P}\.3\.gate\.g_idx"):
+    with pytest.raises(CompletenessError, match=rf"missing: {P}\.3\.gate_proj\.weight_g_idx"):
         load_experts(tmp_path, TP1)
+
+
+def test_config_counts_more_experts_than_the_checkpoint_has(tmp_path):
+    """num_experts 16 in config.json, experts 0-7 in the checkpoint: one summary line first, then the missing
+    tensors under the checkpoint's own names."""
+    good(tmp_path, num_layers=2, num_experts=8)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_experts"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CompletenessError) as info:
+        load_experts(tmp_path, TP1)
+    lines = str(info.value).splitlines()
+    assert lines[0] == ("config.json says 16 experts (num_experts), the checkpoint has experts 0–7 in all 2 MoE "
+                        "layers: fix the expert count in config.json, or restore the missing expert tensors; 144 "
+                        "problems")
+    assert lines[1:4] == [f"  - missing: {P}.8.down_proj.qweight", f"  - missing: {P}.8.down_proj.scales",
+                          f"  - missing: {P}.8.down_proj.qzeros"]
+    assert lines[-1] == "  ... and 124 more (144 in all)"
 
 
 def test_whole_layer_missing(tmp_path):
@@ -140,7 +158,7 @@ def test_every_offender_listed_once(tmp_path):
     with pytest.raises(CompletenessError, match=r"4 problems") as info:
         load_experts(tmp_path, TP1)
     assert [line for line in str(info.value).splitlines()[1:]] == [
-        f"  - missing: {P}.{e}.gate.scales" for e in range(4)]
+        f"  - missing: {P}.{e}.gate_proj.scales" for e in range(4)]
 
 
 # --- one LayerTables shared by the plans of every rank (wna16-shard) -------------------------------------

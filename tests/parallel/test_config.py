@@ -332,3 +332,15 @@ def test_from_manifest_reads_the_parallel_record() -> None:
     with pytest.raises(ShardingError, match=r"from_manifest: the manifest has no 'parallel' record with tp, ep and "
                                             r"placement \(found \{'tp': 2\}\); pass read_manifest\(OUT\)"):
         ParallelConfig.from_manifest({"parallel": {"tp": 2}}, rank=0)
+
+
+def test_from_manifest_takes_the_output_folder(tmp_path: Path) -> None:
+    """As one writes it first: a path (the OUT folder or its manifest file) works like read_manifest(OUT)."""
+    (tmp_path / "wna16_manifest.json").write_text('{"parallel": {"tp": 4, "ep": 1, "placement": "linear"}}')
+    for given in (tmp_path, str(tmp_path), tmp_path / "wna16_manifest.json"):
+        assert ParallelConfig.from_manifest(given, rank=1) == ParallelConfig(4, 1)
+    missing = tmp_path / "out-tp4"
+    with pytest.raises(ShardingError) as exc:
+        ParallelConfig.from_manifest(str(missing), rank=1)
+    assert str(exc.value) == (f"ParallelConfig.from_manifest: {missing}: no such file; pass the OUT folder of a "
+                              f"finished wna16-shard run (it holds wna16_manifest.json).")

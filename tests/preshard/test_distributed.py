@@ -72,3 +72,24 @@ def test_shard_job_checks_its_index():
     with pytest.raises(ShardingError, match=r"process 2 outside 0\.\.1"):
         ShardJob(2, 2)
     assert ShardJob.from_environment() == ShardJob(0, 1)
+
+
+def test_reduced_group_warning_once_per_run_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m wna16_loader.cli SRC OUT --tp 8` on G 32, I 128: one warning, not one per
+    process; the output is the single-process one."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "wna16_loader.cli", str(src), str(tmp_path / "out"), "--tp", "8", "--quiet"],
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "wna16-shard: warning:" in line]
+    assert len(warnings) == 1 and "tp=8: group size 32 becomes G_eff 16" in warnings[0], run.stderr
+    preshard_checkpoint(src, tmp_path / "single", tp_size=8, progress=False)
+    assert file_hashes(tmp_path / "out") == file_hashes(tmp_path / "single")

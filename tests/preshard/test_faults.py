@@ -9,8 +9,11 @@ from __future__ import annotations
 import errno
 import os
 import random
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -116,13 +119,73 @@ def test_read_only_output_folder(clean: tuple[Path, Path], tmp_path: Path) -> No
     out.chmod(0o555)
     try:
         if os.access(out, os.W_OK):
-            pytest.skip("running as root: chmod 0o555 does not stop writes (see the EACCES test below)")
-        with pytest.raises(PreshardError, match=r"ro/\.wna16-shard\.lock: write failed: Permission denied "
-                                                r"\(EACCES\); make the output folder writable"):
+            pytest.skip("running as root: chmod 0o555 does not stop writes (see the read-only mount tests below)")
+        with pytest.raises(PreshardError, match=rf"ro/\.wna16-shard\.lock: write failed: Permission denied "
+                                                rf"\(EACCES\); make {out} writable \(chmod u\+w {out}\) or choose "
+                                                rf"another output folder\. Nothing was written\.$"):
             preshard_checkpoint(src, out, **ARGS)
         assert list(out.iterdir()) == []
     finally:
         out.chmod(0o755)
+
+
+READ_ONLY_MOUNT = """set -e
+mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" || {
+  stage="$(mktemp -d)"; cp -a "$1/." "$stage"; mount -t tmpfs none "$1"; cp -a "$stage/." "$1"
+  mount -o remount,ro "$1"; }
+shift; exec "$@"
+"""
+
+
+def run_read_only(folder: Path, args: list[str]) -> subprocess.CompletedProcess:
+    """`python -m wna16_loader.cli ARGS` with `folder` read-only: chmod where it binds this user; as root (who
+    ignores chmod) a read-only bind mount, else a tmpfs remounted read-only, in a mount namespace of its own
+    (`unshare -m`: nothing changes outside); skipped when neither is possible."""
+    command = [sys.executable, "-m", "wna16_loader.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    modes = {p: p.stat().st_mode for p in [folder, *folder.rglob("*")]}
+    for path in modes:
+        path.chmod(modes[path] & ~0o222)
+    try:
+        if not os.access(folder, os.W_OK):
+            return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for path, mode in modes.items():
+            path.chmod(mode)
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", READ_ONLY_MOUNT, "ro", str(folder), "sh", "-c",
+                            f"! touch {folder}/.probe 2>/dev/null"], capture_output=True, timeout=60) \
+        if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("cannot make a folder read-only here (root ignores chmod; no unshare -m with mount)")
+    return subprocess.run(["unshare", "-m", "sh", "-c", READ_ONLY_MOUNT, "ro", str(folder), *command], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_complete_output_on_a_read_only_folder(clean: tuple[Path, Path], tmp_path: Path) -> None:
+    """The same command on a finished output that is read-only: nothing to do (exit 0), no lock taken first."""
+    src, _ = clean
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, **ARGS)
+    before = tree_bytes(out)
+    run = run_read_only(out, [str(src), str(out), "--tp", "2", "--ep", "2", "--max-file-size", "20000"])
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")
+    assert tree_bytes(out) == before
+
+
+def test_unwritable_parent_is_the_folder_blamed(clean: tuple[Path, Path], tmp_path: Path) -> None:
+    """OUT does not exist and its parent is read-only: the parent is named, and nothing was written."""
+    src, _ = clean
+    parent = tmp_path / "shelf"
+    parent.mkdir()
+    run = run_read_only(parent, [str(src), str(parent / "out"), "--tp", "2"])
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    line, = run.stderr.strip().splitlines()
+    cause = ("Permission denied (EACCES); make {0} writable (chmod u+w {0}) or choose another output folder"
+             if os.geteuid() else "Read-only file system (EROFS); {0} is on a read-only file system; choose an "
+             "output folder on a writable one").format(parent)
+    assert line == f"wna16-shard: error: {parent / 'out'}: cannot create it in {parent}: {cause}. Nothing was written."
+    assert not (parent / "out").exists()
 
 
 def test_permission_denied_mid_run(clean: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,7 +193,9 @@ def test_permission_denied_mid_run(clean: tuple[Path, Path], tmp_path: Path, mon
     out = tmp_path / "out"
     fail_writes(monkeypatch, errno.EACCES, after=0)
     with pytest.raises(PreshardError, match=r"common/model.*\.safetensors: write failed: Permission denied \(EACCES\); "
-                                            r"make the output folder writable \(chmod u\+w\)"):
+                                            r"make .*/out/common writable \(chmod u\+w .*/out/common\) or choose another "
+                                            r"output folder\. No manifest was written, so the output is marked "
+                                            r"unfinished\.$"):
         preshard_checkpoint(src, out, **ARGS)
     assert_unfinished(out)
 
@@ -167,3 +232,46 @@ def test_corrupt_json_on_resume(clean: tuple[Path, Path], tmp_path: Path, victim
     with pytest.raises(PreshardError, match=rf"{victim}: corrupt \(JSONDecodeError.*Delete .*out and run") as exc:
         preshard_checkpoint(src, out, resume=True, **ARGS)
     assert isinstance(exc.value, WNA16Error) and exc.value.__cause__ is None
+
+
+SLOW_COMMITS = '''\
+"""Every process started with this folder on PYTHONPATH (workers included) commits a file every 0.4 s."""
+import time
+import wna16_loader.preshard.writing as writing
+_real = writing._commit_file
+def _slow(*args, **kwargs):
+    time.sleep(0.4)
+    return _real(*args, **kwargs)
+writing._commit_file = _slow
+'''
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_ctrl_c_says_how_far_it_got(clean: tuple[Path, Path], tmp_path: Path, workers: str) -> None:
+    """Ctrl-C from a terminal (SIGINT to the whole process group) once a file is finished: exit 130, one line,
+    no traceback (none from a worker either), no temporary, lock or manifest left; --resume then finishes it."""
+    src, reference = clean
+    out, hooks = tmp_path / "out", tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(SLOW_COMMITS)
+    env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
+    proc = subprocess.Popen([sys.executable, "-m", "wna16_loader.cli", str(src), str(out), "--tp", "2", "--ep", "2",
+                             "--max-file-size", "20000", "--quiet", "--workers", workers], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    journal = out / preshard.JOURNAL_NAME
+    deadline = time.monotonic() + 120
+    while not (journal.is_file() and journal.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    total = len(make_plan(src, **{k: v for k, v in ARGS.items() if k != "progress"}).all_files())
+    assert proc.returncode == 130, stderr
+    assert stdout == "" and "Traceback" not in stderr
+    line, = stderr.strip().splitlines()
+    done = int(line.removeprefix("wna16-shard: interrupted after ").split()[0])
+    assert line == f"wna16-shard: interrupted after {done} of {total} files; re-run with --resume"
+    assert 1 <= done < total
+    assert_unfinished(out)
+    summary = preshard_checkpoint(src, out, resume=True, **ARGS)
+    assert sum(r.kept for r in summary.ranks) == done
+    assert tree_bytes(out) == tree_bytes(reference)

@@ -212,8 +212,25 @@ def test_truncated_file(tmp_path, keep):
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(max(5, int(size * keep)))
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
+    with pytest.raises(CheckpointError) as exc:
         load_experts(tmp_path, TP1)
+    if size * keep < 8:  # not even the length prefix: nothing tells truncation from garbage
+        assert str(exc.value).startswith(f"{path}: not a readable safetensors file")
+    else:
+        assert str(exc.value) == (f"{path}: truncated: {int(size * keep)} of {size} bytes (the size its header "
+                                  f"implies); re-download it (an interrupted download or copy).")
+
+
+def test_truncated_inside_the_header(tmp_path):
+    single(tmp_path)
+    path = tmp_path / "model.safetensors"
+    length = int.from_bytes(path.read_bytes()[:8], "little")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CheckpointError) as exc:
+        load_experts(tmp_path, TP1)
+    assert str(exc.value) == (f"{path}: truncated: 100 of more than {8 + length} bytes (its header alone is {length} "
+                              f"bytes); re-download it (an interrupted download or copy).")
 
 
 def test_garbage_file(tmp_path):

@@ -58,6 +58,8 @@ def test_demo_leaves_no_temporary_folder(small: Path, capsys: pytest.CaptureFixt
     assert demo.main(["--group-size", "32"]) == 0
     out = capsys.readouterr().out
     assert "reassembly: 48/48 expert projections identical" in out
+    assert out.splitlines()[0].startswith("checkpoint: a temporary folder (removed at the end; --keep keeps it) (")
+    assert str(small) not in out  # no path that is gone when the demo ends
     assert out.splitlines()[1].split() == ["rank", "tp", "ep", "experts", "w13_qweight", "w2_scales", "MiB", "read"]
     assert out.splitlines()[2].split()[:4] == ["0", "0", "0", "0-7"]
     assert list(small.iterdir()) == []
@@ -68,7 +70,31 @@ def test_keep_prints_the_folder_and_the_next_command(small: Path, capsys: pytest
     lines = capsys.readouterr().out.splitlines()
     (kept,) = small.iterdir()
     assert kept.name.startswith("wna16-demo-") and (kept / "config.json").is_file()
-    assert lines[-2:] == [f"kept: {kept}", f"next: wna16-shard {kept} {kept}-tp1 --tp 1 --ep 4"]
+    assert lines[0].startswith(f"checkpoint: {kept} (awq, 4-bit")
+    assert lines[-2:] == [f"kept: {kept}", f"next: {demo.shard_command()} {kept} {kept}-tp1 --tp 1 --ep 4"]
+
+
+def test_the_printed_next_command_runs_as_printed(tmp_path: Path) -> None:
+    """`./scripts/demo --keep` prints `next: ...`: that line, run by a shell as it is (PATH without the venv's
+    bin/), writes the output."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if Path(p).resolve() != Path(sys.executable).parent.resolve())
+    env = {**os.environ, "PATH": path, "PYTHONPATH": str(root)}
+    run = subprocess.run([sys.executable, "-m", "wna16_loader.testing.demo", "--out", str(tmp_path / "ckpt"),
+                          "--tp", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    line = run.stdout.splitlines()[-1]
+    assert line.startswith("next: ") and shlex.split(line)[1].endswith("wna16-shard"), line  # the console script
+    shard = subprocess.run(line.removeprefix("next: ") + " --quiet", shell=True, cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert shard.returncode == 0, shard.stderr
+    assert (tmp_path / "ckpt-tp2" / "wna16_manifest.json").is_file()
 
 
 def test_unknown_format_is_refused_before_anything_is_written(small: Path, capsys: pytest.CaptureFixture[str]) -> None:

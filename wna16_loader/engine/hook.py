@@ -37,10 +37,11 @@ import torch
 from ..errors import FormatError
 from ..formats import Role
 from ..load.fused import FusedWriter, layer_projections
+from ..load.keys import STACKED_SOURCES, KeyRules, expert_key_problem
 from ..load.layer import LayerLoad, plan_runs
 from ..load.ledger import Ledger, Slot
 from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
-from ..load.plan import STACKED_SOURCES, KeyRules, LayerPlan, expert_key_problem, sizes_source_tensors
+from ..load.plan import LayerPlan, sizes_source_tensors
 from ..models.config import MoEConfig
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
 from ..parallel.partition import LayerGeometry

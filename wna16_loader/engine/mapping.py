@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from ..formats import Role
-from ..load.plan import KeyRules
+from ..load.keys import KeyRules
 from ..models.config import MoEConfig
 from ..models.names import PROJ_ALIASES, ExpertNameParser, Proj
 

@@ -83,9 +83,10 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     its experts prefix, e.g. `mtp.layers.0.mlp.experts`); by default they are left to the engine.
     """
     start = time.perf_counter()
-    checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision)
+    checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision, rank=parallel.rank)
     modules = experts_modules(model)
     _check_parallel(modules, parallel)
+    _check_not_loaded(modules)
     if is_presharded(checkpoint_folder):
         return _load_presharded_into(modules, checkpoint_folder, parallel, include_mtp)
     with planned(checkpoint_folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
@@ -132,6 +133,17 @@ def synchronize(modules: Iterable[FusedMoEExperts]) -> None:
     """Wait once for the device work queued by loads into `modules` (once per device they live on)."""
     for module in {str(m.expert_ids.device): m for m in modules}.values():
         module.synchronize()
+
+
+def _check_not_loaded(modules: dict[str, FusedMoEExperts]) -> None:
+    """A module that already holds a load would get every slot twice: one line saying so, and the fix."""
+    loaded = [prefix for prefix, m in modules.items() if m.ledger.written]
+    if loaded:
+        more = f" and {len(loaded) - 1} more" if len(loaded) > 1 else ""
+        raise CompletenessError(f"{len(loaded)} of {len(modules)} FusedMoEExperts already hold a load ({loaded[0]}"
+                                f"{more}); loading again would write every slot twice. Call reset_load() on each "
+                                f"module first (for m in model.modules(): if isinstance(m, FusedMoEExperts): "
+                                f"m.reset_load()), then load.")
 
 
 def _check_parallel(modules: dict[str, FusedMoEExperts], parallel: ParallelConfig) -> None:

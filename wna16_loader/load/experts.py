@@ -20,7 +20,7 @@ from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
 from .plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
-from .presharded import is_presharded, load_presharded
+from .presharded import is_presharded, load_presharded, output_prefixes
 from .results import LoadedExperts, LoadReport
 from .specs import warn_reduced_groups_by_spec
 
@@ -29,9 +29,13 @@ def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConf
     """The resolved description of a checkpoint: config keys, quantization and experts prefixes (those of
     the decoder's MoE layers in `experts_prefixes`, those of MTP layers in `mtp_prefixes`; `mtp` says how
     many MTP layers the config declares and where that came from).
-    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
+    `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`), or a
+    `wna16-shard` output (self-contained: its copied config.json, and the experts prefixes of its manifest)."""
     path = resolve_checkpoint(path, revision=revision)
     moe = read_config_files(path)
+    if is_presharded(path):
+        decoder, mtp = output_prefixes(path)
+        return replace(moe, experts_prefixes=decoder, mtp_prefixes=mtp)
     with CheckpointIndex(path) as index:
         scan = CheckpointScan.of(index)
         mtp = scan.mtp_prefixes(moe.mtp)
@@ -62,7 +66,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     each with `mtp=True`.
     """
     policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
-    path = resolve_checkpoint(path, revision=revision)
+    path = resolve_checkpoint(path, revision=revision, rank=parallel.rank)
     if is_presharded(path):
         return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
     start = time.perf_counter()

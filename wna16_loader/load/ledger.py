@@ -7,7 +7,7 @@ none; `check` raises one CompletenessError naming every missing, duplicated or u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Protocol
 
 from ..errors import CompletenessError, format_offenders
 from ..formats import Role
@@ -33,6 +33,14 @@ class Slot(NamedTuple):
         return cls(prefix, expert, proj._value_, role._value_)
 
 
+class SlotNames(Protocol):
+    """What a checkpoint tells about its slots, asked only when a check fails: the checkpoint tensor name of a
+    slot, and one line summing up the missing slots (e.g. config.json counting more experts than it has)."""
+
+    def name(self, slot: Slot) -> str: ...
+    def summary(self, missing: list[Slot]) -> str | None: ...
+
+
 @dataclass
 class Ledger:
     """Records every slot written; `check` raises one error naming every offender."""
@@ -45,6 +53,7 @@ class Ledger:
     written: dict[tuple[str, int, str, str], tuple[str, ...]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
+    names: SlotNames | None = None  # the checkpoint's own tensor names for the offenders (set by the planner)
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
@@ -91,7 +100,8 @@ class Ledger:
 
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
-        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
+        name = str if self.names is None else self.names.name
+        missing = [f"missing: {what}" for what in self.absent] + [f"missing: {name(slot)}" for slot in self.missing()]
         dups = [f"written {len(names)} times: {Slot._make(slot)} from {list(names)}"
                 for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
@@ -100,5 +110,6 @@ class Ledger:
         """Raise CompletenessError listing the first 20 offenders and a count."""
         problems = self.offenders()
         if problems:
-            raise CompletenessError(f"the load is incomplete or inconsistent: {len(problems)} problems\n"
-                                    f"{format_offenders(problems)}")
+            summary = None if self.names is None else self.names.summary(self.missing())
+            head = f"{summary}; " if summary else "the load is incomplete or inconsistent: "
+            raise CompletenessError(f"{head}{len(problems)} problems\n{format_offenders(problems)}")

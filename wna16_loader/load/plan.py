@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Iterable, NamedTuple
 
 import torch
 
-from ..errors import CheckpointError, FormatError
+from ..errors import CheckpointError, FormatError, format_ranges
 from ..formats import Role
 from ..models.config import MoEConfig
 from ..models.layer_specs import LayerSpec
@@ -23,11 +23,10 @@ from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
+from .keys import KeyRules
 from .ledger import Ledger, Slot
 from .params import SourceTensors, check_header, expected_shape
 from .specs import checked_layer_spec
-
-STACKED_SOURCES = (Source.GATE_UP, Source.DOWN)
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
         raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
                               f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
     report_missing_layers(moe, scan, ledger)
+    ledger.names = CheckpointNames(moe, scan)
     plans = []
     with gc_paused():  # tables, slots and sources per tensor: see bulk.py
         for prefix, keys in scan.layers.items():
@@ -110,6 +110,47 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
                 continue
             plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger, tables))
     return plans
+
+
+class CheckpointNames:
+    """The ledger's `SlotNames` for a checkpoint: a slot named as the checkpoint names that projection's
+    tensors (module name taken from another expert of the layer, suffix from the format), and the summary of
+    whole experts that config.json counts and the checkpoint lacks. Worked out only when a check fails."""
+
+    def __init__(self, moe: MoEConfig, scan: CheckpointScan) -> None:
+        self.moe, self.scan = moe, scan
+        self._modules: dict[tuple[str, str], str] = {}
+
+    def name(self, slot: Slot) -> str:
+        """e.g. `model.layers.0.mlp.experts.8.down_proj.qzeros` (the slot's own text when the layer has no
+        per-expert tensor of that projection to take the module name from)."""
+        if not self._modules:
+            self._modules = {(key.experts_prefix, key.source.value): key.module_name.rpartition(".")[2]
+                             for keys in self.scan.layers.values() for key in keys
+                             if key.expert is not None and len(key.source.projs) == 1}
+        module = self._modules.get((slot.prefix, slot.proj))
+        layout = self.moe.at_layer(slot.prefix).quant.layout(Role(slot.role))
+        if module is None or layout is None:
+            return str(slot)
+        return f"{slot.prefix}.{slot.expert}.{module}.{layout.suffix}"
+
+    def summary(self, missing: list[Slot]) -> str | None:
+        """`config.json says 16 experts (num_experts), the checkpoint has experts 0–7 ...` when whole experts
+        that the config counts have no tensor at all in some MoE layer; None otherwise."""
+        lacking = {slot.prefix for slot in missing}
+        present = {prefix: sorted({k.expert for k in keys if k.expert is not None})
+                   for prefix, keys in self.scan.layers.items() if prefix in lacking}
+        counts = {prefix: self.moe.layer(self.scan.layers[prefix][0].layer).num_experts for prefix in present}
+        short = {prefix: ids for prefix, ids in present.items() if ids and len(ids) < counts[prefix]}
+        if not short:
+            return None
+        prefix, ids = next(iter(short.items()))
+        resolved = self.moe.resolution["routed expert count"] if self.moe.resolution is not None else None
+        key = f" ({resolved.key})" if resolved is not None and resolved.key else ""
+        where = f"in all {len(short)} MoE layers" if len(set(map(tuple, short.values()))) == 1 and len(short) > 1 \
+            else f"in {prefix}" + (f" (and {len(short) - 1} more layers lack experts)" if len(short) > 1 else "")
+        return (f"config.json says {counts[prefix]} experts{key}, the checkpoint has experts {format_ranges(ids)} "
+                f"{where}: fix the expert count in config.json, or restore the missing expert tensors")
 
 
 def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
@@ -231,33 +272,6 @@ class LayerTable:
                                     expert if entry[0] is None else None)
 
 
-class KeyRules:
-    """`expert_key_problem` over the many keys of one checkpoint: its kind part once per (suffix, source,
-    stacked), the expert count once per layer."""
-
-    def __init__(self, moe: MoEConfig) -> None:
-        self.moe = moe
-        self.roles = {layout.suffix: layout.role for layout in reversed(moe.quant.layouts)}  # first wins
-        self._kinds = _Memo(lambda kind: _kind_problem(moe, *kind))
-        self._counts = _Memo(lambda layer: moe.layer(layer).num_experts)
-
-    def problem(self, key: ExpertTensorKey) -> str | None:
-        """`expert_key_problem(self.moe, key)`."""
-        return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer])
-
-
-class _Memo(dict):
-    """`fn(key)` for each key, worked out at its first lookup and kept (a later lookup is one dict lookup)."""
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def __missing__(self, key: Any) -> Any:
-        value = self[key] = self.fn(key)
-        return value
-
-
 class LayerTables:
     """Every layer's `LayerTable` of one checkpoint (`index`) under one config (`moe`), made when first
     planned: the plans of all ranks (`wna16-shard`) share one, so 8 ranks cost little more than 1. Each
@@ -327,34 +341,6 @@ def required_roles(moe: MoEConfig) -> list[Role]:
 def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj) -> None:
     """Declare every role the format requires for one projection of one local expert."""
     ledger.expect_slots(Slot.of(prefix, expert, proj, role) for role in required_roles(moe))
-
-
-def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
-    """Why routed-expert tensor `key` feeds no fused slot under `moe` (None when it does): the one rule
-    shared by the planner, the engine hook and the name mapping."""
-    return _key_problem(key, _kind_problem(moe, key.suffix, key.source, key.expert is None),
-                        moe.layer(key.layer).num_experts)
-
-
-def _kind_problem(moe: MoEConfig, suffix: str, source: Source, stacked: bool) -> str | None:
-    """The part of the rule that depends on the kind of tensor only (suffix, source, stacked or not)."""
-    if moe.quant.layout_for_suffix(suffix) is None:
-        return f"suffix {suffix!r} is not a {moe.quant.format_name} expert tensor"
-    if not moe.gated and Proj.GATE in source.projs:
-        return f"a {source.value} tensor, but {moe.family} experts are not gated (up and down projections only)"
-    if stacked and source not in STACKED_SOURCES:
-        return f"a stacked {source.value} tensor; only gate_up_proj and down_proj stack"
-    return None
-
-
-def _key_problem(key: ExpertTensorKey, kind_problem: str | None, count: int) -> str | None:
-    """The rule, given its kind part and the layer's expert `count` (which spec a module has is the layer's:
-    `specs.checked_layer_spec`)."""
-    if kind_problem is not None:
-        return kind_problem
-    if key.expert is not None and key.expert >= count:
-        return f"expert id {key.expert} >= expert count {count}"
-    return None
 
 
 SOURCES_OF: dict[Proj, tuple[Source, ...]] = {proj: tuple(s for s in Source if proj in s.projs) for proj in Proj}

@@ -31,7 +31,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, LayoutMismatchError
-from ..parallel.config import ParallelConfig
+from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import HeaderEntry, read_header, read_into
 from ..storage.index import DTYPES, ITEMSIZES
 from .device import DevicePolicy
@@ -39,9 +39,6 @@ from .fused import FusedExperts, FusedSpec, FusedWriter
 from .results import LoadedExperts, LoadReport
 
 SCHEMA_VERSION = 1
-
-
-MANIFEST_NAME = "wna16_manifest.json"
 
 
 PLAN_NAME = ".wna16-plan.json"
@@ -137,6 +134,17 @@ def _slice_rank(raw: bytes | mmap.mmap, rank: int) -> tuple[dict[str, Any], dict
     if not isinstance(head, dict) or not isinstance(record, dict) or record.get("rank") != rank:
         return None
     return head, record
+
+
+def output_prefixes(out: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(decoder, MTP) experts prefixes of a wna16-shard output, in file order (every rank holds every MoE
+    layer; rank 0's record is read, not the others')."""
+    _, record = read_rank_manifest(out, 0)
+    if record is None:
+        raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: no record of rank 0 in its ranks list; run "
+                              f"`wna16-shard verify {out}` and re-shard.")
+    mtp = mtp_layers(record)
+    return tuple(p for p in record["layers"] if p not in mtp), tuple(p for p in record["layers"] if p in mtp)
 
 
 def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:

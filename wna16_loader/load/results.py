@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ..errors import ExpertsPrefixError
 from .fused import FusedExperts
 from .plan import CheckpointScan, LayerPlan
 
@@ -41,3 +42,11 @@ class LoadedExperts(dict[str, FusedExperts]):
 
     report: LoadReport
     ignored: tuple[str, ...] = ()
+
+    def __missing__(self, prefix: str) -> FusedExperts:
+        """`layers[prefix]` for a prefix this load has not: ExpertsPrefixError listing the ones it has."""
+        have = list(self)
+        shown = ", ".join(have[:8]) + (f" and {len(have) - 8} more" if len(have) > 8 else "")
+        raise ExpertsPrefixError(f"{prefix!r}: no such experts prefix among the {len(have)} layer(s) loaded "
+                                 f"({shown or 'none'}); the keys are the checkpoint's experts prefixes: use one "
+                                 f"of these, or iterate over the result.")

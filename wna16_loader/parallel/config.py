@@ -9,12 +9,28 @@ rank-parallel `wna16-shard` run.
 from __future__ import annotations
 
 import enum
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ..errors import ShardingError
+
+
+MANIFEST_NAME = "wna16_manifest.json"  # a wna16-shard output's manifest; from_manifest reads its parallel record
+
+
+def _manifest_at(path: Path) -> Any:
+    """The parsed manifest of output folder `path` (or of the manifest file `path`), for its parallel record."""
+    file = path / MANIFEST_NAME if path.is_dir() else path
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        found = "no such file" if isinstance(exc, FileNotFoundError) else f"{type(exc).__name__}: {exc}"
+        raise ShardingError(f"ParallelConfig.from_manifest: {file}: {found}; pass the OUT folder of a finished "
+                            f"wna16-shard run (it holds {MANIFEST_NAME}).") from None
 
 
 class ExpertPlacement(enum.Enum):
@@ -82,12 +98,14 @@ class ParallelConfig:
                 for r in range(tp_size * ep_size)]
 
     @classmethod
-    def from_manifest(cls, manifest: Mapping[str, Any], *, rank: int) -> "ParallelConfig":
+    def from_manifest(cls, manifest: Mapping[str, Any] | str | os.PathLike[str], *, rank: int) -> "ParallelConfig":
         """The config of global `rank` in the layout a `wna16-shard` output was written for.
 
-        `manifest` is the parsed manifest (`read_manifest(OUT)`; `presharded.parallel_config(OUT, rank=r)`
-        reads it for you): its `parallel` record gives tp, ep and the expert placement.
+        `manifest` is the output folder OUT (or its manifest file), or the parsed manifest
+        (`read_manifest(OUT)`): its `parallel` record gives tp, ep and the expert placement.
         """
+        if isinstance(manifest, (str, os.PathLike)):
+            manifest = _manifest_at(Path(manifest))
         par = manifest.get("parallel") if isinstance(manifest, Mapping) else None
         if not isinstance(par, Mapping) or not all(key in par for key in ("tp", "ep", "placement")):
             raise ShardingError(f"ParallelConfig.from_manifest: the manifest has no 'parallel' record with tp, ep "

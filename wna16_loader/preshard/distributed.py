@@ -45,9 +45,9 @@ def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_
     every folder."""
     out = Path(out)
     check_out_not_in_source(Path(src), out)
-    plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
-                     layout=layout, mtp=mtp)
     lead = job.process == 0
+    plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
+                     layout=layout, mtp=mtp, warn=lead)  # one warning per run, not one per process
     if lead:
         make_dir(out)
     with output_lock(out) if lead else nullcontext():

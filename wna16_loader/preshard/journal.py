@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import PreshardError, format_offenders
+from ..errors import PreshardError, ShardInterrupted, format_offenders
 from ..load.presharded import MANIFEST_NAME, PLAN_NAME
 from ..storage.index import DTYPES
 from .plan import ShardPlan, fingerprint_differences, plan_record
@@ -145,3 +145,15 @@ def _header_matches(path: Path, tensors: dict[str, Any]) -> bool:
     except (AttributeError, KeyError, TypeError, IndexError):
         return False
     return found == want and size == 8 + length + end
+
+
+def interrupted(out: Path, plan: ShardPlan, kept: dict[str, dict[str, Any]]) -> ShardInterrupted:
+    """After Ctrl-C: the temporaries of the files being written are removed (nothing half-written is left);
+    how many planned files are finished (journaled now or kept from before) of how many."""
+    for tmp in out.rglob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+    path = out / JOURNAL_NAME
+    lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    done = set(kept) | {rec.get("path") for rec in map(_journal_record, lines) if isinstance(rec, dict)}
+    planned = {f.path for f in plan.all_files()}
+    return ShardInterrupted(len(done & planned), len(planned))

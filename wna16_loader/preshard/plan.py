@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, CompletenessError, PreshardError, format_offenders
+from ..errors import CheckpointError, CompletenessError, PreshardError, format_offenders, format_ranges
 from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
 from ..load.plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
@@ -17,6 +17,7 @@ from ..load.specs import warn_reduced_groups_by_spec
 from ..logs import log
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
+from ..parallel.partition import valid_tp_sizes
 from ..storage.bulk import gc_paused
 from ..storage.index import INDEX_FILE, PICKLE_SUFFIXES, CheckpointIndex, nbytes_of
 from .slices import SlicedTensor, slice_layer
@@ -89,19 +90,65 @@ class ShardPlan:
         return list(self.common) + [f for rank in self.ranks for f in rank.files]
 
 
+@dataclass(frozen=True)
+class Padding:
+    """How I is padded at the plan's TP size in some layers: I, I_p' (columns per TP rank) and each TP rank's
+    padding columns (the last ones of its slice); `empty` are the TP ranks holding padding only."""
+
+    intermediate: int
+    part: int
+    layers: tuple[str, ...]
+    per_tp_rank: tuple[int, ...]
+
+    @property
+    def empty(self) -> list[int]:
+        """TP ranks whose columns are all padding."""
+        return [t for t, pad in enumerate(self.per_tp_rank) if pad == self.part]
+
+
+def paddings(plan: ShardPlan) -> list[Padding]:
+    """Every distinct padding of I in the plan (none when tp divides I into valid groups everywhere)."""
+    tp = plan.params["tp"]
+    found: dict[tuple[int, int], tuple[dict[str, None], dict[int, int]]] = {}
+    for rank in plan.ranks:
+        for prefix, spec in rank.layers.items():
+            if spec.part * tp > spec.intermediate:
+                layers, pads = found.setdefault((spec.intermediate, spec.part), ({}, {}))
+                layers[prefix] = None  # an ordered set
+                pads[rank.parallel.tp_rank] = spec.padding
+    return [Padding(i, part, tuple(layers), tuple(pads.get(t, 0) for t in range(tp)))
+            for (i, part), (layers, pads) in found.items()]
+
+
+def warn_padding(plan: ShardPlan) -> None:
+    """One warning when some TP ranks hold nothing but padding: their memory and compute are spent on zeros.
+    Names them and the TP sizes that need no padding."""
+    q, tp = plan.moe.quant, plan.params["tp"]
+    for pad in paddings(plan):
+        if pad.empty:
+            unpadded = valid_tp_sizes(plan.moe.hidden_size, pad.intermediate, q.bits, q.group_size, q.act_order,
+                                      allow_padding=False)
+            log.warning("tp=%d: I = %d is padded to I' = %d (%d columns per TP rank) in %d layer(s): TP ranks %s hold "
+                        "only padding (their experts are all zeros: memory and compute spent on nothing). TP sizes "
+                        "that need no padding: %s.", tp, pad.intermediate, pad.part * tp, pad.part, len(pad.layers),
+                        format_ranges(pad.empty), unpadded)
+
+
 def rank_folder(rank: int, world: int) -> str:
     """The folder name of global rank `rank` in a `world`-rank layout."""
     return f"rank-{rank:05d}-of-{world:05d}"
 
 
 def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str = "linear",
-              max_file_size: int = 4 * 2**30, layout: str = "fused", mtp: bool = True) -> ShardPlan:
+              max_file_size: int = 4 * 2**30, layout: str = "fused", mtp: bool = True,
+              warn: bool = True) -> ShardPlan:
     """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers.
     `mtp`: shard the MTP layers' experts like the others (else their tensors go to common/ unchanged; a
     source without MTP experts is planned, and recorded, exactly as before).
 
     layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
-    fall on word and group boundaries.
+    fall on word and group boundaries. warn: log the reduced-group-size warning (once per run: a
+    rank-parallel run's other processes plan with warn=False).
     """
     src = check_source_folder(src)
     for flag, size in (("--tp", tp_size), ("--ep", ep_size)):
@@ -124,11 +171,14 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
     params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
               "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION, **({"mtp": mtp} if mtp_layers else {})}
     quant = _quant_summary(moe, ranks)
-    warn_reduced_groups_by_spec(log, tp_size=tp_size, intermediate=moe.intermediate_size, effective={
-        prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in ranks[0].plans.items()})
-    return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
+    plan = ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src), mtp_layers=mtp_layers)
+    if warn:
+        warn_reduced_groups_by_spec(log, tp_size=tp_size, intermediate=moe.intermediate_size, effective={
+            prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in ranks[0].plans.items()})
+        warn_padding(plan)
+    return plan
 
 
 def check_source_folder(src: str | Path) -> Path:

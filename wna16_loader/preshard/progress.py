@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .plan import COMMON_DIR, RankPlan, ShardPlan
+from ..errors import format_ranges
+from .plan import COMMON_DIR, RankPlan, ShardPlan, paddings
 
 
 def human_size(nbytes: int) -> str:
@@ -65,7 +66,23 @@ def describe_plan(plan: ShardPlan) -> str:
     lines.append(f"total: {len(files)} files, {sum(len(f.tensors) for f in files)} tensors, "
                  f"{human_size(sum(f.nbytes for f in files))}")
     lines.append(f"copied: {', '.join(plan.copied) or '(none)'}")
-    return "\n".join(lines)
+    return "\n".join(lines + padding_lines(plan))
+
+
+def padding_lines(plan: ShardPlan) -> list[str]:
+    """`padding: I = 768 is padded to I' = 800 (160 columns per TP rank) in 2 layer(s); TP rank 4: 32 of 160
+    columns` (per TP rank, the same on every EP rank), one line per distinct padding; none without padding."""
+    lines = []
+    for pad in paddings(plan):
+        by_amount: dict[int, list[int]] = {}
+        for t, amount in enumerate(pad.per_tp_rank):
+            if amount:
+                by_amount.setdefault(amount, []).append(t)
+        ranks = "; ".join(f"TP rank{'s' if len(ts) > 1 else ''} {format_ranges(ts)}: {amount} of {pad.part} columns"
+                          + (" (only padding)" if amount == pad.part else "") for amount, ts in by_amount.items())
+        lines.append(f"padding: I = {pad.intermediate} is padded to I' = {pad.part * plan.params['tp']} ({pad.part} "
+                     f"columns per TP rank) in {len(pad.layers)} layer(s); {ranks}")
+    return lines
 
 
 class Progress:
@@ -135,7 +152,7 @@ class ShardSummary:
         rows.append(f"{'total':<24} {sum(r.files for r in self.ranks):>5} {sum(r.tensors for r in self.ranks):>7} "
                     f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>6} {sum(r.kept for r in self.ranks):>4} "
                     f"{sum(r.seconds for r in self.ranks):>8.2f}")
-        return "\n".join(rows)
+        return "\n".join(rows + padding_lines(self.plan))
 
 
 def _group_sizes(rank: RankPlan) -> str:

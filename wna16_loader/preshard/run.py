@@ -8,11 +8,11 @@ from typing import Any
 
 from ..errors import PreshardError
 from ..load.presharded import MANIFEST_NAME
-from .journal import JOURNAL_NAME, check_existing, output_complete, start
+from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start
 from .manifest import build_manifest
 from .plan import COMMON_DIR, ShardPlan, make_plan
 from .progress import RankSummary, ShardSummary
-from .safefiles import copy_file, make_dir, output_lock, write_json_atomic
+from .safefiles import copy_file, locked_by_another, make_dir, output_lock, write_json_atomic
 from .verify import verify_report
 from .writing import write_all
 
@@ -40,17 +40,25 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
                      layout=layout, mtp=mtp)
     if dry_run:
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
+    if not force and out.is_dir() and not locked_by_another(out):  # before anything is written (read-only OUT)
+        check_existing(out, plan)
+        if output_complete(out, plan):
+            return _complete(out, plan, verify)
     make_dir(out)
     with output_lock(out):
         check_existing(out, plan)
         if not force and output_complete(out, plan):
             return _complete(out, plan, verify)
-        journal = start(out, plan, resume)
-        summaries = write_all(out, plan, journal, progress, workers)
-        records = {rec["path"]: rec for rec in journal.values()}
-        for name in plan.copied:
-            copy_file(plan.source / name, out / name)
-        write_json_atomic(out / MANIFEST_NAME, build_manifest(plan, records))
+        journal: dict[str, dict[str, Any]] = {}
+        try:
+            journal = start(out, plan, resume)
+            summaries = write_all(out, plan, journal, progress, workers)
+            records = {rec["path"]: rec for rec in journal.values()}
+            for name in plan.copied:
+                copy_file(plan.source / name, out / name)
+            write_json_atomic(out / MANIFEST_NAME, build_manifest(plan, records))
+        except KeyboardInterrupt:
+            raise interrupted(out, plan, journal) from None
         (out / JOURNAL_NAME).unlink(missing_ok=True)
     return replace(ShardSummary(out=out, plan=plan, ranks=summaries), **_verified(out, plan, verify))
 

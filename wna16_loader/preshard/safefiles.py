@@ -21,9 +21,12 @@ ERRNO_FIXES = {errno.ENOSPC: "free disk space or choose an output folder on a la
                errno.EDQUOT: "raise the disk quota or free space, then re-run with --resume",
                errno.EFBIG: "raise the file size limit (ulimit -f) or use a smaller --max-file-size, then re-run "
                             "with --resume",
-               errno.EACCES: "make the output folder writable (chmod u+w) or choose another one",
-               errno.EPERM: "make the output folder writable (chmod u+w) or choose another one",
-               errno.EROFS: "the file system is read-only; choose an output folder on a writable one"}
+               errno.EACCES: "make {folder} writable (chmod u+w {folder}) or choose another output folder",
+               errno.EPERM: "make {folder} writable (chmod u+w {folder}) or choose another output folder",
+               errno.EROFS: "{folder} is on a read-only file system; choose an output folder on a writable one"}
+
+UNFINISHED = "No manifest was written, so the output is marked unfinished."
+NOTHING_WRITTEN = "Nothing was written."
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -82,7 +85,7 @@ def output_lock(out: Path) -> Iterator[None]:
                                     f"for it to finish, or delete the lock file if that process is gone.") from None
             path.unlink(missing_ok=True)  # stale: its process died (e.g. killed); resume is safe
         except OSError as exc:
-            raise write_error(path, exc) from None
+            raise write_error(path, exc, NOTHING_WRITTEN) from None
     else:
         raise PreshardError(f"{path}: could not create the lock file; delete it and retry.")
     os.write(fd, f"{os.getpid()}\n".encode())
@@ -91,6 +94,12 @@ def output_lock(out: Path) -> Iterator[None]:
         yield
     finally:
         path.unlink(missing_ok=True)
+
+
+def locked_by_another(out: Path) -> bool:
+    """Whether a live process other than this one holds OUT's lock (read only; nothing is written)."""
+    holder = _lock_holder(out / LOCK_NAME)
+    return holder is not None and holder != os.getpid() and _alive(holder)
 
 
 def _lock_holder(path: Path) -> int | None:
@@ -111,8 +120,16 @@ def _alive(pid: int) -> bool:
 
 
 def make_dir(folder: Path) -> None:
-    with writing(folder):
+    """Create `folder` (and its parents); an OSError names the folder that refused: the first existing
+    ancestor when `folder` does not exist yet (its parent is the one to make writable)."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), folder)
+    try:
         folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        if existing == folder:
+            raise write_error(folder, exc) from None
+        what = f"cannot create it in {existing}"
+        raise write_error(folder, exc, NOTHING_WRITTEN, what=what, folder=existing) from None
 
 
 @contextmanager
@@ -130,12 +147,14 @@ def writing(path: Path, tmp: Path | None = None) -> Iterator[None]:
         raise write_error(path, exc) from None
 
 
-def write_error(path: Path, exc: OSError) -> PreshardError:
-    """The PreshardError for an OSError while writing `path`: errno text and the fix."""
+def write_error(path: Path, exc: OSError, outcome: str = UNFINISHED, *, what: str = "write failed",
+                folder: Path | None = None) -> PreshardError:
+    """The PreshardError for an OSError while writing `path`: errno text, the fix (naming `folder`, by
+    default the one holding `path`) and the `outcome` (the output is unfinished, or nothing was written)."""
     fix = ERRNO_FIXES.get(exc.errno, "check the output folder and disk, then re-run with --resume")
     name = errno.errorcode.get(exc.errno, "?") if exc.errno else "?"
-    return PreshardError(f"{path}: write failed: {exc.strerror or exc} ({name}); {fix}. No manifest was "
-                         f"written, so the output is marked unfinished.")
+    fix = fix.format(folder=folder or path.parent)
+    return PreshardError(f"{path}: {what}: {exc.strerror or exc} ({name}); {fix}. {outcome}")
 
 
 def read_json(path: Path) -> Any:

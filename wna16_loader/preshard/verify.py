@@ -1,5 +1,7 @@
 """Verifying a pre-shard output: every file against its manifest hash and, with the source, every
-tensor against the source (common bytes, checkpoint-layout slices, fused experts reassembled over TP)."""
+tensor against the source: common bytes, and every rank tensor against a fresh conversion of the source by
+the writer's own path (one layer at a time, hashed as it is made: about the cost of writing); optionally
+(`reassemble=True`) the fused experts dequantised and stitched over TP against a TP 1 load."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from .manifest import tensor_record
 from .plan import fingerprint_differences, make_plan, source_fingerprint
 from .progress import human_size
 from .safefiles import sha256_file
-from .slices import materialize
+from .writing import TensorSource, tensor_source
 
 
 @dataclass(frozen=True)
@@ -41,15 +43,17 @@ class VerifyReport:
     common: int = 0
     source: Path | None = None
     problems: tuple[str, ...] = ()
+    reassembled: bool = False  # the fused experts were also dequantised and stitched over TP
 
     def text(self) -> str:
         """One line saying what was checked, e.g. `18 files, 42 tensors (1.2 MiB) match their sha256`."""
         line = (f"{self.out}: ok: {self.files} files ({human_size(self.nbytes)} on disk), {self.tensors} tensors "
                 f"match the manifest's sha256")
         if self.source is not None:
-            how = "reassembled over TP" if self.layout == "fused" else "sliced"
-            line += (f"; {self.experts} experts in {self.layers} layer(s) {how} exactly equal {self.source}, "
-                     f"{self.common} common tensors byte-identical")
+            how = "converted afresh from" if self.layout == "fused" else "sliced afresh from"
+            line += (f"; {self.experts} experts in {self.layers} layer(s) equal their tensors {how} {self.source}"
+                     f"{' and reassemble over TP exactly' if self.reassembled else ''}, {self.common} common "
+                     f"tensors byte-identical")
         return line
 
 
@@ -63,11 +67,12 @@ def verify_output(out: str | Path, source: str | Path | None = None) -> list[str
         return [str(exc)]
 
 
-def verify_report(out: str | Path, source: str | Path | None = None) -> VerifyReport:
+def verify_report(out: str | Path, source: str | Path | None = None, *, reassemble: bool = False) -> VerifyReport:
     """verify_output's checks and what they covered. Raises CheckpointError when `out` is not a finished
     wna16-shard output, or when `source` is not the checkpoint it was written from: its fingerprint (file
     sizes and headers, config.json) differs from the recorded one (checked before any tensor is compared),
-    or a common tensor differs from the source's."""
+    or a common tensor differs from the source's. reassemble: also dequantise every rank's fused experts and
+    compare them, stitched over TP, with a TP 1 load of the source (float32 of the whole model: slow)."""
     out = Path(out)
     manifest = read_manifest(out)
     if source is not None:
@@ -81,12 +86,15 @@ def verify_report(out: str | Path, source: str | Path | None = None) -> VerifyRe
         return replace(report, problems=tuple(problems))
     _check_common(out, manifest, Path(source))
     problems += verify_mtp(manifest)
-    problems += (_verify_sliced if layout == "checkpoint" else _verify_experts)(out, manifest, Path(source))
+    problems += _verify_converted(out, manifest, Path(source))
+    reassemble = reassemble and layout == "fused"
+    if reassemble and not problems:
+        problems += _verify_experts(out, manifest, Path(source))
     experts = {p: set() for rank in manifest["ranks"] for p in rank["layers"]}
     for rank in manifest["ranks"]:
         for prefix, rec in rank["layers"].items():
             experts[prefix].update(rec["experts"])
-    return replace(report, source=Path(source), problems=tuple(problems), layers=len(experts),
+    return replace(report, source=Path(source), problems=tuple(problems), layers=len(experts), reassembled=reassemble,
                  experts=sum(len(e) for e in experts.values()),
                  common=sum(len(rec["tensors"]) for rec in manifest["common"]["files"]))
 
@@ -138,20 +146,33 @@ def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
                               f"differs from its copy in common/{more}. Pass the original source folder, or re-shard.")
 
 
-def _verify_sliced(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
-    """--layout checkpoint: every tensor equals the rank's slice of the source, re-read from the source."""
+def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
+    """Every rank tensor equals (sha256, shape, dtype) the one the writer makes from the source now: fused
+    layers through the loader's per-layer path, one at a time, or --layout checkpoint slices. The files
+    were checked against the manifest's hashes already, so the manifest's records stand for the files."""
     p = manifest["params"]
     plan = make_plan(source, tp_size=p["tp"], ep_size=p["ep"], placement=p["placement"],
-                     max_file_size=p["max_file_size"], layout="checkpoint", mtp=p.get("mtp", True))
+                     max_file_size=p["max_file_size"], layout=p.get("layout", "fused"), mtp=p.get("mtp", True),
+                     warn=False)
+    made = "slice" if plan.params["layout"] == "checkpoint" else "conversion"
     problems = []
     with CheckpointIndex(source) as index:
         for rank, rec in zip(plan.ranks, manifest["ranks"]):
+            fresh = tensor_source(plan, rank, index)
             for file_rec in rec["files"]:
                 for name, want in file_rec["tensors"].items():
-                    sliced = rank.sliced.get(name)
-                    if sliced is None or tensor_record(materialize(index, sliced)) != want:
-                        problems.append(f"{file_rec['path']}: tensor {name} is not the rank's slice of the source")
+                    if _record_or_none(fresh, name) != want:
+                        problems.append(f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the "
+                                        f"source; re-shard to repair it")
     return problems
+
+
+def _record_or_none(source: TensorSource, name: str) -> dict[str, Any] | None:
+    """The manifest record of tensor `name` made afresh, or None when the plan has no such tensor."""
+    try:
+        return tensor_record(source.fetch(name))
+    except KeyError:
+        return None
 
 
 def _verify_experts(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:

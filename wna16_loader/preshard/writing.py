@@ -8,11 +8,12 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -44,8 +45,12 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
             # one mapping per source file for every folder; one committer, so that a folder's last fsync
             # overlaps the next folder's work
             with CheckpointIndex(plan.source) as index, ThreadPoolExecutor(1, "wna16-commit") as commits:
-                pending = [write_folder(out, plan, g, journal, state, meter.advance, index=index, commits=commits)
-                           for g in groups]
+                try:
+                    pending = [write_folder(out, plan, g, journal, state, meter.advance, index=index,
+                                            commits=commits) for g in groups]
+                except KeyboardInterrupt:  # Ctrl-C: finish the commit under way, drop the queued ones
+                    commits.shutdown(wait=True, cancel_futures=True)
+                    raise
             results = [(summary, [future.result() for future in futures]) for summary, futures in pending]
         else:
             results = _write_parallel(out, plan, groups, journal, workers)
@@ -64,9 +69,40 @@ def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journa
                     workers: int) -> list[tuple[RankSummary, list[dict[str, Any]]]]:
     """One job per folder in a 'spawn' process pool; results in folder order."""
     context = multiprocessing.get_context("spawn")
+    before = set(multiprocessing.active_children())
     with ProcessPoolExecutor(max_workers=min(workers, len(groups)), mp_context=context) as pool:
-        futures = [pool.submit(write_group, out, plan, g, journal, {"written": 0, "kill_after": 0}) for g in groups]
-        return [future.result() for future in futures]
+        try:
+            with _sigint_ignored():  # the workers, started by submit, inherit it: Ctrl-C is the parent's alone
+                futures = [pool.submit(write_group, out, plan, g, journal, {"written": 0, "kill_after": 0})
+                           for g in groups]
+            return [future.result() for future in futures]
+        except KeyboardInterrupt:  # Ctrl-C: stop the workers; their unfinished files stay temporaries
+            pool.shutdown(wait=False, cancel_futures=True)
+            _stop([child for child in multiprocessing.active_children() if child not in before])
+            raise
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored meanwhile (in the main thread; elsewhere signals cannot be set and nothing changes).
+    A process started meanwhile ignores it from its first instruction (an ignored signal survives exec),
+    so a Ctrl-C from a terminal, sent to every process of the group, prints no traceback in a worker."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop(workers: list[multiprocessing.process.BaseProcess]) -> None:
+    """Terminate the pool's workers (a file they were writing stays a temporary, removed by the caller)."""
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.join()
 
 
 def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
@@ -96,7 +132,7 @@ def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
     futures = []
     if todo:
         with nullcontext(index) if index is not None else CheckpointIndex(plan.source) as source_index:
-            source = _tensor_source(plan, rank, source_index)
+            source = tensor_source(plan, rank, source_index)
             for fp in todo:
                 written = write_temporary(out, fp, source, metadata)
                 futures.append(commits.submit(_commit_file, out, fp, written, state, advance))
@@ -147,7 +183,7 @@ class TensorSource:
         self.meta, self.fetch = meta, fetch
 
 
-def _tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
+def tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
     """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
     if rank is None:
         return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),

@@ -118,6 +118,35 @@ def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...]
     return stacked[(slice(None), *index)] if index else stacked
 
 
+MAX_HEADER = 100 * 2**20  # a longer length prefix is garbage, not the header of a truncated file
+
+
+def truncation(path: Path) -> str | None:
+    """`truncated: N of M bytes; ...` when the file at `path` is shorter than its own header says (an interrupted
+    download or copy): M from the length prefix and the last data offset; None when it is not (or the header
+    is garbage: the caller's own error applies)."""
+    try:
+        with open(path, "rb") as handle:
+            size, prefix = os.fstat(handle.fileno()).st_size, handle.read(8)
+            length = int.from_bytes(prefix, "little")
+            if len(prefix) < 8 or length > MAX_HEADER:
+                return None
+            if 8 + length > size:
+                return f"truncated: {size} of more than {8 + length} bytes (its header alone is {length} bytes)"
+            header = json.loads(handle.read(length))
+            end = 8 + length + max((rec["data_offsets"][1] for name, rec in header.items() if name != "__metadata__"),
+                                   default=0)
+    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return f"truncated: {size} of {end} bytes (the size its header implies)" if size < end else None
+
+
+def truncated_error(path: Path, otherwise: str) -> CheckpointError:
+    """The error for an unreadable file: `truncated: N of M bytes ...; re-download it` when it is, else `otherwise`."""
+    cut = truncation(path)
+    return CheckpointError(f"{path}: {cut}; re-download it (an interrupted download or copy)." if cut else otherwise)
+
+
 def read_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
     """A safetensors file's metadata and header entries (absolute spans, each checked), without mapping it."""
     with open(path, "rb") as handle:
@@ -145,8 +174,8 @@ def _parse_header(path: Path, prefix: bytes, handle, size: int,  # noqa: ANN001 
                   itemsizes: dict[str, int]) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
     """The header's metadata and entries, every byte span checked (safetensors also checks on open)."""
     if len(prefix) < 8 or int.from_bytes(prefix, "little") > size - 8:
-        raise CheckpointError(f"{path}: not a readable safetensors file (header length past the end of the "
-                              f"{size}-byte file).")
+        raise truncated_error(path, f"{path}: not a readable safetensors file (header length past the end of the "
+                                    f"{size}-byte file).")
     length = int.from_bytes(prefix, "little")
     try:
         header = json.loads(handle.read(length))

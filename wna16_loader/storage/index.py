@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, format_offenders
 from .bulk import gc_paused
-from .filemap import Index, MappedFile, gather, stacked_view
+from .filemap import Index, MappedFile, gather, stacked_view, truncated_error
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -84,7 +84,8 @@ class CheckpointIndex:
             with safe_open(str(self.folder / file), framework="pt") as handle:  # the format's own checks
                 self.metadata[file] = handle.metadata() or {}
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{self.folder / file}: not a readable safetensors file ({exc}).") from None
+            raise truncated_error(self.folder / file, f"{self.folder / file}: not a readable safetensors file "
+                                                      f"({exc}).") from None
         mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
         refs, begins = self.refs, self.begins
         for name, (dtype_name, shape, begin, _) in mapped.entries.items():

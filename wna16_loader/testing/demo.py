@@ -7,6 +7,7 @@ that is removed at the end, unless --keep (or --out) keeps it.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -49,22 +50,36 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None or args.keep:
             folder = args.out or Path(tempfile.mkdtemp(prefix="wna16-demo-"))
             code = run(folder, args)
-            print(f"kept: {folder}\nnext: wna16-shard {folder} {folder}-tp{args.tp} --tp {args.tp} --ep {args.ep}")
+            print(f"kept: {folder}\nnext: {shard_command()} {folder} {folder}-tp{args.tp} --tp {args.tp} "
+                  f"--ep {args.ep}")
             return code
         with tempfile.TemporaryDirectory(prefix="wna16-demo-") as tmp:
-            return run(Path(tmp), args)
+            return run(Path(tmp), args, temporary=True)
     except WNA16Error as exc:
         print(f"wna16-demo: error: {exc}", file=sys.stderr)
         return 2
 
 
-def run(folder: Path, args: argparse.Namespace) -> int:
-    """Write the checkpoint to `folder`, load every rank, print the table and check the reassembly."""
+def shard_command() -> str:
+    """How to run wna16-shard from this interpreter, as a command that works as printed: `wna16-shard` when
+    that is the one on PATH, else the console script's full path (e.g. `.venv/bin/wna16-shard`, which
+    `pip install -e .` put next to the interpreter), else `python -m wna16_loader.cli`."""
+    script = Path(sys.executable).parent / "wna16-shard"
+    on_path = shutil.which("wna16-shard")
+    if on_path is not None and (not script.is_file() or Path(on_path).resolve() == script.resolve()):
+        return "wna16-shard"
+    return str(script) if script.is_file() else f"{sys.executable} -m wna16_loader.cli"
+
+
+def run(folder: Path, args: argparse.Namespace, *, temporary: bool = False) -> int:
+    """Write the checkpoint to `folder`, load every rank, print the table and check the reassembly.
+    temporary: `folder` is removed at the end, so its path is not printed."""
     qc = quant_config(args.format, bits=args.bits, group_size=args.group_size, symmetric=False,
                       act_order=args.act_order)
     ckpt = write_checkpoint(folder, qc, family="qwen3_moe", num_experts=8, hidden=512, intermediate=768,
                             num_layers=2, files=2)
-    print(f"checkpoint: {folder} ({args.format}, {args.bits}-bit, group {args.group_size}, 8 experts, "
+    where = "a temporary folder (removed at the end; --keep keeps it)" if temporary else str(folder)
+    print(f"checkpoint: {where} ({args.format}, {args.bits}-bit, group {args.group_size}, 8 experts, "
           f"H 512, I 768, 2 layers), loaded to {args.device}")
     rows, pieces = [], {}
     for parallel in ParallelConfig.all_ranks(tp_size=args.tp, ep_size=args.ep):
