@@ -59,10 +59,9 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model after vLLM's load (`job["load_format"]`: auto or wna16)."""
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
+    from vllm.plugins import load_general_plugins
 
-    from wna16_loader.integrations import vllm as plugin
-
-    plugin.register()
+    load_general_plugins()  # as every vLLM process does: our entry point registers --load-format wna16
     model_config = ModelConfig(model=job["folder"], quantization="moe_wna16", dtype="float16",
                                skip_tokenizer_init=True, enforce_eager=True)
     config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format=job["load_format"]),
