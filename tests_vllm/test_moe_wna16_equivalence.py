@@ -95,22 +95,26 @@ V2_PLUS_ONE = Difference("gptq_v2_zero_points_get_plus_one", frozenset({"w13_qze
 DIFFERENCES = {"gptq_w4_g32_zero_edge": V1_FIELDS, "synthetic_gptq_w4_asym": V1_FIELDS,
                "synthetic_gptq_w8_asym": V1_FIELDS, "synthetic_gptq_v2_w4_asym": V2_PLUS_ONE}
 
-# (case, tp or None for every TP) -> (vLLM's exception type, words of its traceback: the message, or the assert)
-NOT_DIVISIBLE = ("AssertionError", "assert self.intermediate_size % tp_size == 0")  # FusedMoEConfig: tp must divide I
-REFUSED = {
-    ("ct_w8_channel_sym", None): ("AssertionError", 'assert weight_quant.strategy == "group"'),  # Triton path
-    ("gptq_w4_g32_actorder_asym", None): ("ValueError", "GPTQ group activation ordering (desc_act=True) is no longer"),
-    ("autoround_w8_g64_asym", None): ("ValueError", "Unsupported packing_format: auto_round"),
+# Refusals, as (vLLM's exception type, words of its traceback: the message, or the failing assert).
+# Raised by the quantization config (from_config), at every TP:
+CONFIG_REFUSED = {
+    "gptq_w4_g32_actorder_asym": ("ValueError", "GPTQ group activation ordering (desc_act=True) is no longer"),
+    "autoround_w8_g64_asym": ("ValueError", "Unsupported packing_format: auto_round"),
+}
+# Raised while building the layer, (case, tp or None for every TP):
+NOT_DIVISIBLE = ("AssertionError", "assert self.intermediate_size % tp_size == 0")  # FusedMoEConfig: tp | I
+LAYER_REFUSED = {
+    ("ct_w8_channel_sym", None): ("AssertionError", 'assert weight_quant.strategy == "group"'),  # its Triton path
     # I 704, G 128: a partial last group; vLLM halves G to 64 and sizes w2_scales 704 // 64 = 11 groups, then
     # repeats the checkpoint's 6 groups to 12 (#51645); at TP 4 (I_p 176) it would need G 16 and asserts G >= 32
     ("synthetic_gptq_w4_sym_i704", None): ("RuntimeError", "The size of tensor a (11) must match the size of tensor b"),
     ("synthetic_gptq_w4_sym_i704", 4): ("AssertionError", "assert group_size >= 32"),
 }
-REFUSED.update({(case.name, 3): NOT_DIVISIBLE for case in CASES if case.sizes[2] % 3})
+LAYER_REFUSED.update({(case.name, 3): NOT_DIVISIBLE for case in CASES if case.sizes[2] % 3})
 
 
 def refusal(name: str, tp: int) -> tuple[str, str] | None:
-    return REFUSED.get((name, tp), REFUSED.get((name, None)))
+    return CONFIG_REFUSED.get(name) or LAYER_REFUSED.get((name, tp), LAYER_REFUSED.get((name, None)))
 
 
 @dataclass(frozen=True)
