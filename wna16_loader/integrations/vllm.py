@@ -80,9 +80,10 @@ def expert_layers(model: nn.Module) -> dict[str, RoutedExperts]:
 
 def parallel_of(layer: RoutedExperts) -> ParallelConfig:
     """The rank of `layer` as vLLM placed it (TP/EP sizes and ranks of its MoE parallel config)."""
-    moe = layer.moe_config
+    moe_parallel_config = layer.moe_config.moe_parallel_config  # vLLM's flattened DP x PCP x TP / EP ranks
     placement = ExpertPlacement(get_current_vllm_config().parallel_config.expert_placement_strategy)
-    return ParallelConfig(tp_size=moe.tp_size, tp_rank=moe.tp_rank, ep_size=moe.ep_size, ep_rank=moe.ep_rank,
+    return ParallelConfig(tp_size=moe_parallel_config.tp_size, tp_rank=moe_parallel_config.tp_rank,
+                          ep_size=moe_parallel_config.ep_size, ep_rank=moe_parallel_config.ep_rank,
                           expert_placement=placement)
 
 
