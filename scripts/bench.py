@@ -3,6 +3,7 @@
 
 Usage: python scripts/bench.py --workdir /tmp/wna16-bench --size small --reps 5 --json out.json --png out.png
        python scripts/bench.py --size qwen3-30b-8l   (real scale: scripts/bench_scale.py; qwen3-30b is 15 GB)
+       python scripts/bench.py --size deepseek-names (name scale: scripts/bench_names.py, 178,176 expert tensors)
 
 Contenders (page cache warm, alternated within every repetition, freed heap returned to the OS
 before each run so that no contender reuses pages an earlier run faulted in):
@@ -24,6 +25,7 @@ import json
 import os
 import pstats
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -55,8 +57,7 @@ from bench_common import (  # noqa: E402  (the contenders and helpers shared wit
     run_ours,
     run_whole,
 )
-from bench_scale import SCALE_SIZES  # noqa: E402  (the real-scale sizes)
-from bench_scale import main as scale_main  # noqa: E402
+from bench_common import NAME_SIZES, SCALE_SIZES  # noqa: E402  (sizes run by bench_names.py, bench_scale.py)
 
 SIZES: dict[str, dict[str, int]] = {
     "small": {"num_experts": 16, "hidden": 1024, "intermediate": 704, "num_layers": 2, "files": 2},
@@ -402,8 +403,9 @@ def bench_format(workdir: Path, fmt: str, size: str, reps: int, do_profile: bool
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-bench")
-    parser.add_argument("--size", choices=sorted(SIZES) + sorted(SCALE_SIZES), default="small",
-                        help="qwen3-30b / qwen3-30b-8l: the real-scale run of scripts/bench_scale.py")
+    parser.add_argument("--size", choices=sorted(SIZES) + sorted(SCALE_SIZES) + sorted(NAME_SIZES), default="small",
+                        help="qwen3-30b / qwen3-30b-8l: the real-scale run of scripts/bench_scale.py; "
+                             "deepseek-names: the name-scale run of scripts/bench_names.py")
     parser.add_argument("--formats", default="gptq,awq,ct", help="comma-separated subset of gptq,awq,ct")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path)
@@ -412,10 +414,11 @@ def main() -> None:
     parser.add_argument("--shard-rss", action="store_true",
                         help="only: peak RSS of wna16-shard on the 4- and 8-layer full GPTQ checkpoints")
     args = parser.parse_args()
-    if args.size in SCALE_SIZES:
-        scale_main(["--size", args.size, "--workdir", str(args.workdir), "--reps", str(args.reps)]
-                   + (["--json", str(args.json)] if args.json else []))
-        return
+    if args.size in SCALE_SIZES or args.size in NAME_SIZES:  # its own script, run as a program (no import)
+        script = "bench_scale.py" if args.size in SCALE_SIZES else "bench_names.py"
+        command = [sys.executable, str(Path(__file__).resolve().parent / script), "--size", args.size,
+                   "--workdir", str(args.workdir), "--reps", str(args.reps)]
+        sys.exit(subprocess.run(command + (["--json", str(args.json)] if args.json else [])).returncode)
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     if args.shard_rss:

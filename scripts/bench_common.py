@@ -34,6 +34,11 @@ from wna16_loader.models.names import Proj
 from wna16_loader.storage.index import CheckpointIndex, nbytes_of
 
 
+SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # scripts/bench_scale.py: MoE layers of each real-scale size
+# scripts/bench_names.py: DeepSeek-V3's tensor list at tiny sizes (decoder layers, dense ones, experts, H, I, G)
+NAME_SIZES = {"deepseek-names": {"layers": 61, "dense": 3, "experts": 256, "hidden": 64, "inter": 256, "group": 32}}
+
+
 def plans_for(path: Path, parallel: ParallelConfig) -> tuple[Any, list[LayerPlan]]:
     """(MoEConfig, layer plans) of `parallel`'s rank; reads headers only."""
     moe = read_config_files(path)
@@ -276,3 +281,84 @@ def durable_copy(src: Path, dst: Path) -> float:
         os.fsync(fd)
         os.close(fd)
     return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- conversions: GB/s against a plain copy
+
+CONVERSION_SHAPE = (64, 2048, 768)  # experts, K, N of one projection (Qwen3-30B-A3B's gate: H 2048, I 768)
+
+
+def _best_rate(fn: Any, nbytes: int, reps: int = 5) -> float:
+    """GB/s of the fastest of `reps` runs of `fn` over `nbytes` bytes."""
+    fn()  # warm: page faults of the outputs, caches of the kernels
+    best = min(_time_once(fn) for _ in range(reps))
+    return nbytes / best / 1e9
+
+
+def _time_once(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def conversion_cases(shape: tuple[int, int, int] = CONVERSION_SHAPE) -> dict[str, tuple[Any, int]]:
+    """label -> (zero-argument conversion, bytes it moves) on 4-bit words of `shape` (E, K, N), a chunk of
+    experts at a time as the loader converts them (about QWEIGHT_CHUNK_BYTES of words), outputs allocated
+    once (what is measured is the conversion, not page faults)."""
+    import hashlib
+
+    from wna16_loader.formats.packing import transpose_nibble_words
+    from wna16_loader.load.qweights import QWEIGHT_CHUNK_BYTES
+
+    e, k, n = shape
+    gptq = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), dtype=torch.int32)  # qweight [K/8, N]
+    awq = torch.randint(-2**31, 2**31 - 1, (e, k, n // 8), dtype=torch.int32)  # qweight [K, N/8]
+    out = torch.empty((e, n, k // 8), dtype=torch.int32)  # fused [N, K/2] bytes as words
+    plain = torch.empty_like(gptq)
+    nbytes, step = gptq.numel() * 4, max(1, QWEIGHT_CHUNK_BYTES // (gptq[0].numel() * 4))
+    chunks = [slice(i, min(i + step, e)) for i in range(0, e, step)]
+    data = memoryview(gptq.reshape(-1).view(torch.uint8).numpy())
+    order = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's slot order
+
+    def each(fn: Any) -> Any:
+        return lambda: [fn(c) for c in chunks]
+
+    return {
+        "plain copy": (each(lambda c: plain[c].copy_(gptq[c])), nbytes),
+        "GPTQ qweight transpose [K/8, N] -> [N, K/8]": (
+            each(lambda c: copy_transposing(out[c], gptq[c].transpose(1, 2))), nbytes),
+        "AWQ nibble transpose [K, N/8] -> [N, K/8]": (
+            each(lambda c: copy_transposing(out[c], transpose_nibble_words(awq[c], slot_order=order))), nbytes),
+        "sha256 (wna16-shard hashes every byte twice)": (lambda: hashlib.sha256(data).digest(), nbytes),
+    }
+
+
+def conversion_rates(threads: tuple[int, ...] = (1, 2)) -> dict[str, dict[str, float]]:
+    """label -> {'1 thread': GB/s, '2 threads': GB/s, 'x copy (1 thread)': ratio} of every conversion case."""
+    before = torch.get_num_threads()
+    cases = conversion_cases()
+    out: dict[str, dict[str, float]] = {label: {} for label in cases}
+    try:
+        for count in threads:
+            torch.set_num_threads(count)
+            for label, (fn, nbytes) in cases.items():
+                out[label][f"{count} thread{'s' if count > 1 else ''}"] = _best_rate(fn, nbytes)
+    finally:
+        torch.set_num_threads(before)
+    copy = out["plain copy"]
+    for label, rates in out.items():
+        rates.update({f"÷ copy, {key}": copy[key] / value for key, value in list(rates.items())})
+    return out
+
+
+def conversion_table(rates: dict[str, dict[str, float]]) -> str:
+    """A markdown table of `conversion_rates`."""
+    keys = [k for k in next(iter(rates.values())) if not k.startswith("÷")]
+    e, k, n = CONVERSION_SHAPE
+    lines = [f"| conversion ({e} experts × K {k} × N {n}, 4-bit, {e * k * n // 2 / 1e6:.0f} MB of words) | "
+             + " | ".join(f"GB/s, {k}" for k in keys) + " | " + " | ".join(f"time ÷ copy, {k}" for k in keys) + " |",
+             "|---|" + "---|" * (2 * len(keys))]
+    for label, r in rates.items():
+        lines.append(f"| {label} | " + " | ".join(f"{r[k]:.2f}" for k in keys) + " | "
+                     + " | ".join(f"{r['÷ copy, ' + k]:.2f}" for k in keys) + " |")
+    return "\n".join(lines)

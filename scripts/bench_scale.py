@@ -43,7 +43,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # MoE layers
+from bench_common import SCALE_SIZES  # noqa: E402  (MoE layers per size)
+
 TP1_MAX_BYTES = 4 << 30  # TP 1 holds the whole fused model: only where it and the checkpoint fit the page cache
 EXPERTS, HIDDEN, INTER, GROUP = 128, 2048, 768, 128
 

@@ -39,7 +39,7 @@ def test_help_explains_every_option() -> None:
     run = cli("--help", script=True)
     assert run.returncode == 0
     for option in ("--tp", "--ep", "--placement", "--max-file-size", "--resume", "--verify", "--dry-run", "--plan",
-                   "--quiet", "--layout", "--workers", "examples:", "wna16-shard verify"):
+                   "--quiet", "--layout", "--workers", "--no-mtp", "examples:", "wna16-shard verify"):
         assert option in run.stdout, option
 
 
@@ -275,3 +275,20 @@ def test_version_usage_and_closed_pipe(source: Path, tmp_path: Path) -> None:
     proc.stdout.close()  # like `| head` that has already exited: every write gets EPIPE
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and stderr == ""
+
+
+def test_no_mtp_flag_dry_run_and_bf16_mtp_experts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dry-run says where the MTP layers go and where their count came from; official-Qwen3.5-style bf16 MTP
+    experts shard (float fused layout) by default and are copied into common/ with --no-mtp, both verified."""
+    import torch
+    from sources import mtp_checkpoint
+    mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp", mtp_dtype=torch.bfloat16)
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    assert main([src, out, "--tp", "2", "--dry-run", "--no-mtp"]) == 0
+    text = capsys.readouterr().out
+    assert "MTP layers: mtp.layers.0.mlp.experts: copied unchanged into common/ (--no-mtp)" in text
+    assert "MTP layers                = 1: mtp.layers.{0..0}  <- mtp_num_hidden_layers=1 (row qwen3_5_moe)" in text
+    assert main([src, out, "--tp", "2", "--no-mtp", "--verify", "--quiet"]) == 0
+    assert json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["mtp"]["sharded"] is False
+    assert main([src, str(tmp_path / "sharded"), "--tp", "2", "--verify", "--quiet"]) == 0
+    assert json.loads((tmp_path / "sharded" / MANIFEST_NAME).read_text())["mtp"]["sharded"] is True

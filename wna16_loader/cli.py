@@ -40,6 +40,7 @@ examples:
   wna16-shard ./ckpt ./out --tp 2 --force          # rewrite an output that is already complete
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
+  wna16-shard ./ckpt ./out --tp 2 --no-mtp         # MTP layers' tensors copied unchanged into common/
   wna16-shard org/Model-GPTQ ./out --tp 2 --revision v1  # a Hugging Face repo id (cache first, else download)
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
   torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
@@ -91,6 +92,10 @@ def shard_parser() -> argparse.ArgumentParser:
                    help="output layout: fused (default; load_experts reads it) or checkpoint (every source expert "
                         "tensor keeps its name, dtype and format, sliced for the rank; only when the cuts fall on "
                         "int32-word and group boundaries)")
+    p.add_argument("--no-mtp", action="store_true",
+                   help="leave the MTP (multi-token-prediction) layers unsharded: their expert tensors are copied "
+                        "unchanged into OUT/common/ with the other non-expert tensors (default: sharded like "
+                        "every MoE layer; for an engine that loads its draft layer from the original names)")
     p.add_argument("--workers", type=int, default=1, metavar="K",
                    help="write K folders (ranks, common/) in parallel processes (default 1); output is identical")
     p.add_argument("--distributed", action="store_true",
@@ -208,7 +213,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     summary = preshard_checkpoint(src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
-                                  workers=args.workers, force=args.force)
+                                  workers=args.workers, force=args.force, mtp=not args.no_mtp)
     if args.dry_run:
         print(describe_plan(summary.plan))
         return 0
@@ -241,7 +246,7 @@ def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
     with ShardJob.joined() as job:
         summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,
-                                       resume=args.resume, layout=args.layout)
+                                       resume=args.resume, layout=args.layout, mtp=not args.no_mtp)
     if job.process != 0:
         return 0
     if not args.quiet:

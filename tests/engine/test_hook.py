@@ -7,6 +7,7 @@ every TP x EP rank, against the unsharded forward.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from dataclasses import replace
@@ -26,6 +27,7 @@ from wna16_loader import (
     FUSED_NAMES,
     Activation,
     CompletenessError,
+    ConfigError,
     FormatError,
     FusedMoEExperts,
     LayoutMismatchError,
@@ -41,8 +43,7 @@ from wna16_loader import (
     read_moe_config,
     reference_forward,
 )
-from wna16_loader.formats import Role
-from wna16_loader.formats.spec import ModuleFilter
+from wna16_loader.formats import Role, resolve_module_rules
 from wna16_loader.testing.synthetic import (
     WRITER_MODELS,
     QuantizedProjection,
@@ -259,6 +260,60 @@ def test_weight_loader_equals_load_experts(checkpoints: Callable[..., Path], cas
         assert all(len(m.hook.store) == 0 and not m.hook.pending for m in experts_of(model).values())
 
 
+@pytest.mark.parametrize("order", ["file", "reversed"])
+@pytest.mark.parametrize("case", ["gptq_act_order_tp2_ep2", "awq_tp3_padded", "gptq_stacked_tp2_ep2"])
+def test_weight_loader_batches_of_any_size(checkpoints: Callable[..., Path], case: str, order: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch cap of one byte writes every projection as it completes (runs of one slot): same bytes."""
+    monkeypatch.setattr("wna16_loader.engine.hook.HOOK_BATCH_BYTES", 1)
+    fmt, kwargs, tp, ep = ENGINE_CASES[case]
+    folder = checkpoints(fmt, **kwargs)
+    tensors = list(checkpoint_tensors(folder))[::-1 if order == "reversed" else 1]
+    for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep):
+        model, moe = model_for(folder, parallel)
+        engine_load(model, moe, tensors)
+        for module in experts_of(model).values():
+            assert not module.hook.ready and not module.hook.pending and len(module.hook.store) == 0
+        check_model_complete(model)
+        assert_equal_to_load_experts(model, folder, parallel)
+
+
+def test_complete_projections_wait_for_their_batch_until_read(checkpoints: Callable[..., Path]) -> None:
+    """Expert 0 alone: its projections are complete but held (their batch waits for the other experts);
+    reading the module (to_fused, ledger_report, check_complete) writes them first."""
+    folder = checkpoints("awq")
+    model, moe = model_for(folder, ParallelConfig(1, 0))
+    module = next(iter(experts_of(model).values()))
+    engine_load(model, moe, [(n, t) for n, t in checkpoint_tensors(folder) if f"{module.prefix}.0." in n])
+    assert set(module.hook.ready) == set(module.spec.projections) and not module.w13_qweight.any()
+    fused, want = module.to_fused(), load_experts(folder, ParallelConfig(1, 0))[module.prefix]
+    assert not module.hook.ready and len(module.hook.store) == 0
+    for name, tensor in want.tensors.items():
+        if name != "expert_ids":
+            assert torch.equal(fused.tensors[name][0], tensor[0]), name
+    assert module.ledger_report() and all(f"{module.prefix}.0." not in line for line in module.ledger_report())
+
+
+def test_fast_path_refuses_what_the_checked_path_refuses(checkpoints: Callable[..., Path]) -> None:
+    """Once a tensor of a kind took the checked path, the next of that kind takes the fast one: every
+    inconsistent argument still raises its own error there."""
+    folder = checkpoints("awq")
+    model, moe = model_for(folder, ParallelConfig(1, 0))
+    module = next(iter(experts_of(model).values()))
+    tensors = dict(checkpoint_tensors(folder))
+    first, name = f"{module.prefix}.0.gate_proj.qweight", f"{module.prefix}.1.gate_proj.qweight"
+    assert module.weight_loader(module.w13_qweight, tensors[first], first, "w1", 0)
+    cases = [((tensors[name], name, "w2", 1), "means down"),
+             ((tensors[name], name, "w1", 2), "expert_id=2 but the name says expert 1"),
+             ((tensors[name], f"{module.prefix}.7.gate_proj.qweight", "w1", None), "outside 0..3"),
+             ((tensors[name][:, :4], name, "w1", 1), r"shape \[64, 4\]"),
+             ((tensors[name].float(), name, "w1", 1), "dtype torch.float32")]
+    for args, message in cases:
+        with pytest.raises(FormatError, match=message):
+            module.weight_loader(module.w13_qweight, *args)
+    assert module.weight_loader(module.w13_qweight, tensors[name], name, "w1", None)
+
+
 @pytest.mark.skipif(not REAL, reason="no real fixtures")
 @pytest.mark.parametrize("name", REAL)
 def test_weight_loader_real_checkpoints(name: str) -> None:
@@ -320,20 +375,22 @@ def test_weight_loader_rejects_inconsistent_arguments(checkpoints: Callable[...,
     assert module.weight_loader(module.w13_qweight, tensors[name], "qweight", ShardId.W1, 1)  # bare suffix + ids
 
 
-def test_weight_loader_refuses_a_module_the_config_excludes(checkpoints: Callable[..., Path]) -> None:
-    """The hook applies the planner's rules: a tensor of an ignored module is refused, not written."""
+def test_module_refuses_a_layer_whose_modules_resolve_differently(checkpoints: Callable[..., Path]) -> None:
+    """One layer, one spec: a config that leaves one expert's gate_proj in float (the rest quantized) is refused
+    when the layer's module is built, naming both specs, their modules and the rules."""
     folder = checkpoints("awq")
     moe = read_moe_config(folder)
     prefix = moe.experts_prefixes[0]
-    ignored = replace(moe, quant=replace(moe.quant, modules=ModuleFilter(ignore=(f"{prefix}.1.gate_proj",))))
-    module = FusedMoEExperts(ignored, prefix, ParallelConfig(1, 0))
-    tensors = dict(checkpoint_tensors(folder))
-    name = f"{prefix}.1.gate_proj.qweight"
-    with pytest.raises(FormatError, match=rf"{re.escape(name)}: its module is excluded by the quantization config"):
-        module.weight_loader(module.w13_qweight, tensors[name], name, "w1", 1)
-    assert module.map_checkpoint_name(name) == ()
-    up = f"{prefix}.1.up_proj.qweight"
-    assert module.weight_loader(module.w13_qweight, tensors[up], up, "w3", 1)
+    qconfig = {**json.loads((folder / "config.json").read_text())["quantization_config"],
+               "modules_to_not_convert": [f"{prefix}.1.gate_proj"]}
+    mixed = replace(moe, rules=resolve_module_rules(qconfig), layer_specs=())
+    with pytest.raises(ConfigError, match=rf"{re.escape(prefix)}: the expert modules of this MoE layer resolve to 2 "
+                                          rf"different quantization specs, but one fused layer holds one spec:\n"
+                                          rf"  - awq 4-bit g\d+ (a)?sym \(\d+ modules, by the top-level "
+                                          rf"quantization_config\): .*\n  - not quantized \(float weights\) \(1 "
+                                          rf"modules, by modules_to_not_convert entry '{re.escape(prefix)}.1.gate_proj'"
+                                          rf"\): {re.escape(prefix)}.1.gate_proj\n"):
+        FusedMoEExperts(mixed, prefix, ParallelConfig(1, 0))
 
 
 def test_late_optional_role_is_checked(checkpoints: Callable[..., Path]) -> None:
@@ -658,3 +715,79 @@ def test_non_gated_forward_rank_sum_equals_relu2_reference(tmp_path: Path) -> No
             load_model_experts(model, tmp_path, parallel)
             total += experts_of(model)[prefix](hidden, ids, weights)
         torch.testing.assert_close(total, want, rtol=1e-5, atol=1e-5, msg=f"tp={tp} ep={ep}")
+
+
+# ---------------------------------------------------------------------- MTP layers
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe-mtp"])  # appended model.layers.L / mtp.layers.0
+def test_mtp_modules_load_through_every_engine_path(tmp_path: Path, name: str) -> None:
+    """FusedMoEExperts for the MTP layer (by its experts prefix) fill through load_model_experts(include_mtp=True),
+    the weight_loader and load_state_dict exactly as load_experts(include_mtp=True); without include_mtp the
+    MTP module is an error of coverage, and a model without it loads the decoder's layers alone."""
+    from sources import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path, name)
+    moe = read_moe_config(tmp_path)
+    prefixes = (*moe.experts_prefixes, *moe.mtp_prefixes)
+    for parallel in ParallelConfig.all_ranks(tp_size=2, ep_size=2):
+        want = load_experts(tmp_path, parallel, include_mtp=True)
+        full = build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+        report = load_model_experts(full, tmp_path, parallel, include_mtp=True)
+        hooked = build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+        assert engine_load(hooked, moe, list(checkpoint_tensors(tmp_path))) > 0
+        check_model_complete(hooked)
+        state = build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+        install_load_hook(state)
+        result = state.load_state_dict(dict(checkpoint_tensors(tmp_path)), strict=False)
+        assert not result.missing_keys
+        assert report.layers == len(prefixes) == len(want)
+        for model in (full, hooked, state):
+            modules = experts_of(model)
+            assert [p for p, m in modules.items() if m.mtp] == [ckpt.prefixes[-1]]
+            assert modules[ckpt.prefixes[-1]].to_fused().mtp
+            for prefix, layer in want.items():
+                for tensor_name, tensor in layer.tensors.items():
+                    assert torch.equal(getattr(modules[prefix], tensor_name), tensor), (prefix, tensor_name)
+    parallel = ParallelConfig(1, 0)
+    with pytest.raises(CompletenessError, match=f"module {re.escape(ckpt.prefixes[-1])} has no expert tensors"):
+        load_model_experts(build_model(prefixes, lambda p: FusedMoEExperts(moe, p, parallel)), tmp_path, parallel)
+    main_only = build_model(moe.experts_prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+    assert load_model_experts(main_only, tmp_path, parallel).layers == len(moe.experts_prefixes)
+
+
+def test_load_model_experts_mtp_from_a_presharded_output(tmp_path: Path) -> None:
+    """From a wna16-shard output: the MTP module fills only with include_mtp=True; by default the model needs
+    (and gets) the decoder's layers alone."""
+    from sources import mtp_checkpoint
+
+    from wna16_loader.preshard import preshard_checkpoint
+    mtp_checkpoint(tmp_path / "src", "qwen3_next")
+    preshard_checkpoint(tmp_path / "src", tmp_path / "out", tp_size=2, progress=False)
+    moe = read_moe_config(tmp_path / "src")
+    parallel = ParallelConfig(tp_size=2, tp_rank=1)
+    everything = build_model((*moe.experts_prefixes, *moe.mtp_prefixes), lambda p: FusedMoEExperts(moe, p, parallel))
+    assert load_model_experts(everything, tmp_path / "out", parallel, include_mtp=True).layers == 3
+    want = load_experts(tmp_path / "src", parallel, include_mtp=True)["mtp.layers.0.mlp.experts"]
+    got = experts_of(everything)["mtp.layers.0.mlp.experts"]
+    assert all(torch.equal(getattr(got, name), tensor) for name, tensor in want.tensors.items())
+    main_only = build_model(moe.experts_prefixes, lambda p: FusedMoEExperts(moe, p, parallel))
+    assert load_model_experts(main_only, tmp_path / "out", parallel).layers == 2
+    with pytest.raises(CompletenessError, match="module mtp.layers.0.mlp.experts is not in the pre-sharded output"):
+        load_model_experts(build_model((*moe.experts_prefixes, *moe.mtp_prefixes),
+                                       lambda p: FusedMoEExperts(moe, p, parallel)), tmp_path / "out", parallel)
+
+
+def test_float_layer_weights_are_never_rounded(tmp_path: Path) -> None:
+    """A float (bf16) layer built with fp16 weights: the hook refuses to round, naming the option that fits."""
+    folder = FIXTURES / "autoround_layer_config_mixed" / "checkpoint"
+    moe = read_moe_config(folder)
+    prefix = "model.layers.2.mlp.experts"
+    module = FusedMoEExperts(moe, prefix, ParallelConfig(1, 0), weight_dtype=torch.float16)
+    assert not module.quantized and module.w13_weight.dtype == torch.float16
+    name = f"{prefix}.0.gate_proj.weight"
+    tensor = dict(checkpoint_tensors(folder))[name]
+    with pytest.raises(FormatError, match=re.escape(f"{name}: weights are torch.bfloat16 but {prefix} stores "
+                                                    f"torch.float16 weights; converting would round them. Build the "
+                                                    f"module with weight_dtype=torch.bfloat16.")):
+        module.weight_loader(module.w13_weight, tensor, name, "w1", 0)
+        module.flush()  # complete projections are written in batches; the write refuses to round
+    assert FusedMoEExperts(moe, prefix, ParallelConfig(1, 0)).w13_weight.dtype == torch.bfloat16  # as stored

@@ -11,12 +11,12 @@ from wna16_loader.errors import ConfigError
 from wna16_loader.formats import (
     FORMATS,
     Dim,
-    ModuleFilter,
     QuantSpec,
     Role,
     awq,
     compressed_tensors,
     gptq,
+    resolve_module_rules,
     resolve_quant_spec,
 )
 
@@ -127,13 +127,6 @@ def test_awq_non_bool_zero_point() -> None:
         resolve_quant_spec(_awq(zero_point="yes"))
 
 
-def test_awq_modules_to_not_convert() -> None:
-    spec = resolve_quant_spec(_awq(modules_to_not_convert=["gate", "lm_head"]))
-    assert spec.modules == ModuleFilter(targets=("Linear",), ignore=("gate", "lm_head"))
-    assert spec.modules.covers("model.layers.0.mlp.experts.0.gate_proj")
-    assert not spec.modules.covers("lm_head")
-
-
 # ---------------------------------------------------------------- GPTQ
 
 
@@ -242,15 +235,6 @@ def test_ct_multiple_groups_same_scheme_merge_targets() -> None:
     spec = resolve_quant_spec(_ct(groups={"a": {"targets": ["re:.*gate_proj"], "weights": w},
                                           "b": {"targets": ["re:.*down_proj"], "weights": dict(w)}}))
     assert spec.group_size == 64
-    assert spec.modules.targets == ("re:.*gate_proj", "re:.*down_proj")
-
-
-def test_ct_multiple_groups_different_schemes() -> None:
-    w4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
-    w8 = {**w4, "num_bits": 8}
-    with pytest.raises(ConfigError, match=r"config_groups \['group_0', 'group_1'\] use different weight schemes"):
-        resolve_quant_spec(_ct(groups={"group_0": {"targets": ["Linear"], "weights": w4},
-                                       "group_1": {"targets": ["re:.*experts.*"], "weights": w8}}))
 
 
 @pytest.mark.parametrize("fmt", ["float-quantized", "naive-quantized", "int-quantized", "marlin-24", None])
@@ -284,28 +268,6 @@ def test_ct_no_config_groups() -> None:
 def test_ct_group_strategy_without_group_size() -> None:
     with pytest.raises(ConfigError, match=r"needs integer num_bits and group_size, found num_bits=4, group_size=None"):
         resolve_quant_spec(_ct({"group_size": None}))
-
-
-def test_ct_targets_and_ignore_with_regex() -> None:
-    spec = resolve_quant_spec(_ct(targets=("re:.*mlp\\.experts\\..*",),
-                                  ignore=("lm_head", "re:.*layers\\.0\\..*", "re:.*down_proj")))
-    covers = spec.modules.covers
-    assert covers("model.layers.3.mlp.experts.7.gate_proj")
-    assert covers("model.layers.3.mlp.experts.7.up_proj")
-    assert not covers("model.layers.3.mlp.experts.7.down_proj")  # ignored by regex
-    assert not covers("model.layers.0.mlp.experts.7.gate_proj")  # ignored by regex
-    assert not covers("model.layers.3.self_attn.q_proj")  # not targeted
-    assert not covers("lm_head")  # exact ignore
-    # a regex is matched in full, not searched
-    assert not ModuleFilter(targets=("re:experts",)).covers("model.layers.0.mlp.experts.0.gate_proj")
-
-
-def test_module_filter_exact_and_linear() -> None:
-    f = ModuleFilter(targets=("model.layers.0.mlp.experts.0.gate_proj",))
-    assert f.covers("model.layers.0.mlp.experts.0.gate_proj")
-    assert not f.covers("model.layers.0.mlp.experts.0.up_proj")
-    assert ModuleFilter().covers("anything")
-    assert not ModuleFilter(ignore=("Linear",)).covers("anything")
 
 
 # ---------------------------------------------------------------- AutoRound
@@ -355,11 +317,6 @@ def test_autoround_unknown_packing(packing) -> None:
                                           r"\['auto_gptq', 'auto_round:auto_gptq', 'auto_round:gptqmodel', "
                                           r"'auto_awq', 'auto_round:auto_awq', 'auto_round'\]"):
         resolve_quant_spec(_ar(packing_format=packing))
-
-
-def test_autoround_modules_to_not_convert() -> None:
-    spec = resolve_quant_spec(_ar(modules_to_not_convert="lm_head"))
-    assert spec.modules.ignore == ("lm_head",)
 
 
 # ---------------------------------------------------------------- shared errors
@@ -428,6 +385,13 @@ EXPECTED_FIXTURES = {
                               act_order=False, zero_word_bias=False),
     "autoround_w8_g64_asym": dict(format_name="gptq", bits=8, group_size=64, symmetric=False, act_order=False,
                                   zero_word_bias=False),
+    # the mixed fixtures: their top-level spec (each layer's own: tests/formats/test_rules.py)
+    "gptq_dynamic_mixed": dict(format_name="gptq", bits=4, group_size=32, symmetric=False, act_order=False,
+                               zero_word_bias=True),
+    "ct_multigroup_mixed": dict(format_name="compressed-tensors", bits=4, group_size=32, symmetric=False,
+                                act_order=False, zero_word_bias=False),
+    "autoround_layer_config_mixed": dict(format_name="gptq", bits=4, group_size=32, symmetric=True, act_order=False,
+                                         zero_word_bias=True),
 }
 
 
@@ -444,6 +408,7 @@ def test_real_fixture_quantization_config(name: str, path: Path) -> None:
     for attr, value in EXPECTED_FIXTURES[name].items():
         assert getattr(spec, attr) == value, (name, attr)
     if spec.format_name == "compressed-tensors":
-        assert spec.modules.covers("model.layers.0.mlp.experts.3.down_proj")
-        assert not spec.modules.covers("model.layers.0.mlp.gate")
-        assert not spec.modules.covers("lm_head")
+        rules = resolve_module_rules(qconfig)
+        assert rules.resolve("model.layers.0.mlp.experts.3.down_proj").spec == spec
+        assert not rules.resolve("model.layers.0.mlp.gate").spec.quantized
+        assert not rules.resolve("lm_head").spec.quantized

@@ -13,9 +13,11 @@ import re
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from conftest import assert_exact, assert_owners, expected_experts, load_all_ranks, reassemble, stitch
 
 from wna16_loader import FUSED_NAMES, FusedExperts, LoadReport, ParallelConfig, load_experts, read_moe_config
+from wna16_loader.errors import CompletenessError
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.testing.synthetic import WRITER_MODELS, quant_config, write_checkpoint
 
@@ -290,7 +292,7 @@ def test_fused_shapes_act_order(tmp_path):
         "w2_g_idx": ((e_l, i_p), torch.int32),
         "expert_ids": ((e_l,), torch.int32),
     }
-    assert set(layer.tensors) == set(want) == set(FUSED_NAMES)
+    assert set(layer.tensors) == set(want) == set(FUSED_NAMES) - {"w13_weight", "w2_weight"}  # those: float experts
     for name, (shape, dtype) in want.items():
         tensor = getattr(layer, name)
         assert tuple(tensor.shape) == shape, name
@@ -454,3 +456,81 @@ def test_reduced_group_size_warned_per_rank(tmp_path, caplog):
                         "(model.layers.0.mlp.experts): I/tp = 128/8 is not a multiple of 32, so each scale and zero "
                         "point is repeated; kernels that accept only some group sizes may refuse it. TP sizes that "
                         "keep group size 32: [1, 2, 4]."]
+
+
+# ---------------------------------------------------------------------- MTP layers
+
+MTP_NAMES = ("deepseek_v3", "glm4_moe_lite-flash", "qwen3_5_moe-mtp", "qwen3_next")  # appended x 2, mtp.layers x 2
+
+
+@pytest.mark.parametrize("name", MTP_NAMES)
+def test_mtp_layers_load_only_when_asked(tmp_path, name):
+    """Present MTP experts (quantized like the rest): left alone by default (non-expert tensors, never an
+    error), loaded exactly at every TP x EP with include_mtp=True, each layer marked mtp."""
+    from sources import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path, name)
+    moe = read_moe_config(tmp_path)
+    mtp_prefix = ckpt.prefixes[-1]
+    assert moe.mtp_prefixes == (mtp_prefix,) and moe.experts_prefixes == ckpt.prefixes[:-1]
+    main_refs = {k: v for k, v in ckpt.references.items() if k[0] != mtp_prefix}
+    default = load_experts(tmp_path, ParallelConfig(1, 0))
+    assert sorted(default) == sorted(moe.experts_prefixes) and not any(layer.mtp for layer in default.values())
+    mtp_tensors = [n for n in default.ignored if n.startswith(f"{mtp_prefix}.")]
+    assert len(mtp_tensors) == E * 3 * 4  # 4 experts x 3 projections x (qweight, qzeros, scales, g_idx)
+    with_mtp = load_experts(tmp_path, ParallelConfig(1, 0), include_mtp=True)
+    assert [p for p, layer in with_mtp.items() if layer.mtp] == [mtp_prefix]
+    assert not set(with_mtp.ignored) & set(mtp_tensors)
+    assert_exact(reassemble(tmp_path, 1, 1)[0], main_refs)
+    for tp, ep in ((1, 1), (2, 1), (1, 2), (2, 2), (4, 2)):
+        weights, owners = reassemble(tmp_path, tp, ep, include_mtp=True)
+        assert_owners(owners, ckpt.prefixes, E, tp, ep)
+        assert_exact(weights, ckpt.references)
+
+
+@pytest.mark.parametrize("name", MTP_NAMES)
+def test_declared_mtp_layers_without_tensors_are_normal(tmp_path, name):
+    from sources import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path, name, mtp=False)
+    assert read_moe_config(tmp_path).mtp.count == 1 and read_moe_config(tmp_path).mtp_prefixes == ()
+    for include_mtp in (False, True):
+        weights, _ = reassemble(tmp_path, 2, 2, include_mtp=include_mtp)
+        assert_exact(weights, ckpt.references)
+
+
+@pytest.mark.parametrize("name", ("deepseek_v3", "qwen3_5_moe-mtp"))
+def test_bf16_mtp_experts(tmp_path, name):
+    """Official Qwen3.5 GPTQ-Int4 releases: MTP experts in bf16, the rest 4-bit. Left alone they are
+    non-expert tensors; asked for, the MTP layer loads into the float fused layout (the tensors decide its
+    spec), exactly, at every split."""
+    from sources import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path, name, mtp_dtype=torch.bfloat16)
+    prefix = ckpt.prefixes[-1]
+    weights, _ = reassemble(tmp_path, 2, 1)
+    assert_exact(weights, ckpt.references)
+    assert sum(n.startswith(f"{prefix}.") and n.endswith("_proj.weight") for n in
+               load_experts(tmp_path, ParallelConfig(1, 0)).ignored) == E * 3
+    stored = {name: t for file in tmp_path.glob("*.safetensors") for name, t in load_file(file).items()}
+    float_refs = {(prefix, e, kind): stored[f"{prefix}.{e}.{kind}_proj.weight"].float()
+                  for e in range(E) for kind in ("gate", "up", "down")}
+    for tp, ep in ((1, 1), (2, 2), (4, 1)):
+        weights, _ = reassemble(tmp_path, tp, ep, include_mtp=True)
+        assert_exact(weights, {**ckpt.references, **float_refs})
+    layer = load_experts(tmp_path, ParallelConfig(2, 1), include_mtp=True)[prefix]
+    assert layer.mtp and not layer.quantized and layer.w13_weight.dtype == torch.bfloat16
+    assert set(layer.tensors) == {"w13_weight", "w2_weight", "expert_ids"}
+
+
+def test_undeclared_mtp_layer_is_unexpected_only_when_asked(tmp_path):
+    """An mtp.layers tree beyond the declared count: unexpected with include_mtp=True (each tensor named, with
+    the count's source and the fix), left alone without."""
+    from sources import mtp_checkpoint
+    mtp_checkpoint(tmp_path / "qwen", "qwen3_next", mtp_num_hidden_layers=2)
+    config = json.loads((tmp_path / "qwen" / "config.json").read_text())
+    (tmp_path / "qwen" / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    assert len(load_experts(tmp_path / "qwen", ParallelConfig(1, 0))) == 2
+    with pytest.raises(CompletenessError) as error:
+        load_experts(tmp_path / "qwen", ParallelConfig(1, 0), include_mtp=True)
+    assert "48 problems" in str(error.value)
+    assert ("unexpected tensor: mtp.layers.1.mlp.experts.0.down_proj.g_idx (MTP layer 1, but config.json declares "
+            "1 MTP layer(s) (mtp_num_hidden_layers=1 (row qwen3_next)); load with include_mtp=False (wna16-shard "
+            "--no-mtp) to keep them as non-expert tensors)") in str(error.value)

@@ -401,3 +401,18 @@ def test_ep_larger_than_expert_count(tmp_path):
 def test_errors_share_a_base():
     for cls in (CompletenessError, FormatError, ShardingError):
         assert issubclass(cls, WNA16Error) and issubclass(cls, ValueError)
+
+
+def test_scan_moves_mtp_layers_to_the_other_tensors(tmp_path):
+    """CheckpointScan.mtp_prefixes / without: the MTP layer's expert tensors become non-expert tensors, the
+    decoder's layers stay as they were."""
+    from sources import mtp_checkpoint
+    mtp_checkpoint(tmp_path, "qwen3_5_moe-mtp")
+    with CheckpointIndex(tmp_path) as index:
+        scan = CheckpointScan.of(index)
+    mtp = scan.mtp_prefixes(read_config_files(tmp_path).mtp)
+    assert mtp == ("mtp.layers.0.mlp.experts",)
+    left = scan.without(mtp)
+    assert list(left.layers) == [p for p in scan.layers if p not in mtp] and scan.without(()) is scan
+    moved = {key.name for key in scan.layers[mtp[0]]}
+    assert set(left.others) == set(scan.others) | moved and list(left.others) == sorted(left.others)

@@ -226,8 +226,10 @@ def test_two_layer_rules_that_disagree_name_both_keys() -> None:
                        *(Path(__file__).parents[1] / "fixtures").glob("*/checkpoint/config.json")]), ids=str)
 def test_real_fixture_configs(folder: Path) -> None:
     moe = read_config_files(folder)
-    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.num_layers) == (4, 2, 128, 128, 1)
-    assert moe.moe_layers == (0,)
+    mixed = folder.parent.name.endswith("_mixed")  # 3 layers, hidden 64 (tests/fixtures/README.md)
+    assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.num_layers) == \
+        ((4, 2, 64, 128, 3) if mixed else (4, 2, 128, 128, 1))
+    assert moe.moe_layers == ((0, 1, 2) if mixed else (0,))
     assert moe.model_type == "qwen3_moe"
 
 
@@ -422,7 +424,7 @@ def test_resolution_records_every_value() -> None:
     assert (rec.family, rec.decoder) == ("gemma4", "text_config")
     assert [v.what for v in rec.values] == ["hidden size", "decoder layer count", "MoE layers", "routed expert count",
                                             "experts per token (top-k)", "expert intermediate size",
-                                            "zero (identity) experts", "gated", "activation"]
+                                            "zero (identity) experts", "gated", "activation", "MTP layers"]
     assert rec["experts per token (top-k)"] == Resolved("experts per token (top-k)", 8, "top_k_experts (row gemma4)",
                                                         "top_k_experts")
     assert rec["MoE layers"].source == ("rule enable_moe_block: enable_moe_block=True (every layer when true, none "

@@ -34,6 +34,7 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "gemma4": (128, 8, 704, 30, tuple(range(30)), "enable_moe_block"),
     "glm4_moe": (128, 8, 1408, 46, tuple(range(1, 46)), "first_k_dense_replace"),
     "glm4_moe_lite": (64, 4, 1536, 47, tuple(range(1, 47)), "mlp_layer_types"),
+    "glm4_moe_lite-flash": (64, 4, 1536, 47, tuple(range(1, 47)), "mlp_layer_types"),
     "glm_moe_dsa": (256, 8, 2048, 78, tuple(range(3, 78)), "mlp_layer_types"),
     "hunyuan_v1_moe": (1, 1, 11008, 32, tuple(range(32)), None),
     "hunyuan_v1_moe-a13b": (64, 8, 3072, 32, tuple(range(32)), None),
@@ -52,10 +53,11 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "phimoe": (16, 2, 6400, 32, tuple(range(32)), None),
     "qwen2_moe": (60, 4, 1408, 24, tuple(range(24)), "decoder_sparse_step"),
     "qwen3_5_moe": (256, 8, 512, 40, tuple(range(40)), None),
+    "qwen3_5_moe-mtp": (256, 8, 512, 40, tuple(range(40)), None),
     "qwen3_moe": (128, 8, 768, 24, tuple(range(24)), "decoder_sparse_step"),
     "qwen3_next": (512, 10, 512, 48, tuple(range(48)), "decoder_sparse_step"),
 }
-# the issue's 28 model types and the two published variants
+# the issue's 28 model types, the two published variants and two publishers' MTP counts
 ISSUE_TYPES = {"afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
                "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
                "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
@@ -190,6 +192,20 @@ def test_family_loads_exactly(tmp_path, name):
         assert_exact(weights, ckpt.references)
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if resolve(fixture(n)).mtp.count and resolve(fixture(n)).mtp.routed])
+def test_family_mtp_layers_load_exactly(tmp_path, name):
+    """Every fixture that declares MTP layers with routed experts, written with them (in the row's naming):
+    the decoder's layers alone by default, every layer exactly with include_mtp=True."""
+    ckpt = write_family_checkpoint(tmp_path, shrink(fixture(name)), QUANT, seed=len(name), mtp=True)
+    moe = read_moe_config(tmp_path)
+    assert moe.mtp_prefixes == ckpt.prefixes[-moe.mtp.count:] and moe.experts_prefixes == ckpt.prefixes[:-1]
+    main = {k: v for k, v in ckpt.references.items() if k[0] in moe.experts_prefixes}
+    assert_exact(reassemble(tmp_path, 2, 2)[0], main)
+    weights, owners = reassemble(tmp_path, 2, 2, include_mtp=True)
+    assert_owners(owners, ckpt.prefixes, E, 2, 2)
+    assert_exact(weights, ckpt.references)
+
+
 def test_per_layer_sizes_load_with_their_own_geometry(tmp_path):
     """Hunyuan-A13B's per-layer lists at test sizes: I alternates 64 / 96, so at TP 2 the layers have I_p 32 / 48
     and G_eff 32 / 16."""
@@ -214,7 +230,7 @@ def test_rendered_table_has_one_line_per_row():
     assert nemotron == ("| nemotron_h | top level | `n_routed_experts` ; `num_experts_per_tok` ; `moe_intermediate_size` | "
                         "`layers_block_type`, `hybrid_override_pattern` | "
                         "`backbone.layers.L.mixer.experts.E.{up_proj, down_proj}` | **not gated**, activation "
-                        "`mlp_hidden_act` |")
+                        "`mlp_hidden_act` | — |")
 
 
 def test_readme_table_is_the_rendered_one():

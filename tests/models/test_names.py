@@ -21,7 +21,7 @@ from wna16_loader.models.names import (
     prefix_at_layer,
 )
 
-ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone")
+ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone", "mtp")  # mtp: Qwen's MTP tree
 ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,

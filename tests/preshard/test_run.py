@@ -267,3 +267,87 @@ def test_non_gated_round_trip_and_verify(tmp_path: Path) -> None:
         assert verify_output(out, source=src) == []
     manifest = json.loads((tmp_path / "fused" / MANIFEST_NAME).read_text())
     assert "'gated': False" in repr(manifest) or '"gated": false' in json.dumps(manifest)
+
+
+# ---------------------------------------------------------------------- MTP layers
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_5_moe-mtp"])  # appended model.layers.L / mtp.layers.0
+def test_mtp_layers_sharded_or_copied(tmp_path: Path, name: str) -> None:
+    """By default the MTP layer is sharded like the others (marked in the manifest, loaded with include_mtp);
+    --no-mtp copies its tensors unchanged into common/. verify passes both ways; nothing of the source is lost."""
+    from sources import mtp_checkpoint
+    ckpt = mtp_checkpoint(tmp_path / "src", name)
+    mtp_prefix, source = ckpt.prefixes[-1], raw_tensors(tmp_path / "src")
+    mtp_names = sorted(n for n in source if n.startswith(f"{mtp_prefix}."))
+    for shard, out in ((True, tmp_path / "sharded"), (False, tmp_path / "copied")):
+        summary = preshard_checkpoint(tmp_path / "src", out, tp_size=2, ep_size=2, progress=False, mtp=shard,
+                                      verify=True)
+        assert summary.problems == ()
+        assert f"experts in {3 if shard else 2} layer(s) reassembled over TP exactly" in summary.verified
+        manifest = read_manifest(out)
+        assert manifest["params"]["mtp"] is shard
+        assert manifest["mtp"] == {"layers": [mtp_prefix], "sharded": shard, "where": "the ranks' files"
+                                   if shard else "common/ (--no-mtp), unchanged"}
+        assert all(bool(rank["layers"].get(mtp_prefix, {}).get("mtp")) is shard for rank in manifest["ranks"])
+        common = raw_tensors(out / "common")
+        assert {n: common[n] for n in mtp_names if n in common} == ({} if shard else {n: source[n] for n in mtp_names})
+        assert {n: common[n] for n in common if n not in mtp_names} == \
+            {n: source[n] for n in source if n in common and n not in mtp_names}  # the rest of common/ as before
+        assert set(manifest["source_tensors"]) == set(source)  # every source tensor accounted for
+        for parallel in ParallelConfig.all_ranks(tp_size=2, ep_size=2):
+            assert sorted(load_experts(out, parallel)) == sorted(ckpt.prefixes[:-1])
+            with_mtp = load_experts(out, parallel, include_mtp=True)
+            direct = load_experts(tmp_path / "src", parallel, include_mtp=shard)
+            assert sorted(with_mtp) == sorted(direct) and [p for p, l in with_mtp.items() if l.mtp] == \
+                ([mtp_prefix] if shard else [])
+            for prefix, layer in direct.items():
+                assert all(torch.equal(t, with_mtp[prefix].tensors[k]) for k, t in layer.tensors.items())
+
+
+def test_bf16_mtp_experts_shard_with_and_without_no_mtp(tmp_path: Path) -> None:
+    """Official Qwen3.5 GPTQ-Int4 layout (bf16 MTP experts): by default the MTP layer is sharded in the float
+    fused layout and verifies; --no-mtp copies its tensors unchanged into common/ and verifies."""
+    from sources import mtp_checkpoint
+    mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp", mtp_dtype=torch.bfloat16)
+    summary = preshard_checkpoint(tmp_path / "src", tmp_path / "out", tp_size=2, progress=False, mtp=False,
+                                  verify=True)
+    assert summary.problems == ()
+    source, common = raw_tensors(tmp_path / "src"), raw_tensors(tmp_path / "out" / "common")
+    assert all(common[n] == source[n] for n in source if n.startswith("mtp."))
+    summary = preshard_checkpoint(tmp_path / "src", tmp_path / "default", tp_size=2, progress=False, verify=True)
+    assert summary.problems == ()
+    parallel = ParallelConfig(tp_size=2, tp_rank=1)
+    want = load_experts(tmp_path / "src", parallel, include_mtp=True)["mtp.layers.0.mlp.experts"]
+    got = load_experts(tmp_path / "default", parallel, include_mtp=True)["mtp.layers.0.mlp.experts"]
+    assert not got.quantized and got.mtp
+    assert all(torch.equal(got.tensors[name], tensor) for name, tensor in want.tensors.items())
+
+
+def test_sources_without_mtp_record_nothing_new(tmp_path: Path) -> None:
+    """No MTP experts in the source: the manifest and plan have no MTP key, with or without --no-mtp, so
+    their outputs are byte-identical to each other (and to what earlier versions wrote)."""
+    from sources import mtp_checkpoint
+    make_source(tmp_path / "src")
+    preshard_checkpoint(tmp_path / "src", tmp_path / "a", tp_size=2, progress=False)
+    preshard_checkpoint(tmp_path / "src", tmp_path / "b", tp_size=2, progress=False, mtp=False)
+    assert tree_bytes(tmp_path / "a") == tree_bytes(tmp_path / "b")
+    manifest = read_manifest(tmp_path / "a")
+    assert "mtp" not in manifest and "mtp" not in manifest["params"]
+    mtp_checkpoint(tmp_path / "declared", "deepseek_v3", mtp=False)  # declared, absent: also nothing recorded
+    preshard_checkpoint(tmp_path / "declared", tmp_path / "c", tp_size=2, progress=False)
+    assert "mtp" not in read_manifest(tmp_path / "c")
+
+
+def test_verify_names_misplaced_mtp_layers(tmp_path: Path) -> None:
+    from sources import mtp_checkpoint
+
+    from wna16_loader.preshard.verify import verify_mtp
+    mtp_checkpoint(tmp_path / "src", "deepseek_v3")
+    preshard_checkpoint(tmp_path / "src", tmp_path / "out", tp_size=2, progress=False)
+    manifest = read_manifest(tmp_path / "out")
+    assert verify_mtp(manifest) == []
+    manifest["mtp"]["sharded"] = False
+    manifest["mtp"]["where"] = "common/ (--no-mtp), unchanged"
+    assert verify_mtp(manifest) == [
+        f"rank {r}: MTP layers ['model.layers.3.mlp.experts'] in its files, but the manifest records "
+        f"['model.layers.3.mlp.experts'] as common/ (--no-mtp), unchanged; re-shard the source" for r in (0, 1)]

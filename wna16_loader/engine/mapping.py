@@ -1,7 +1,8 @@
 """Engine-facing names: vLLM's projection ids, and checkpoint tensor name -> the fused parameters it feeds.
 
 `ExpertParamMapping` maps a checkpoint name to the fused parameters it feeds in
-O(1) (one regex match, dict lookups).
+O(1): the name regex runs once per name shape (`ExpertNameParser`), the planner's rule once per kind
+(`KeyRules`); every other name is a split and dict lookups.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from ..formats import Role
-from ..load.plan import expert_key_problem
+from ..load.plan import KeyRules
 from ..models.config import MoEConfig
-from ..models.names import PROJ_ALIASES, Proj, parse_expert_name
+from ..models.names import PROJ_ALIASES, ExpertNameParser, Proj
 
-FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx"}
+FUSED_ROLE_NAMES = {Role.QWEIGHT: "qweight", Role.SCALES: "scales", Role.ZEROS: "qzeros", Role.G_IDX: "g_idx",
+                    Role.WEIGHT: "weight"}
 
 
 class ShardId(enum.Enum):
@@ -71,29 +73,41 @@ class ExpertParamMapping:
     """Checkpoint tensor name -> the fused parameters it feeds, in O(1) per name.
 
     Names under another experts prefix (when `prefix` is given), with a suffix the
-    format does not declare, an expert id >= E, a module the quantization config
-    excludes, or stacked sources other than gate_up/down map to ().
+    layer's spec does not declare (each layer's own: `MoEConfig.spec_of`), an expert id >= E,
+    or stacked sources other than gate_up/down map to ().
     """
 
     def __init__(self, moe: MoEConfig, prefix: str | None = None) -> None:
         self.moe, self.prefix = moe, prefix
-        stored = {Role.QWEIGHT, Role.SCALES} | ({Role.G_IDX} if moe.quant.act_order else set())
-        stored |= set() if moe.quant.symmetric else {Role.ZEROS}
-        self._fused = {(proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}"
-                       if layout.role in stored else f"{fused_half(proj)}_qweight"
-                       for proj in Proj for layout in moe.quant.layouts}
+        self._parse = ExpertNameParser()
+        self._layers: dict[str, tuple[MoEConfig, dict[tuple[Proj, Role], str], KeyRules]] = {}
+
+    def _layer(self, experts_prefix: str) -> tuple[MoEConfig, dict[tuple[Proj, Role], str], KeyRules]:
+        """The layer's config (its own spec), (projection, role) -> fused parameter name, and the planner's
+        rule for its keys, made once per layer."""
+        if experts_prefix not in self._layers:
+            moe = self.moe.at_layer(experts_prefix)
+            quant = moe.quant
+            stored = {Role.QWEIGHT, Role.SCALES, Role.WEIGHT} | ({Role.G_IDX} if quant.act_order else set())
+            stored |= set() if quant.symmetric else {Role.ZEROS}
+            main = "qweight" if quant.quantized else "weight"
+            self._layers[experts_prefix] = (moe, {
+                (proj, layout.role): f"{fused_half(proj)}_{FUSED_ROLE_NAMES[layout.role]}" if layout.role in stored
+                else f"{fused_half(proj)}_{main}" for proj in Proj for layout in quant.layouts}, KeyRules(moe))
+        return self._layers[experts_prefix]
 
     def __call__(self, name: str) -> tuple[ParamTarget, ...]:
         """The targets of checkpoint tensor `name`: two for gate_up_proj, one otherwise, () if none."""
-        key = parse_expert_name(name)
-        if key is None or (self.prefix is not None and key.experts_prefix != self.prefix) or \
-                expert_key_problem(self.moe, key) is not None:
+        key = self._parse(name)
+        if key is None or (self.prefix is not None and key.experts_prefix != self.prefix):
             return ()
-        layout = self.moe.quant.layout_for_suffix(key.suffix)
+        moe, fused, rules = self._layer(key.experts_prefix)
+        if rules.problem(key) is not None:
+            return ()
+        layout = moe.quant.layout_for_suffix(key.suffix)
         assert layout is not None, "expert_key_problem checks the suffix"
-        return tuple(ParamTarget(f"{key.experts_prefix}.{self._fused[(proj, layout.role)]}",
-                                 self._fused[(proj, layout.role)], ShardId.of_proj(proj), key.expert)
-                     for proj in key.source.projs)
+        return tuple(ParamTarget(f"{key.experts_prefix}.{fused[(proj, layout.role)]}", fused[(proj, layout.role)],
+                                 ShardId.of_proj(proj), key.expert) for proj in key.source.projs)
 
     map_checkpoint_name = __call__
 

@@ -71,7 +71,7 @@ def check_model_complete(model: nn.Module) -> None:
 
 
 def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig, *,
-                       revision: str | None = None) -> LoadReport:
+                       revision: str | None = None, include_mtp: bool = False) -> LoadReport:
     """Fill every FusedMoEExperts of `model` with `parallel`'s share of the checkpoint.
 
     The same plan and slice reads as `load_experts`: non-local experts are never
@@ -79,14 +79,16 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     and written straight into the module's parameters. Every module's ledger must
     end complete; call `reset_load()` on the modules to load them a second time.
     `checkpoint_folder` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
+    MTP layers are loaded only with `include_mtp=True` (then the model needs a FusedMoEExperts for each, by
+    its experts prefix, e.g. `mtp.layers.0.mlp.experts`); by default they are left to the engine.
     """
     start = time.perf_counter()
     checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision)
     modules = experts_modules(model)
     _check_parallel(modules, parallel)
     if is_presharded(checkpoint_folder):
-        return _load_presharded_into(modules, checkpoint_folder, parallel)
-    with planned(checkpoint_folder, parallel) as (_, index, scan, plans):
+        return _load_presharded_into(modules, checkpoint_folder, parallel, include_mtp)
+    with planned(checkpoint_folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
         for plan in plans:
@@ -103,12 +105,12 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
 
 
 def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Path,
-                          parallel: ParallelConfig) -> LoadReport:
+                          parallel: ParallelConfig, include_mtp: bool) -> LoadReport:
     """Fill the modules from a wna16-shard output, layer by layer: each fused tensor is copied from the rank
     file's mapping into its parameter (nothing of the rank is held in host memory besides one tensor)."""
     start = time.perf_counter()
     rank = rank_record(folder, parallel)
-    specs = rank_specs(rank)
+    specs = rank_specs(rank, include_mtp=include_mtp)
     problems = [f"output layer {p} has no FusedMoEExperts in the model" for p in sorted(set(specs) - set(modules))]
     problems += [f"module {p} is not in the pre-sharded output" for p in sorted(set(modules) - set(specs))]
     if problems:
@@ -128,7 +130,7 @@ def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Pat
 
 def synchronize(modules: Iterable[FusedMoEExperts]) -> None:
     """Wait once for the device work queued by loads into `modules` (once per device they live on)."""
-    for module in {str(m.w13_qweight.device): m for m in modules}.values():
+    for module in {str(m.expert_ids.device): m for m in modules}.values():
         module.synchronize()
 
 

@@ -55,13 +55,19 @@ class FusedMoEExperts(nn.Module):
 
     def __init__(self, moe: MoEConfig, prefix: str, parallel: ParallelConfig, *,
                  device: torch.device | str | None = None, scale_dtype: torch.dtype = torch.float16,
-                 activation: Activation | None = None, allow_nonfinite_scales: bool = False) -> None:
-        """`activation`: None takes the config's (`moe.activation`, SiLU when it names none)."""
+                 activation: Activation | None = None, allow_nonfinite_scales: bool = False,
+                 weight_dtype: torch.dtype | None = None) -> None:
+        """`activation`: None takes the config's (`moe.activation`, SiLU when it names none). The layer's own
+        spec (`moe.spec_of(prefix)`) decides its parameters; a float (unquantized) layer keeps its weights in
+        `weight_dtype` (None: the stored dtype `read_moe_config` recorded, else `scale_dtype`)."""
         super().__init__()
+        self.layer_spec = moe.spec_of(prefix)
+        moe = moe.at_layer(prefix)
         self.moe, self.prefix, self.parallel = moe, prefix, parallel
         self.activation = activation or Activation.from_config(moe.activation)
         self.geometry = layer_geometry(moe, parallel, layer_of_prefix(prefix))
-        self.spec = FusedSpec.of(self.geometry, moe.quant, scale_dtype, gated=moe.gated, activation=moe.activation)
+        dtype = scale_dtype if moe.quant.quantized else weight_dtype or self.layer_spec.dtype or scale_dtype
+        self.spec = FusedSpec.of(self.geometry, moe.quant, dtype, gated=moe.gated, activation=moe.activation)
         self.ledger = Ledger()
         for expert in self.spec.experts:
             for proj in self.spec.projections:
@@ -77,7 +83,8 @@ class FusedMoEExperts(nn.Module):
                                                        requires_grad=False))
         self._after_move()
 
-    bits = property(lambda self: self.spec.bits, doc="Bits per weight.")
+    bits = property(lambda self: self.spec.bits, doc="Bits per weight (16: float experts).")
+    quantized = property(lambda self: self.spec.quantized, doc="False for float experts (w13_weight / w2_weight).")
     group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
     has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
     act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
@@ -85,10 +92,12 @@ class FusedMoEExperts(nn.Module):
     intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
     intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
     padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
+    mtp = property(lambda self: self.moe.mtp.index(self.prefix) is not None, doc="Whether this is an MTP layer.")
 
     def extra_repr(self) -> str:
         return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I={self.spec.intermediate}, "
-                f"I_p={self.spec.part}, padding={self.spec.padding}, bits={self.bits}, "
+                f"I_p={self.spec.part}, padding={self.spec.padding}, spec={self.moe.quant.describe()!r}, "
+                f"bits={self.bits}, "
                 f"group_size={self.group_size}, zero_point={self.has_zero_point}, act_order={self.act_order}, "
                 f"activation={self.activation.value}, gated={self.gated}")
 
@@ -124,10 +133,10 @@ class FusedMoEExperts(nn.Module):
     def _fused_writer(self) -> FusedWriter:
         """A FusedWriter whose staging tensors are this module's parameters."""
         if self._writer is None:
-            if self.w13_qweight.is_meta:
+            if self.expert_ids.is_meta:
                 raise CompletenessError(f"{self.prefix}: the fused parameters are on the meta device; call "
                                         f"materialize(device) or .to_empty(device=...) before loading weights.")
-            self._writer = FusedWriter(self.prefix, self.spec, self.w13_qweight.device,
+            self._writer = FusedWriter(self.prefix, self.spec, self.expert_ids.device,
                                        staging=dict(self.named_parameters(recurse=False)))
         return self._writer
 
@@ -157,6 +166,7 @@ class FusedMoEExperts(nn.Module):
                                       f"was built as {self.spec}; build it from this checkpoint's read_moe_config "
                                       f"and the same ParallelConfig.")
         with torch.no_grad():
+            self.hook.flush()
             self.hook.load_plan(index, self._fused_writer(), plan)
 
     def load_fused(self, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, source: str) -> None:
@@ -170,21 +180,31 @@ class FusedMoEExperts(nn.Module):
             raise LayoutMismatchError(f"{self.prefix}: {source} holds the layout {spec} but the module was built "
                                       f"as {self.spec}; build it with the ParallelConfig the output was sharded for.")
         with torch.no_grad():
+            self.hook.flush()
             put_layer(source, self._fused_writer(), tensors)
         for slot in self.ledger.missing():
             self.ledger.record_slot(slot, f"{source}:{self.prefix}")
 
+    def flush(self) -> None:
+        """Write the projections the weight loader has complete but still holds for a batch (see
+        `engine.hook`); everything that reads the parameters or the ledger calls it first."""
+        with torch.no_grad():
+            self.hook.flush()
+
     def synchronize(self) -> None:
         """Wait for the device work queued by loads into this module (nothing on the CPU or meta)."""
-        if not self.w13_qweight.is_meta:
-            DevicePolicy.of(self.w13_qweight.device).synchronize()
+        self.flush()
+        if not self.expert_ids.is_meta:
+            DevicePolicy.of(self.expert_ids.device).synchronize()
 
     def ledger_report(self) -> list[str]:
         """Every missing, duplicated or unexpected slot so far (empty when complete)."""
+        self.flush()
         return self.ledger.offenders()
 
     def check_complete(self) -> None:
         """Raise CompletenessError naming every missing or duplicated slot."""
+        self.flush()
         self.ledger.check()
 
     def reset_load(self) -> None:
@@ -203,7 +223,9 @@ class FusedMoEExperts(nn.Module):
 
     def to_fused(self) -> FusedExperts:
         """The parameters as a FusedExperts (shared storage)."""
-        return FusedExperts(self.prefix, self.spec, {n: p.data for n, p in self.named_parameters(recurse=False)})
+        self.flush()
+        return FusedExperts(self.prefix, self.spec, {n: p.data for n, p in self.named_parameters(recurse=False)},
+                            mtp=self.mtp)
 
     def dequantize(self) -> DequantizedExperts:
         """Float32 weights of every local expert."""

@@ -33,6 +33,8 @@ class HookedExperts(Protocol):
 
     def attach_loaders(self) -> None: ...
 
+    def flush(self) -> None: ...
+
     def synchronize(self) -> None: ...
 
 
@@ -65,6 +67,7 @@ class StateDictHooks:
         prefix, consumed = self.call or ("", 0)
         self.call = None
         module.attach_loaders()  # assign=True replaces parameters
+        module.flush()  # every complete projection of this load_state_dict is in the parameters when it returns
         if not prefix:  # the module is the root of this load_state_dict: the load ends here
             module.synchronize()
         if not module.expert_ids.is_meta and module.expert_ids.tolist() != list(module.spec.experts):

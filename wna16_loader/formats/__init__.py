@@ -10,7 +10,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import autoround, awq, compressed_tensors, gptq
-from .spec import Dim, FormatDecl, ModuleFilter, Need, QuantSpec, Role, TensorLayout
+from .rules import ModuleRules, ModuleSpec
+from .spec import Dim, FormatDecl, Need, QuantSpec, Role, TensorLayout, unquantized_spec
 
 FORMATS: tuple[FormatDecl, ...] = (awq.FORMAT, gptq.FORMAT, compressed_tensors.FORMAT, autoround.FORMAT)
 
@@ -22,17 +23,28 @@ def accepted_formats() -> str:
 
 
 def resolve_quant_spec(qconfig: dict[str, Any]) -> QuantSpec:
-    """Detect the format from `quant_method` and parse the rest of the config."""
+    """Detect the format from `quant_method` and parse the rest of the config (its top-level spec)."""
+    return format_of(qconfig).parse(qconfig)
+
+
+def resolve_module_rules(qconfig: dict[str, Any]) -> ModuleRules:
+    """The format's per-module rules of `qconfig` (which spec each module was written with)."""
+    decl = format_of(qconfig)
+    return decl.rules(qconfig, decl.parse(qconfig))
+
+
+def format_of(qconfig: dict[str, Any]) -> FormatDecl:
+    """The declaration whose `quant_method` values include the config's."""
     if not isinstance(qconfig, dict):
         raise ConfigError(f"quantization_config must be a JSON object, found {type(qconfig).__name__}.")
     method = qconfig.get("quant_method")
     for decl in FORMATS:
         if method in decl.quant_methods:
-            return decl.parse(qconfig)
+            return decl
     known = [m for decl in FORMATS for m in decl.quant_methods]
     raise ConfigError(f"quantization_config: quant_method={method!r} is not a WNA16 format this package "
                       f"loads; expected one of {known}.")
 
 
-__all__ = ["FORMATS", "accepted_formats", "Dim", "FormatDecl", "ModuleFilter", "Need", "QuantSpec", "Role", "TensorLayout",
-           "resolve_quant_spec"]
+__all__ = ["FORMATS", "accepted_formats", "Dim", "FormatDecl", "ModuleRules", "ModuleSpec", "Need", "QuantSpec", "Role",
+           "TensorLayout", "format_of", "resolve_module_rules", "resolve_quant_spec", "unquantized_spec"]

@@ -18,7 +18,6 @@ from .spec import (
     FLOAT_DTYPES,
     Dim,
     FormatDecl,
-    ModuleFilter,
     Need,
     QuantSpec,
     Role,
@@ -27,6 +26,7 @@ from .spec import (
     int_key,
     str_tuple,
 )
+from .rules import Match, ModuleRules, not_quantized
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -40,13 +40,13 @@ LAYOUTS = (
 SUPPORTED_VERSIONS = ("gemm",)
 
 
-def spec_from(*, bits: int, group_size: int, zero_point: bool, modules: ModuleFilter) -> QuantSpec:
+def spec_from(*, bits: int, group_size: int, zero_point: bool) -> QuantSpec:
     """QuantSpec of AWQ-packed experts (shared with AutoRound's auto_awq packing)."""
     if bits != 4:
         raise ConfigError(f"quantization_config: AWQ packing with bits={bits} is not supported; the AWQ "
                           f"GEMM bit order is defined for 4-bit weights only.")
     return QuantSpec(format_name="awq", bits=bits, group_size=group_size, symmetric=not zero_point,
-                     act_order=False, layouts=LAYOUTS, checkpoint_format="gemm", modules=modules)
+                     act_order=False, layouts=LAYOUTS, checkpoint_format="gemm")
 
 
 def parse(qconfig: dict[str, Any]) -> QuantSpec:
@@ -59,8 +59,15 @@ def parse(qconfig: dict[str, Any]) -> QuantSpec:
         bits=int_key(qconfig, ("bits", "w_bit")),
         group_size=int_key(qconfig, ("group_size", "q_group_size")),
         zero_point=bool_key(qconfig, "zero_point", True),
-        modules=ModuleFilter(ignore=str_tuple(qconfig.get("modules_to_not_convert"))),
     )
+
+
+def rules(qconfig: dict[str, Any], base: QuantSpec) -> ModuleRules:
+    """`modules_to_not_convert`: a module whose name contains an entry stays in float (AutoAWQ's and
+    transformers' substring test); every other module has the base spec."""
+    return ModuleRules(base=base, rules=tuple(
+        not_quantized(Match.CONTAINS, name, f"modules_to_not_convert entry {name!r}")
+        for name in str_tuple(qconfig.get("modules_to_not_convert"))))
 
 
 def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **extra: Any) -> dict[str, Any]:
@@ -71,4 +78,4 @@ def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **ex
             "zero_point": not symmetric, **extra}
 
 
-FORMAT = FormatDecl(name="awq", quant_methods=("awq",), parse=parse, to_config=to_config)
+FORMAT = FormatDecl(name="awq", quant_methods=("awq",), parse=parse, to_config=to_config, rules=rules)

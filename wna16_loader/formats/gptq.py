@@ -18,7 +18,6 @@ from .spec import (
     INDEX_DTYPES,
     Dim,
     FormatDecl,
-    ModuleFilter,
     Need,
     QuantSpec,
     Role,
@@ -27,6 +26,7 @@ from .spec import (
     int_key,
     str_tuple,
 )
+from .rules import Match, ModuleRules, Rule, literal_pattern, not_quantized
 
 LAYOUTS = (
     TensorLayout(Role.QWEIGHT, "qweight", (Dim.K, Dim.N), packed=Dim.K),
@@ -54,8 +54,47 @@ def parse(qconfig: dict[str, Any]) -> QuantSpec:
         layouts=LAYOUTS,
         zero_word_bias=CHECKPOINT_FORMATS[checkpoint_format],
         checkpoint_format=checkpoint_format,
-        modules=ModuleFilter(ignore=str_tuple(qconfig.get("modules_to_not_convert"))),
     )
+
+
+OVERRIDES = {"bits": "bits", "group_size": "group_size", "sym": "sym", "desc_act": "desc_act"}  # dynamic key -> config key
+
+
+def rules(qconfig: dict[str, Any], base: QuantSpec) -> ModuleRules:
+    """`modules_to_not_convert` (substrings: float), then GPTQModel's `dynamic`, in its order.
+
+    As GPTQModel resolves `dynamic` (gptqmodel/quantization/config.py, `_resolve_dynamic_override`): the
+    first rule that matches wins, in the JSON's order; `-:p` leaves the module in float, `+:p` or a bare `p`
+    overrides bits, group_size, sym and desc_act; a pattern is matched with re.match (anchored at the
+    start), and one without regex syntax names one module exactly.
+    """
+    skip = tuple(not_quantized(Match.CONTAINS, name, f"modules_to_not_convert entry {name!r}")
+                 for name in str_tuple(qconfig.get("modules_to_not_convert")))
+    return ModuleRules(base=base, rules=skip + tuple(dynamic_rule(qconfig, key, value)
+                                                     for key, value in _dynamic(qconfig).items()))
+
+
+def _dynamic(qconfig: dict[str, Any]) -> dict[str, Any]:
+    dynamic = qconfig.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise ConfigError(f"quantization_config: dynamic={dynamic!r} must be an object mapping module-name "
+                          f"patterns to overrides.")
+    return dynamic
+
+
+def dynamic_rule(qconfig: dict[str, Any], key: str, overrides: Any) -> Rule:
+    """One `dynamic` entry as a Rule (GPTQModel's matching; see `rules`)."""
+    pattern = key[2:] if key.startswith(("-:", "+:")) else key
+    literal = literal_pattern(pattern)
+    match, text = (Match.EXACT, literal) if literal is not None else (Match.START, pattern)
+    origin = f"dynamic rule {key!r}"
+    if key.startswith("-:"):
+        return not_quantized(match, text, origin)
+    if not isinstance(overrides, dict):
+        raise ConfigError(f"quantization_config: dynamic[{key!r}]={overrides!r} must be an object of overrides "
+                          f"({sorted(OVERRIDES)}).")
+    merged = {**qconfig, **{OVERRIDES[k]: v for k, v in overrides.items() if k in OVERRIDES}}
+    return Rule(match, text, parse(merged), f"{origin} {overrides}")
 
 
 def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **extra: Any) -> dict[str, Any]:
@@ -64,4 +103,4 @@ def to_config(bits: int, group_size: int, symmetric: bool, act_order: bool, **ex
             "desc_act": act_order, "checkpoint_format": "gptq", **extra}
 
 
-FORMAT = FormatDecl(name="gptq", quant_methods=("gptq",), parse=parse, to_config=to_config)
+FORMAT = FormatDecl(name="gptq", quant_methods=("gptq",), parse=parse, to_config=to_config, rules=rules)

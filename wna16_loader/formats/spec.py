@@ -9,8 +9,7 @@ files or knows about parallelism.
 from __future__ import annotations
 
 import enum
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,6 +25,7 @@ class Role(enum.Enum):
     SCALES = "scales"
     G_IDX = "g_idx"
     SHAPE = "shape"
+    WEIGHT = "weight"  # the float weight of an unquantized projection
 
     __hash__ = object.__hash__  # members are singletons: hash by identity, in C (hot dict keys in planning)
 
@@ -70,33 +70,9 @@ class TensorLayout:
 
 
 @dataclass(frozen=True)
-class ModuleFilter:
-    """Which Linear modules a quantization config covers (`targets` minus `ignore`).
-
-    A pattern `re:...` is a regular expression matched in full against the module
-    name; `Linear` matches every Linear module; anything else is an exact name.
-    """
-
-    targets: tuple[str, ...] = ("Linear",)
-    ignore: tuple[str, ...] = ()
-
-    def covers(self, module_name: str) -> bool:
-        """True when `module_name` (a Linear module) is quantized by this config."""
-        return _any_match(self.targets, module_name) and not _any_match(self.ignore, module_name)
-
-
-def _any_match(patterns: tuple[str, ...], module_name: str) -> bool:
-    for pattern in patterns:
-        if pattern == "Linear" or pattern == module_name:
-            return True
-        if pattern.startswith("re:") and re.fullmatch(pattern[3:], module_name):
-            return True
-    return False
-
-
-@dataclass(frozen=True)
 class QuantSpec:
-    """The resolved quantization of a checkpoint's routed experts."""
+    """The resolved quantization of routed experts: a checkpoint's top-level scheme, or one layer's
+    (`formats.rules`); bits = UNQUANTIZED_BITS (`unquantized_spec()`) means float weights."""
 
     format_name: str
     bits: int
@@ -106,15 +82,34 @@ class QuantSpec:
     layouts: tuple[TensorLayout, ...]
     zero_word_bias: bool = False  # GPTQ v1: z - 1 was subtracted from whole packed words
     checkpoint_format: str | None = None
-    modules: ModuleFilter = field(default_factory=ModuleFilter)
 
     def __post_init__(self) -> None:
+        if self.bits == UNQUANTIZED_BITS and self.group_size == -1 and self.layouts == FLOAT_LAYOUTS:
+            return
         if self.bits not in (4, 8):
             raise ConfigError(f"quantization_config: bits={self.bits} is not supported; "
                               f"WNA16 experts must be 4- or 8-bit.")
         if self.group_size != -1 and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
             raise ConfigError(f"quantization_config: group_size={self.group_size} is not supported; use a "
                               f"power of two >= 16 or -1 (channelwise).")
+
+    @property
+    def quantized(self) -> bool:
+        """False for float (unquantized) experts."""
+        return self.bits != UNQUANTIZED_BITS
+
+    @property
+    def dtype_role(self) -> Role:
+        """The role whose dtype the fused layer keeps: the scales, or the float weights."""
+        return Role.SCALES if self.quantized else Role.WEIGHT
+
+    def describe(self) -> str:
+        """e.g. `gptq 4-bit g128 asym act-order`, or `not quantized (float weights)`."""
+        if not self.quantized:
+            return "not quantized (float weights)"
+        group = "channelwise" if self.group_size == -1 else f"g{self.group_size}"
+        return " ".join([self.format_name, f"{self.bits}-bit", group, "sym" if self.symmetric else "asym"]
+                        + (["act-order"] if self.act_order else []))
 
     @property
     def pack_factor(self) -> int:
@@ -143,14 +138,29 @@ class QuantSpec:
         return True
 
 
+UNQUANTIZED_BITS = 16
+FLOAT_LAYOUTS = (  # `experts.E.gate_proj.weight [N, K]`, or transformers' stacked `experts.gate_up_proj [E, N, K]`
+    TensorLayout(Role.WEIGHT, "weight", (Dim.N, Dim.K), dtypes=FLOAT_DTYPES),
+    TensorLayout(Role.WEIGHT, "", (Dim.N, Dim.K), dtypes=FLOAT_DTYPES),
+)
+
+
+def unquantized_spec() -> QuantSpec:
+    """The spec of float (unquantized) experts: weights [N, K] in their stored dtype."""
+    return QuantSpec(format_name="unquantized", bits=UNQUANTIZED_BITS, group_size=-1, symmetric=True,
+                     act_order=False, layouts=FLOAT_LAYOUTS)
+
+
 @dataclass(frozen=True)
 class FormatDecl:
-    """A checkpoint format: the `quant_method` values it answers to and its parser."""
+    """A checkpoint format: the `quant_method` values it answers to, its parser, and its per-module rules
+    (`rules(qconfig, base)`: how its quantizer gives each module its own spec; see rules.py)."""
 
     name: str
     quant_methods: tuple[str, ...]
     parse: Callable[[dict[str, Any]], QuantSpec]
     to_config: Callable[..., dict[str, Any]]  # (bits, group_size, symmetric, act_order, **extra) -> config
+    rules: Callable[[dict[str, Any], QuantSpec], Any]  # -> rules.ModuleRules (declared above this module)
 
 
 def int_key(qconfig: dict[str, Any], keys: tuple[str, ...], default: int | None = None) -> int:

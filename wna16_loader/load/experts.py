@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from ..logs import rank_logger, warn_reduced_groups
+from ..logs import rank_logger
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.hub import resolve_checkpoint
@@ -19,24 +19,32 @@ from .device import DevicePolicy
 from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
-from .plan import CheckpointScan, LayerPlan, plan_layers
+from .plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
 from .presharded import is_presharded, load_presharded
 from .results import LoadedExperts, LoadReport
+from .specs import warn_reduced_groups_by_spec
 
 
 def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:
-    """The resolved description of a checkpoint: config keys, quantization and experts prefixes.
+    """The resolved description of a checkpoint: config keys, quantization and experts prefixes (those of
+    the decoder's MoE layers in `experts_prefixes`, those of MTP layers in `mtp_prefixes`; `mtp` says how
+    many MTP layers the config declares and where that came from).
     `path`: a folder or a Hugging Face repo id (`org/name`, at `revision`; see `hub.resolve_checkpoint`)."""
     path = resolve_checkpoint(path, revision=revision)
     moe = read_config_files(path)
     with CheckpointIndex(path) as index:
-        prefixes = tuple(CheckpointScan.of(index).layers)
-    return replace(moe, experts_prefixes=prefixes)
+        scan = CheckpointScan.of(index)
+        mtp = scan.mtp_prefixes(moe.mtp)
+        tables = LayerTables(index, moe)
+        specs = tuple((prefix, tables.layer(prefix, keys).spec) for prefix, keys in scan.layers.items()
+                      if keys[0].layer in moe.moe_layers or prefix in mtp)
+    return replace(moe, experts_prefixes=tuple(p for p in scan.layers if p not in mtp), mtp_prefixes=mtp,
+                   layer_specs=specs)
 
 
 def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
                  device: torch.device | str = "cpu", allow_nonfinite_scales: bool = False,
-                 convert_on_device: bool = True) -> LoadedExperts:
+                 convert_on_device: bool = True, include_mtp: bool = False) -> LoadedExperts:
     """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
 
     Tensors of non-local experts are never read; each local projection is read as
@@ -49,13 +57,16 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     A `wna16-shard` output folder (with wna16_manifest.json) is loaded directly
     from the rank's pre-sharded files; its layout must equal `parallel`'s.
     `path` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
+    MTP (multi-token-prediction) layers are left alone by default, their expert tensors counted as
+    non-expert tensors (an engine loads its draft layer separately); `include_mtp=True` loads them too,
+    each with `mtp=True`.
     """
     policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
     path = resolve_checkpoint(path, revision=revision)
     if is_presharded(path):
-        return load_presharded(path, parallel, device=device)
+        return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
     start = time.perf_counter()
-    with planned(path, parallel) as (moe, index, scan, plans):
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:
@@ -74,19 +85,27 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
 
 
 @contextmanager
-def planned(path: str | Path, parallel: ParallelConfig) -> Iterator[
+def planned(path: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> Iterator[
         tuple[MoEConfig, CheckpointIndex, CheckpointScan, list[LayerPlan]]]:
     """The checkpoint's resolved config, its open index, its name scan and `parallel`'s layer plans,
-    with the ledger checked (missing, duplicated or unexpected tensors raise before any read)."""
+    with the ledger checked (missing, duplicated or unexpected tensors raise before any read). Without
+    `include_mtp` the MTP layers' expert tensors are non-expert tensors of the scan."""
     moe, ledger = read_config_files(path), Ledger()
     with CheckpointIndex(path) as index:
-        scan = CheckpointScan.of(index)
+        scan = scan_for(index, moe, include_mtp)
         plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
-        warn_reduced_groups(rank_logger(parallel), group_size=moe.quant.group_size, tp_size=parallel.tp_size,
-                            effective={p.prefix: p.fused.group_size for p in plans},
-                            intermediate=moe.intermediate_size)
+        warn_reduced_groups_by_spec(rank_logger(parallel), tp_size=parallel.tp_size,
+                                    effective={p.prefix: (p.moe.quant.group_size, p.fused.group_size) for p in plans},
+                                    intermediate=moe.intermediate_size)
         yield moe, index, scan, plans
+
+
+def scan_for(index: CheckpointIndex, moe: MoEConfig, include_mtp: bool) -> CheckpointScan:
+    """The checkpoint's name scan, its MTP layers' expert tensors moved to the non-expert tensors unless
+    `include_mtp`."""
+    scan = CheckpointScan.of(index)
+    return scan if include_mtp else scan.without(scan.mtp_prefixes(moe.mtp))
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
@@ -94,6 +113,6 @@ def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: 
     """Read, convert and write every local projection of one layer (the hook's own write path); device
     copies are queued, not waited for (the caller synchronises once)."""
     writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
-    layer = LayerLoad(plan.prefix, moe, plan.geometry, allow_nonfinite=allow_nonfinite)
+    layer = LayerLoad(plan.prefix, plan.moe, plan.geometry, allow_nonfinite=allow_nonfinite)
     layer.load_plan(index, writer, plan)
-    return writer.finish(), layer.tensors, writer.bytes_written
+    return writer.finish(mtp=plan.mtp), layer.tensors, writer.bytes_written

@@ -25,6 +25,14 @@ along N. Dequantisation: W[n, k] = (q[n, k] - z[n, g(k)]) * s[n, g(k)].
 Padding (see sharding.Partition): the last `padding` of a rank's I_p columns
 (rows of gate and up, columns of down) are not in the checkpoint; `padfill` writes
 them so that they dequantise to exactly 0.
+
+Unquantized experts (`bits` = 16, `quantized` False: float weights in the stored dtype,
+`scale_dtype`) take vLLM's unquantized fused layout, with the same row order, cut,
+expert placement and padding (zeros):
+
+| w13_weight  | stored | [E_l, 2*I_p, H] (non-gated [E_l, I_p, H]) gate rows, then up rows |
+| w2_weight   | stored | [E_l, H, I_p]                                                   |
+| expert_ids  | int32  | [E_l]                                                           |
 """
 
 from __future__ import annotations
@@ -36,16 +44,18 @@ import torch
 
 from ..errors import FormatError
 from ..formats import QuantSpec
-from ..formats.packing import pack_bytes, unpack_bytes
+from ..formats.packing import pack_bytes
 from ..models.names import Proj
-from ..parallel.partition import LayerGeometry, Span
+from ..formats.spec import UNQUANTIZED_BITS
+from ..parallel.partition import LayerGeometry, Span, values_per_byte
+from .dequant import DequantizedExperts, dequantize
 from .device import DevicePolicy
 from .padfill import fill_padding, real_groups, real_rows
 from .params import ProjectionParams
 from .qweights import PAGE_BYTES
 
 FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
-               "w13_g_idx", "w2_g_idx", "expert_ids")
+               "w13_g_idx", "w2_g_idx", "w13_weight", "w2_weight", "expert_ids")
 
 
 @dataclass(frozen=True)
@@ -62,7 +72,7 @@ class FusedSpec:
     w2_groups: int
     has_zero_point: bool
     act_order: bool
-    scale_dtype: torch.dtype
+    scale_dtype: torch.dtype  # unquantized: the dtype of the float weights
     gated: bool = True  # False: w13 holds only the up projection
     activation: str | None = None  # the experts' activation as the config names it (e.g. "silu", "relu2")
     padding: int = 0  # columns at the end of this rank's I_p that are padding (not in the checkpoint)
@@ -78,6 +88,11 @@ class FusedSpec:
                    w13_groups=w13_groups, w2_groups=geometry.w2_groups, has_zero_point=not quant.symmetric,
                    act_order=geometry.act_order, scale_dtype=scale_dtype, gated=gated, activation=activation,
                    padding=geometry.padding)
+
+    @property
+    def quantized(self) -> bool:
+        """False for float experts (w13_weight / w2_weight)."""
+        return self.bits < UNQUANTIZED_BITS
 
     @property
     def projections(self) -> tuple[Proj, ...]:
@@ -99,7 +114,10 @@ class FusedSpec:
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
-        e, h, i, per_byte = len(self.experts), self.hidden, self.part, 8 // self.bits
+        e, h, i, per_byte = len(self.experts), self.hidden, self.part, values_per_byte(self.bits)
+        if not self.quantized:
+            return {"w13_weight": ((e, self.w13_rows, h), self.scale_dtype), "w2_weight": ((e, h, i), self.scale_dtype),
+                    "expert_ids": ((e,), torch.int32)}
         out = {
             "w13_qweight": ((e, self.w13_rows, h // per_byte), torch.uint8),
             "w2_qweight": ((e, h, i // per_byte), torch.uint8),
@@ -121,24 +139,15 @@ def layer_projections(gated: bool) -> tuple[Proj, ...]:
     return (Proj.GATE, Proj.UP, Proj.DOWN) if gated else (Proj.UP, Proj.DOWN)
 
 
-@dataclass(frozen=True)
-class DequantizedExperts:
-    """Float32 weights of the local experts: w13 [E_l, 2*I_p, H] (non-gated: [E_l, I_p, H]), w2 [E_l, H, I_p]
-    (padding included: its rows of w13 and columns of w2 are exactly 0)."""
-
-    w13: torch.Tensor
-    w2: torch.Tensor
-    gated: bool = True  # False: w13 holds the up rows only
-
-
 class FusedExperts:
-    """One MoE layer's fused parameters on one rank (see the module table)."""
+    """One MoE layer's fused parameters on one rank (see the module table); `mtp`: an MTP layer's."""
 
-    def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, mtp: bool = False) -> None:
         assert set(tensors) == set(spec.shapes()), f"{prefix}: tensors {sorted(tensors)} do not match the layout"
         self.prefix = prefix
         self.spec = spec
         self.tensors = tensors
+        self.mtp = mtp
 
     def __getattr__(self, name: str) -> torch.Tensor | None:
         if name in FUSED_NAMES:
@@ -159,8 +168,13 @@ class FusedExperts:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
         return f"FusedExperts({self.prefix!r}, {shapes})"
 
+    quantized = property(lambda self: self.spec.quantized, doc="False for float experts (w13_weight / w2_weight).")
+
     def dequantize(self) -> DequantizedExperts:
-        """Float32 weights of every local expert, for users and tests."""
+        """Float32 weights of every local expert, for users and tests (float experts: their weights)."""
+        if not self.quantized:
+            return DequantizedExperts(w13=self.tensors["w13_weight"].to(torch.float32),
+                                      w2=self.tensors["w2_weight"].to(torch.float32), gated=self.spec.gated)
         return DequantizedExperts(
             w13=dequantize(self.tensors["w13_qweight"], self.tensors["w13_scales"], self.tensors.get("w13_qzeros"),
                            self.tensors.get("w13_g_idx"), bits=self.bits, group_size=self.group_size),
@@ -168,29 +182,6 @@ class FusedExperts:
                           self.tensors.get("w2_g_idx"), bits=self.bits, group_size=self.group_size),
             gated=self.spec.gated,
         )
-
-
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor | None, g_idx: torch.Tensor | None,
-               *, bits: int, group_size: int) -> torch.Tensor:
-    """(q - z) * s in float32 for fused tensors.
-
-    | qweight | [E, N, K/P8] uint8 | scales | [E, N, nG] |
-    | qzeros  | [E, N/P8, nG]      | g_idx  | [E, K]     |
-    | out     | [E, N, K] float32  |        |            |
-    """
-    q = unpack_bytes(qweight, bits=bits, dim=2).to(torch.float32)
-    e, n, k = q.shape
-    if g_idx is not None:
-        groups = g_idx.to(torch.long)
-    else:
-        cols = torch.arange(k, device=q.device)
-        groups = (cols * 0 if group_size == -1 else cols // group_size).expand(e, k)
-    index = groups.unsqueeze(1).expand(e, n, k)
-    s = torch.gather(scales.to(torch.float32), 2, index)
-    if qzeros is None:
-        return (q - float(1 << (bits - 1))) * s
-    z = torch.gather(unpack_bytes(qzeros, bits=bits, dim=1).to(torch.float32), 2, index)
-    return (q - z) * s
 
 
 class FusedWriter:
@@ -230,7 +221,7 @@ class FusedWriter:
         """('w13' or 'w2', weight/scale rows, zero-point rows) of `proj` in its fused parameters."""
         if proj is Proj.DOWN:
             return "w2", slice(None), slice(None)
-        part, per_byte = self.spec.part, 8 // self.spec.bits
+        part, per_byte = self.spec.part, values_per_byte(self.spec.bits)
         half = 0 if proj is Proj.GATE or not self.spec.gated else 1
         return "w13", slice(half * part, (half + 1) * part), slice(half * part // per_byte, (half + 1) * part // per_byte)
 
@@ -270,8 +261,20 @@ class FusedWriter:
         if n is not None:
             first = rows.start or 0
             rows = slice(first + n.start, first + n.stop)
-        cols = slice(0, self.spec.real // (8 // self.spec.bits)) if half == "w2" else slice(None)
+        cols = slice(0, self.spec.real // values_per_byte(self.spec.bits)) if half == "w2" else slice(None)
         self._copy(f"{half}_qweight", self.slots(experts), rows, qweight, as_bytes=True, cols=cols)
+
+    def write_weights(self, experts: Sequence[int], proj: Proj, weights: torch.Tensor) -> None:
+        """Place the float weights of `experts` (consecutive slots; [E_b, N_l, K_l] of the rank's real columns)
+        in an unquantized layout's rows of `proj`, and zeros in its padding."""
+        half, rows, _ = real_rows(self.spec, self.rows(proj))
+        slots, name = self.slots(experts), f"{half}_weight"
+        cols = slice(0, self.spec.real) if half == "w2" else slice(None)
+        self._copy(name, slots, rows, weights, cols=cols)
+        if self.spec.padding:
+            padding = self.staging[name][slots, rows.stop:self.rows(proj)[1].stop] if half == "w13" else \
+                self.staging[name][slots, :, self.spec.real:]
+            padding.zero_()
 
     def _put_w13_g_idx(self, experts: Sequence[int], g_idx: torch.Tensor, labels: Sequence[str]) -> None:
         """gate and up share one w13_g_idx row per expert: the first writes it, the second must agree."""
@@ -322,15 +325,15 @@ class FusedWriter:
             copy_transposing(target, value)
         self.bytes_written += value.numel() * value.element_size()
 
-    def finish(self) -> FusedExperts:
+    def finish(self, *, mtp: bool = False) -> FusedExperts:
         """Move the parameters staged on the host to the device (one copy each, queued: the load
-        synchronises once at its end) and return the layer."""
+        synchronises once at its end) and return the layer (`mtp`: an MTP layer's)."""
         if not self.policy.gpu:
-            return FusedExperts(self.prefix, self.spec, self.staging)
+            return FusedExperts(self.prefix, self.spec, self.staging, mtp=mtp)
         with self.policy.scope():
             moved = {name: buf if name in self.device_bound else self.policy.upload(buf)
                      for name, buf in self.staging.items()}
-        return FusedExperts(self.prefix, self.spec, moved)
+        return FusedExperts(self.prefix, self.spec, moved, mtp=mtp)
 
 
 def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Tensor]:

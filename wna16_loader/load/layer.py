@@ -20,7 +20,7 @@ from ..models.names import Proj, Source
 from ..parallel.partition import LayerGeometry
 from ..storage.index import CheckpointIndex
 from .fused import FusedWriter
-from .params import SourceTensors, TensorReader, rank_spans, read_params
+from .params import SourceTensors, TensorReader, rank_spans, read_params, read_role
 from .plan import LayerPlan
 from .qweights import read_qweights
 
@@ -42,6 +42,9 @@ class LayerLoad:
         for src in sources:
             self._check_scale_dtype(src, writer)
         cut = self.geometry.slice(proj)
+        if not self.moe.quant.quantized:
+            self._write_floats(reader, writer, experts, proj, sources)
+            return
         params = read_params(reader, self.moe.quant, sources, cut, allow_nonfinite=self.allow_nonfinite)
         before = writer.bytes_written
         upload = writer.policy if writer.upload_to is not None else None
@@ -52,13 +55,28 @@ class LayerLoad:
                 writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
         self.bytes_written += writer.bytes_written - before
 
+    def _write_floats(self, reader: TensorReader, writer: FusedWriter, experts: Sequence[int], proj: Proj,
+                      sources: Sequence[SourceTensors]) -> None:
+        """The float weights of an unquantized layer: the rank's rows (gate, up) or columns (down), stacked
+        over `experts` as [E_b, N_l, K_l], written in the stored dtype."""
+        spans, _ = rank_spans(sources[0], self.geometry.slice(proj))
+        quant = self.moe.quant
+        before = writer.bytes_written
+        with writer.policy.scope():
+            weights = read_role(reader, quant, quant.layout(Role.WEIGHT), sources, spans)
+            writer.write_weights(experts, proj, weights)
+        self.bytes_written += writer.bytes_written - before
+
     def _check_scale_dtype(self, src: SourceTensors, writer: FusedWriter) -> None:
-        """Scales may widen into the fused dtype (fp16 -> fp32), never round."""
+        """Scales (float weights) may widen into the fused dtype (fp16 -> fp32), never round."""
         half = "w2" if src.source is Source.DOWN else "w13"
-        ref, target = src.tensors[Role.SCALES], writer.staging[f"{half}_scales"].dtype
+        quantized = self.moe.quant.quantized
+        what, option = ("scales", "scale_dtype") if quantized else ("weights", "weight_dtype")
+        ref = src.tensors[self.moe.quant.dtype_role]
+        target = writer.staging[f"{half}_{'scales' if quantized else 'weight'}"].dtype
         if torch.promote_types(ref.dtype, target) != target:
-            raise FormatError(f"{ref.name}: scales are {ref.dtype} but {self.prefix} stores {target} scales; "
-                              f"converting would round them. Build the module with scale_dtype={ref.dtype}.")
+            raise FormatError(f"{ref.name}: {what} are {ref.dtype} but {self.prefix} stores {target} {what}; "
+                              f"converting would round them. Build the module with {option}={ref.dtype}.")
 
     def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
         """Read and write every projection of a `plan_layer` plan (the `load_experts` path), a run of

@@ -37,32 +37,39 @@ class Slot(NamedTuple):
 class Ledger:
     """Records every slot written; `check` raises one error naming every offender."""
 
-    expected: set[Slot] = field(default_factory=set)
-    written: dict[Slot, list[str]] = field(default_factory=dict)
+    # Slots are kept as plain tuples of strings and ints, names as tuples of strings: the garbage collector
+    # stops tracking those (not named tuples or lists), and a load records hundreds of thousands of them,
+    # which every full collection of a long-lived module's ledger would scan again. They compare and hash
+    # as the `Slot`s they were made from; `missing()` and `offenders()` give `Slot`s back.
+    expected: set[tuple[str, int, str, str]] = field(default_factory=set)
+    written: dict[tuple[str, int, str, str], tuple[str, ...]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
-        self.expected.add(Slot.of(prefix, expert, proj, role))
+        self.expected.add((prefix, expert, proj._value_, role._value_))
 
     def expect_slots(self, slots: Iterable[Slot]) -> None:
         """Declare many slots at once (as `expect` for each)."""
-        self.expected.update(slots)
+        self.expected.update(map(tuple, slots))
 
     def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
         """Note that tensor `name` fills a slot."""
-        self.record_slot(Slot.of(prefix, expert, proj, role), name)
+        slot = (prefix, expert, proj._value_, role._value_)
+        self.written[slot] = self.written.get(slot, ()) + (name,)
 
     def record_slot(self, slot: Slot, name: str) -> None:
         """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
-        self.written.setdefault(slot, []).append(name)
+        key = tuple(slot)
+        self.written[key] = self.written.get(key, ()) + (name,)
 
     def record_slots(self, records: Iterable[tuple[Slot, str]]) -> None:
         """Note many (slot, name) writes at once, in order (as `record_slot` for each)."""
         written = self.written
         for slot, name in records:
-            written.setdefault(slot, []).append(name)
+            key = tuple(slot)
+            written[key] = written.get(key, ()) + (name,)
 
     def clear_records(self) -> None:
         """Forget every write and rejection (the expected slots stay)."""
@@ -80,12 +87,12 @@ class Ledger:
 
     def missing(self) -> list[Slot]:
         """Expected slots not written yet, sorted."""
-        return sorted(self.expected - set(self.written))
+        return [Slot._make(slot) for slot in sorted(self.expected.difference(self.written))]
 
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
         missing = [f"missing: {what}" for what in self.absent] + [f"missing: {slot}" for slot in self.missing()]
-        dups = [f"written {len(names)} times: {slot} from {names}"
+        dups = [f"written {len(names)} times: {Slot._make(slot)} from {list(names)}"
                 for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
         return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
 

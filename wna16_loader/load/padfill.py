@@ -46,6 +46,9 @@ class FusedSpec(Protocol):
     @property
     def real(self) -> int: ...
 
+    @property
+    def quantized(self) -> bool: ...
+
 
 def pad_value(bits: int, has_zero_point: bool) -> int:
     """The weight (and zero point) of padding in a group of padding only."""
@@ -71,7 +74,7 @@ def real_rows(spec: FusedSpec, rows: tuple[str, slice, slice]) -> tuple[str, sli
     if half == "w2" or not spec.padding:
         return rows
     return half, slice(weight_rows.start, weight_rows.start + spec.real), \
-        slice(zero_rows.start, zero_rows.start + spec.real // (8 // spec.bits))
+        slice(zero_rows.start, zero_rows.start + spec.real // max(1, 8 // spec.bits))
 
 
 def fill_padding(staging: dict[str, torch.Tensor], spec: FusedSpec, slots: slice,
@@ -115,8 +118,10 @@ def padding_bytes(spec: FusedSpec) -> int:
     """Bytes of one rank's fused layer that `fill_padding` writes: padded weight rows (w13) and columns (w2),
     their w13 scales and zero points, the scales and zero points of w2 groups of padding only, and padded
     w2_g_idx rows (act-order). 0 for an unpadded rank."""
-    p, h, per_byte = spec.padding, spec.hidden, 8 // spec.bits
+    p, h, per_byte = spec.padding, spec.hidden, max(1, 8 // spec.bits)
     scale = torch.empty(0, dtype=spec.scale_dtype).element_size()
+    if not spec.quantized:  # float weights: zeroed rows of w13 (gate, up) and columns of w2, in the stored dtype
+        return len(spec.experts) * (2 * p * h + h * p) * scale
     zero = 1 if spec.has_zero_point else 0
     pad_groups = spec.w2_groups - real_groups(spec, "w2")
     w13 = 2 * p * (h // per_byte + spec.w13_groups * scale) + zero * (2 * p // per_byte) * spec.w13_groups

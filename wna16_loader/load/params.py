@@ -30,6 +30,7 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
     Role.SCALES: (Dim.N, Dim.GROUP),
     Role.G_IDX: (Dim.K,),
     Role.SHAPE: (Dim.PAIR,),
+    Role.WEIGHT: (Dim.N, Dim.K),
 }
 
 
@@ -195,12 +196,40 @@ def read_params(reader: TensorReader, spec: QuantSpec, sources: Sequence[SourceT
     assert scales is not None, "scales are required by every format"
     if not allow_nonfinite:
         _check_finite(scales, sources)
-    zeros = role(Role.ZEROS)
+    if spec.symmetric and Role.ZEROS in sources[0].tensors and \
+            _zeros_are_implicit(reader, spec, spec.layout(Role.ZEROS), sources, spans):
+        zeros = None  # stored, and every word decodes to z = 2^(b-1) (the common case, checked on the words)
+    else:
+        zeros = role(Role.ZEROS)
     if spec.symmetric and zeros is not None:
         _check_symmetric_zeros(zeros, spec, sources)
         zeros = None
     g_idx = _checked_g_idx(role(Role.G_IDX), spec, sources, cut)
     return ProjectionParams(scales=scales, zeros=zeros, g_idx=g_idx)
+
+
+def _zeros_are_implicit(reader: TensorReader, spec: QuantSpec, layout: TensorLayout,
+                        sources: Sequence[SourceTensors], spans: dict[Dim, Span]) -> bool:
+    """Whether every stored word of the batch's zero points (the words covering `spans`) is one word that
+    decodes to z = 2^(b-1) in every field: the symmetric check on raw words, with nothing unpacked. False
+    says only "look closer" (`_check_symmetric_zeros` on the unpacked values then decides)."""
+    if layout.packed is None:
+        return False
+    raw = reader.gather([src.tensors[Role.ZEROS] for src in sources],
+                        storage_indices(layout, spans, spec.pack_factor, sources))
+    if not raw.numel():
+        return True
+    word = raw.reshape(-1)[:1]
+    if spec.zero_word_bias:
+        word = add_word_bias(word, spec.bits)
+    fields = unpack_words(word, bits=spec.bits, dim=0, slot_order=layout.slot_order)
+    return bool((fields == spec.implicit_zero).all()) and bool((raw == raw.reshape(-1)[0]).all())
+
+
+def in_memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """The same elements with the dims permuted into memory order (descending strides): a permuted
+    contiguous tensor becomes contiguous again, so whole-tensor reductions run over it at memory speed."""
+    return tensor.permute(sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d)))
 
 
 def _first(bad: torch.Tensor) -> int:
@@ -210,7 +239,7 @@ def _first(bad: torch.Tensor) -> int:
 
 def _check_finite(scales: torch.Tensor, sources: Sequence[SourceTensors]) -> None:
     """One min/max pass (NaN and +-Inf propagate into it); the per-expert count only on failure."""
-    if not scales.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(scales))).all()):
+    if not scales.numel() or bool(torch.isfinite(torch.stack(torch.aminmax(in_memory_order(scales)))).all()):
         return
     bad = (~torch.isfinite(scales)).flatten(1).sum(1)
     i = _first(bad > 0)

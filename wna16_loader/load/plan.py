@@ -7,7 +7,7 @@ not local to the rank are dropped before any read, for every suffix.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
@@ -15,6 +15,8 @@ import torch
 from ..errors import CheckpointError, FormatError
 from ..formats import Role
 from ..models.config import MoEConfig
+from ..models.layer_specs import LayerSpec
+from ..models.mtp import MTPLayers
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, prefix_at_layer
 from ..parallel.config import ParallelConfig
 from ..parallel.partition import LayerGeometry
@@ -23,19 +25,24 @@ from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
 from .ledger import Ledger, Slot
 from .params import SourceTensors, check_header, expected_shape
+from .specs import checked_layer_spec
 
 STACKED_SOURCES = (Source.GATE_UP, Source.DOWN)
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Everything needed to load one MoE layer on one rank."""
+    """Everything needed to load one MoE layer on one rank; `moe` is the config as this layer sees it
+    (`quant`: the layer's own spec, `spec` says which rule gave it)."""
 
     prefix: str
     layer: int
     geometry: LayerGeometry
     fused: FusedSpec
     sources: dict[tuple[int, Proj], SourceTensors]
+    moe: MoEConfig
+    spec: LayerSpec
+    mtp: bool = False  # an MTP (multi-token-prediction) layer
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,12 @@ class CheckpointScan:
 
     layers: dict[str, list[ExpertTensorKey]]
     others: tuple[str, ...]
+
+    @property
+    def module_names(self) -> frozenset[str]:
+        """Every module name of the checkpoint (its tensor names without the last component)."""
+        return frozenset([name.rpartition(".")[0] for name in self.others] +
+                         [key.module_name for keys in self.layers.values() for key in keys])
 
     @classmethod
     def of(cls, index: CheckpointIndex) -> "CheckpointScan":
@@ -59,6 +72,18 @@ class CheckpointScan:
                 else:
                     layers[key.experts_prefix].append(key)
         return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
+
+    def mtp_prefixes(self, mtp: MTPLayers) -> tuple[str, ...]:
+        """The experts prefixes of the scan that belong to MTP layers (declared by the config or not)."""
+        return tuple(prefix for prefix in self.layers if mtp.index(prefix) is not None)
+
+    def without(self, prefixes: tuple[str, ...]) -> "CheckpointScan":
+        """This scan with the expert tensors of `prefixes` counted as non-expert tensors (`others`)."""
+        if not prefixes:
+            return self
+        moved = [key.name for prefix in prefixes for key in self.layers[prefix]]
+        return CheckpointScan({p: keys for p, keys in self.layers.items() if p not in prefixes},
+                              tuple(sorted((*self.others, *moved))))
 
 
 def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, ledger: Ledger,
@@ -76,6 +101,9 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     with gc_paused():  # tables, slots and sources per tensor: see bulk.py
         for prefix, keys in scan.layers.items():
             layer = keys[0].layer
+            if moe.mtp.index(prefix) is not None:
+                plans += plan_mtp_layer(index, moe, parallel, prefix, keys, ledger, tables)
+                continue
             if layer not in moe.moe_layers:
                 for key in keys:
                     ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
@@ -86,7 +114,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
 
 def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
     """Every MoE layer of the config without expert tensors in the checkpoint, as a *missing* entry."""
-    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items()}
+    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items() if moe.mtp.index(prefix) is None}
     example = next(iter(found.values()), None)
     why = "every layer" if moe.resolution is None else moe.resolution["MoE layers"].source
     for layer in moe.moe_layers:
@@ -96,11 +124,28 @@ def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) 
                         f"tensors for it")
 
 
+MTP_FIX = "load with include_mtp=False (wna16-shard --no-mtp) to keep them as non-expert tensors"
+
+
+def plan_mtp_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
+                   keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables) -> list[LayerPlan]:
+    """The plan of an MTP layer's experts ([] when the config declares no such MTP layer: each tensor is
+    then unexpected). Its spec is resolved like any layer's: 16-bit `.weight` experts (official Qwen3.5
+    GPTQ-Int4 releases) load into the unquantized fused layout."""
+    problem = moe.mtp.problem(prefix)
+    if problem is not None:
+        for key in keys:
+            ledger.reject(key.name, f"{problem}; {MTP_FIX}")
+        return []
+    return [replace(plan_layer(index, moe, parallel, prefix, keys, ledger, tables), mtp=True)]
+
+
 def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
                keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables | None = None) -> LayerPlan:
-    """Plan one layer: EP filter, header checks, ledger entries."""
-    geometry = layer_geometry(moe, parallel, keys[0].layer)
+    """Plan one layer: its spec, EP filter, header checks, ledger entries."""
     table = (tables or LayerTables(index, moe)).layer(prefix, keys)
+    moe = table.moe  # the layer's own spec from here on
+    geometry = layer_geometry(moe, parallel, keys[0].layer)
     for name, why in table.rejects:
         ledger.reject(name, why)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
@@ -117,7 +162,8 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     table.check_headers(checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
     fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
                          activation=moe.activation)
-    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources)
+    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources, moe=moe,
+                     spec=table.spec)
 
 
 EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
@@ -139,8 +185,9 @@ class LayerTable:
     `ExpertSlots` (made when first asked) and the entries whose headers passed `check_headers`."""
 
     def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
-                 rules: KeyRules) -> None:
+                 rules: KeyRules, spec: LayerSpec | None = None) -> None:
         self.moe, self.prefix = moe, prefix
+        self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
         self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
         self.rejects: list[tuple[str, str]] = []
         self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
@@ -167,8 +214,9 @@ class LayerTable:
                             for src in candidates for role, ref in src.tensors.items()]
                 if candidates:
                     sources.append((proj, entries[0], candidates[0]))
-            scales = tuple((src.tensors[Role.SCALES].dtype, src.tensors[Role.SCALES].name)
-                           for _, _, src in sources if Role.SCALES in src.tensors)
+            role = self.moe.quant.dtype_role
+            scales = tuple((src.tensors[role].dtype, src.tensors[role].name) for _, _, src in sources
+                           if role in src.tensors)
             self._experts[expert] = ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
         return self._experts[expert]
 
@@ -185,19 +233,17 @@ class LayerTable:
 
 class KeyRules:
     """`expert_key_problem` over the many keys of one checkpoint: its kind part once per (suffix, source,
-    stacked), the expert count once per layer, module coverage once per module name."""
+    stacked), the expert count once per layer."""
 
     def __init__(self, moe: MoEConfig) -> None:
         self.moe = moe
         self.roles = {layout.suffix: layout.role for layout in reversed(moe.quant.layouts)}  # first wins
         self._kinds = _Memo(lambda kind: _kind_problem(moe, *kind))
         self._counts = _Memo(lambda layer: moe.layer(layer).num_experts)
-        self._covers = _Memo(moe.quant.modules.covers).__getitem__
 
     def problem(self, key: ExpertTensorKey) -> str | None:
         """`expert_key_problem(self.moe, key)`."""
-        return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer],
-                            self._covers)
+        return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer])
 
 
 class _Memo(dict):
@@ -214,17 +260,30 @@ class _Memo(dict):
 
 class LayerTables:
     """Every layer's `LayerTable` of one checkpoint (`index`) under one config (`moe`), made when first
-    planned: the plans of all ranks (`wna16-shard`) share one, so 8 ranks cost little more than 1."""
+    planned: the plans of all ranks (`wna16-shard`) share one, so 8 ranks cost little more than 1. Each
+    layer's spec is resolved here, once (`specs.checked_layer_spec`); layers of one spec share KeyRules."""
 
-    def __init__(self, index: CheckpointIndex, moe: MoEConfig) -> None:
+    def __init__(self, index: CheckpointIndex, moe: MoEConfig, modules: frozenset[str] | None = None) -> None:
         self.index, self.moe, self.rules = index, moe, KeyRules(moe)
         self._layers: dict[str, LayerTable] = {}
+        self._rules = {moe.quant: self.rules}
+        self._modules = modules
 
     def layer(self, prefix: str, keys: list[ExpertTensorKey]) -> LayerTable:
         """The table of the layer whose keys (all of them, from the scan) are `keys`."""
         if prefix not in self._layers:
-            self._layers[prefix] = LayerTable(self.index, self.moe, prefix, keys, self.rules)
+            spec = checked_layer_spec(self.moe, prefix, keys, self.index.refs, self._known())
+            moe = self.moe if spec.spec == self.moe.quant else replace(self.moe, quant=spec.spec)
+            rules = self._rules.setdefault(spec.spec, KeyRules(moe))
+            self._layers[prefix] = LayerTable(self.index, moe, prefix, keys, rules, spec)
         return self._layers[prefix]
+
+    def _known(self) -> frozenset[str]:
+        """The checkpoint's module names, worked out only for rules that need them."""
+        if self._modules is None:
+            needed = self.moe.rules is not None and self.moe.rules.needs_modules
+            self._modules = CheckpointScan.of(self.index).module_names if needed else frozenset()
+        return self._modules
 
 
 def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors], num_experts: int) -> None:
@@ -262,7 +321,7 @@ def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors
 
 def required_roles(moe: MoEConfig) -> list[Role]:
     """The roles the format requires of every projection (e.g. qweight, scales; qzeros when asymmetric)."""
-    return [layout.role for layout in moe.quant.layouts if moe.quant.required(layout)]
+    return list(dict.fromkeys(layout.role for layout in moe.quant.layouts if moe.quant.required(layout)))
 
 
 def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj) -> None:
@@ -274,7 +333,7 @@ def expert_key_problem(moe: MoEConfig, key: ExpertTensorKey) -> str | None:
     """Why routed-expert tensor `key` feeds no fused slot under `moe` (None when it does): the one rule
     shared by the planner, the engine hook and the name mapping."""
     return _key_problem(key, _kind_problem(moe, key.suffix, key.source, key.expert is None),
-                        moe.layer(key.layer).num_experts, moe.quant.modules.covers)
+                        moe.layer(key.layer).num_experts)
 
 
 def _kind_problem(moe: MoEConfig, suffix: str, source: Source, stacked: bool) -> str | None:
@@ -288,15 +347,13 @@ def _kind_problem(moe: MoEConfig, suffix: str, source: Source, stacked: bool) ->
     return None
 
 
-def _key_problem(key: ExpertTensorKey, kind_problem: str | None, count: int,
-                 covers: Callable[[str], bool]) -> str | None:
-    """The rule, given its kind part, the layer's expert `count` and the module filter."""
+def _key_problem(key: ExpertTensorKey, kind_problem: str | None, count: int) -> str | None:
+    """The rule, given its kind part and the layer's expert `count` (which spec a module has is the layer's:
+    `specs.checked_layer_spec`)."""
     if kind_problem is not None:
         return kind_problem
     if key.expert is not None and key.expert >= count:
         return f"expert id {key.expert} >= expert count {count}"
-    if not covers(key.module_name):
-        return "its module is excluded by the quantization config (targets/ignore)"
     return None
 
 

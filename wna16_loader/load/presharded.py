@@ -144,21 +144,23 @@ def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
     return ParallelConfig.from_manifest(read_manifest(out), rank=rank)
 
 
-def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu") -> LoadedExperts:
+def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
+                    include_mtp: bool = False) -> LoadedExperts:
     """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion. Each tensor is
     located by its file's validated header and read (pread) straight into its parameter on the CPU; for a
     GPU into a pinned buffer, then one non-blocking copy into the parameter allocated there (never DMA
-    from a mapping). The load synchronises once, at its end."""
+    from a mapping). The load synchronises once, at its end. MTP layers only with `include_mtp`."""
     start = time.perf_counter()
     policy = DevicePolicy.of(device)
     rank = rank_record(out, parallel)
     located, nbytes = locate_rank(out, rank)
     result = LoadedExperts()
-    for prefix, spec in rank_specs(rank).items():
+    mtp = mtp_layers(rank)
+    for prefix, spec in rank_specs(rank, include_mtp=include_mtp).items():
         with policy.scope():
             tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
                        for name, (shape, dtype) in spec.shapes().items()}
-        result[prefix] = FusedExperts(prefix, spec, tensors)
+        result[prefix] = FusedExperts(prefix, spec, tensors, mtp=prefix in mtp)
     policy.synchronize()
     result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
                                tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
@@ -220,9 +222,15 @@ def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
     return record
 
 
-def rank_specs(rank: dict[str, Any]) -> dict[str, FusedSpec]:
-    """The layout of every layer of a rank record, in file order."""
-    return {prefix: spec_from_record(rec) for prefix, rec in rank["layers"].items()}
+def rank_specs(rank: dict[str, Any], *, include_mtp: bool = True) -> dict[str, FusedSpec]:
+    """The layout of every layer of a rank record, in file order (MTP layers only with `include_mtp`)."""
+    return {prefix: spec_from_record(rec) for prefix, rec in rank["layers"].items()
+            if include_mtp or not rec.get("mtp", False)}
+
+
+def mtp_layers(rank: dict[str, Any]) -> frozenset[str]:
+    """The experts prefixes of a rank record's MTP layers (a layer record with `"mtp": true`)."""
+    return frozenset(prefix for prefix, rec in rank["layers"].items() if rec.get("mtp", False))
 
 
 def read_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:

@@ -9,14 +9,17 @@ rule it came from (`MoEConfig.resolution`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..formats import QuantSpec, accepted_formats, resolve_quant_spec
+from ..formats import ModuleRules, QuantSpec, accepted_formats, resolve_module_rules, resolve_quant_spec
 from .families import GENERIC, Family, family_of
 from .layer_rules import compact, layer_count_from_lists, select_moe_layers
+from .layer_specs import LayerSpec, expert_modules, resolve_layer_spec
+from .mtp import MTPLayers, resolve_mtp
+from .names import layer_of_prefix
 
 EXPERT_COUNT_KEYS = GENERIC.keys.experts
 TOP_K_KEYS = GENERIC.keys.top_k
@@ -27,6 +30,7 @@ NESTED_KEYS = GENERIC.nested
 QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}  # file: implied quant_method
 TABLE = "wna16_loader/models/families.py"
 MOE_LAYERS = "MoE layers"
+MTP_LAYERS = "MTP layers"
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,10 @@ class MoEConfig:
     `num_experts`, `top_k` and `intermediate_size` are those of the first MoE layer;
     `layer(L)` gives each layer's own when the config lists them per layer.
     `zero_experts`: routed-to identity experts without tensors (not placed on ranks).
+    `mtp`: the MTP layers the config declares (their experts take the first MoE layer's values);
+    `mtp_prefixes`: the experts prefixes of the checkpoint's MTP layers (filled by read_moe_config).
+    `quant` is the top-level quantization spec; `spec_of(prefix)` each layer's own (from the format's
+    per-module `rules`, or from `layer_specs`, recorded by `read_moe_config` with the tensors checked).
     """
 
     num_experts: int
@@ -92,6 +100,27 @@ class MoEConfig:
     activation: str | None = None
     family: str = GENERIC.name
     resolution: Resolution | None = field(default=None, compare=False)
+    mtp: MTPLayers = MTPLayers()
+    mtp_prefixes: tuple[str, ...] = ()
+    rules: ModuleRules | None = field(default=None, compare=False, repr=False)
+    layer_specs: tuple[tuple[str, LayerSpec], ...] = field(default=(), compare=False, repr=False)
+
+    def spec_of(self, prefix: str) -> LayerSpec:
+        """The quantization spec of the MoE layer at experts prefix `prefix` (and the rule it came from)."""
+        for recorded, spec in self.layer_specs:
+            if recorded == prefix:
+                return spec
+        if self.rules is None:
+            return LayerSpec(self.quant, "the top-level quantization_config")
+        layer = layer_of_prefix(prefix)
+        count = self.layer(layer).num_experts if layer is not None else self.num_experts
+        return resolve_layer_spec(self.rules, prefix, expert_modules(prefix, count, family_of(self.family),
+                                                                     self.gated))
+
+    def at_layer(self, prefix: str) -> "MoEConfig":
+        """This config as the layer at `prefix` sees it: `quant` is that layer's spec."""
+        spec = self.spec_of(prefix).spec
+        return self if spec == self.quant else replace(self, quant=spec)
 
     def layer(self, layer: int) -> LayerValues:
         """The values of MoE layer `layer`."""
@@ -206,17 +235,18 @@ def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = 
     hidden, hidden_key = first_key(text, family.keys.hidden, "hidden size", family)
     zero = _zero_experts(text, family)
     values = _layer_values(lists, moe_layers.value, zero.value)
+    mtp, kind = resolve_mtp(text, family, count.value), _kind(text, family)
     record = (Resolved("hidden size", hidden, f"{hidden_key} (row {family.name})", hidden_key), count, moe_layers,
               *(_per_moe_layer(v, k, what, family, moe_layers.value) for what, (v, k) in lists.items()), zero,
-              *_kind(text, family))
+              *kind, Resolved(MTP_LAYERS, mtp.describe(), mtp.source))
     first = values[0][1] if values else LayerValues(*(v[0] for v, _ in lists.values()))
     return MoEConfig(
         num_experts=first.num_experts, top_k=first.top_k, hidden_size=hidden,
         intermediate_size=first.intermediate_size, num_layers=count.value, moe_layers=moe_layers.value,
-        quant=resolve_quant_spec(qconfig), model_type=text.get("model_type") or config.get("model_type"),
+        quant=resolve_quant_spec(qconfig), rules=resolve_module_rules(qconfig), model_type=text.get("model_type") or config.get("model_type"),
         per_layer=values if len(set(v for _, v in values)) > 1 else (), zero_experts=zero.value,
-        gated=family.gated, activation=record[-1].value, family=family.name,
-        resolution=Resolution(family.name, where, record))
+        gated=family.gated, activation=kind[1].value, family=family.name,
+        resolution=Resolution(family.name, where, record), mtp=mtp)
 
 
 def _layer_values(lists: dict[str, tuple[tuple[int, ...], str]], moe_layers: tuple[int, ...],

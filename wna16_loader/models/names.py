@@ -12,7 +12,7 @@ import enum
 import re
 from typing import NamedTuple
 
-from .families import all_rows
+from .families import all_rows, mtp_roots
 
 
 class Proj(enum.Enum):
@@ -66,20 +66,21 @@ def _aliases() -> dict[str, Source]:
 
 
 PROJ_ALIASES: dict[str, Source] = _aliases()
-ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots])
+ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots] + list(mtp_roots()))
 MODULES: tuple[str, ...] = _union([m for family in all_rows() for m in family.modules if m is not None])
 
-_PREFIX = r"(?P<prefix>(?:{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
+_PREFIX = r"(?P<prefix>(?P<root>{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
     roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES))
 _PREFIX_RE = re.compile(f"^{_PREFIX}$")
-_EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})\.(?P<suffix>[A-Za-z0-9_]+)$".format(
+_EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})(?:\.(?P<suffix>[A-Za-z0-9_]+))?$".format(
     prefix=_PREFIX, projs="|".join(re.escape(p) for p in PROJ_ALIASES)))
 
 
 class ExpertTensorKey(NamedTuple):
     """One routed-expert tensor of a checkpoint (a named tuple: a scan makes one per expert tensor).
 
-    `expert` is None for a tensor stacked over all experts (leading dim E).
+    `expert` is None for a tensor stacked over all experts (leading dim E); `suffix` is "" for a
+    stacked float parameter named by its projection alone (transformers' `experts.gate_up_proj`).
     """
 
     name: str
@@ -92,7 +93,7 @@ class ExpertTensorKey(NamedTuple):
     @property
     def module_name(self) -> str:
         """The Linear module this tensor belongs to (name without the suffix)."""
-        return self.name[: -len(self.suffix) - 1]
+        return self.name[: -len(self.suffix) - 1] if self.suffix else self.name
 
 
 def parse_expert_name(name: str) -> ExpertTensorKey | None:
@@ -100,7 +101,9 @@ def parse_expert_name(name: str) -> ExpertTensorKey | None:
     match = _EXPERT_RE.match(name)
     if match is None:
         return None
-    expert = match.group("expert")
+    expert, suffix = match.group("expert"), match.group("suffix") or ""
+    if expert is not None and not suffix:
+        return None  # only a stacked parameter goes without a suffix
     source = PROJ_ALIASES[match.group("proj")]
     return ExpertTensorKey(
         name=name,
@@ -108,7 +111,7 @@ def parse_expert_name(name: str) -> ExpertTensorKey | None:
         layer=int(match.group("layer")),
         expert=None if expert is None else int(expert),
         source=source,
-        suffix=match.group("suffix"),
+        suffix=suffix,
     )
 
 
@@ -157,6 +160,13 @@ def layer_of_prefix(prefix: str) -> int | None:
     """The decoder layer of an experts prefix (e.g. 3 for `model.layers.3.mlp.experts`), None for other names."""
     match = _PREFIX_RE.match(prefix)
     return None if match is None else int(match.group("layer"))
+
+
+def prefix_parts(prefix: str) -> tuple[str, int] | None:
+    """(root, decoder layer) of an experts prefix (e.g. ("mtp", 0) for `mtp.layers.0.mlp.experts`), None for
+    other names."""
+    match = _PREFIX_RE.match(prefix)
+    return None if match is None else (match.group("root"), int(match.group("layer")))
 
 
 def prefix_at_layer(prefix: str, layer: int) -> str:

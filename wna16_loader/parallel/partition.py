@@ -37,6 +37,12 @@ class Span:
         return self.stop - self.start
 
 
+def values_per_byte(bits: int) -> int:
+    """Values a byte holds (8 / bits; 1 for 8-bit and wider, e.g. the 16-bit float weights of unquantized
+    experts, which any column count cuts)."""
+    return max(1, 8 // bits)
+
+
 def ceil_div(a: int, b: int) -> int:
     """ceil(a / b) for positive integers."""
     return -(-a // b)
@@ -124,7 +130,7 @@ def plan_partition(hidden: int, intermediate: int, bits: int, group_size: int, a
         part = intermediate // tp
         g_eff = effective_group_size(group_size, part, tp_size=tp, act_order=act_order)
         return Partition(intermediate, intermediate, part, g_eff, tp)
-    per_byte = 8 // bits
+    per_byte = values_per_byte(bits)
     if hidden % per_byte or intermediate % per_byte:
         return (f"{bits}-bit bytes hold {per_byte} values, but H = {hidden} and I = {intermediate} must both be "
                 f"multiples of {per_byte} at any TP size (a rank's columns must end on a byte).")
@@ -261,7 +267,7 @@ def layout_problem(hidden: int, intermediate: int, bits: int, group_size: int, a
 
 def unpadded_problem(hidden: int, intermediate: int, bits: int, group_size: int, act_order: bool, tp: int) -> str:
     """Why `tp` cannot shard this layer with I/tp columns per rank and no padding, or '' when it can."""
-    per_byte = 8 // bits
+    per_byte = values_per_byte(bits)
     if intermediate % tp:
         return f"tp_size={tp} does not divide the expert intermediate size I={intermediate}."
     part = intermediate // tp

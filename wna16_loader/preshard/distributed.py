@@ -39,14 +39,14 @@ def owner(group: int | None, processes: int) -> int:
 
 def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_size: int, ep_size: int = 1,
                          placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
-                         layout: str = "fused") -> ShardSummary:
+                         layout: str = "fused", mtp: bool = True) -> ShardSummary:
     """`preshard_checkpoint` split over the processes of `job` (every process calls it with the same
     arguments; torch.distributed must be initialised when there are several). Process 0's summary lists
     every folder."""
     out = Path(out)
     check_out_not_in_source(Path(src), out)
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
-                     layout=layout)
+                     layout=layout, mtp=mtp)
     lead = job.process == 0
     if lead:
         make_dir(out)

@@ -17,7 +17,8 @@ from ..errors import WNA16Error
 from ..load.experts import planned
 from ..load.fused import FusedSpec
 from ..load.padfill import padding_bytes
-from ..load.plan import layer_geometry
+from ..formats import QuantSpec
+from ..load.plan import LayerPlan, layer_geometry
 from ..models.config import MoEConfig
 from ..parallel.config import ParallelConfig
 from ..storage.index import nbytes_of
@@ -40,12 +41,14 @@ class LayoutCost:
     padding_bytes: int
 
 
-def layout_cost(moe: MoEConfig, scale_dtype: torch.dtype, tp: int, ep: int, placement: str) -> LayoutCost:
-    """The cost of one layout (raises a WNA16Error subclass when it is impossible)."""
+def layout_cost(moe: MoEConfig, scale_dtype: torch.dtype, tp: int, ep: int, placement: str,
+                layer: int | None = None) -> LayoutCost:
+    """The cost of one layout of MoE layer `layer` (None: the first) under `moe.quant` (raises a WNA16Error
+    subclass when it is impossible)."""
     specs = []
     for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep, expert_placement=placement):
-        specs.append(FusedSpec.of(layer_geometry(moe, parallel), moe.quant, scale_dtype))
-    first = layer_geometry(moe, ParallelConfig(tp, 0, ep, 0, expert_placement=placement))
+        specs.append(FusedSpec.of(layer_geometry(moe, parallel, layer), moe.quant, scale_dtype))
+    first = layer_geometry(moe, ParallelConfig(tp, 0, ep, 0, expert_placement=placement), layer)
     return LayoutCost(tp=tp, ep=ep, padded_intermediate=first.padded_intermediate, part=first.part,
                       group_eff=first.group_eff, padding=tuple(spec.padding for spec in specs[:tp]),
                       rank_bytes=max(sum(nbytes_of(s, d) for s, d in spec.shapes().values()) for spec in specs),
@@ -62,28 +65,36 @@ def runs(values: tuple[int, ...]) -> str:
 
 def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: int = 1,
                      placement: str = "linear") -> str:
-    """The planning view of `src` (see the module docstring)."""
+    """The planning view of `src` (see the module docstring); layers of different specs get a block each."""
     with planned(src, ParallelConfig(1, 0)) as (moe, _, _, plans):
-        dtypes = sorted({plan.fused.scale_dtype for plan in plans}, key=str)
+        groups: dict[QuantSpec, list[LayerPlan]] = {}
+        for plan in plans:
+            groups.setdefault(plan.moe.quant, []).append(plan)
     tps = sorted(set(PLAN_TP_SIZES) | ({tp_size} if tp_size else set()))
     q = moe.quant
+    kind = (f"{q.format_name} {q.bits}-bit, G={q.group_size}, {'sym' if q.symmetric else 'asym'}, "
+            f"act_order={q.act_order}") if len(groups) <= 1 else f"{len(groups)} specs, one block each"
     lines = [f"source: {src}",
              f"MoE layers: {len(plans)}, H={moe.hidden_size}, I={moe.intermediate_size}, {moe.num_experts} experts; "
-             f"{q.format_name} {q.bits}-bit, G={q.group_size}, {'sym' if q.symmetric else 'asym'}, "
-             f"act_order={q.act_order}",
+             f"{kind}",
              "bytes: one rank's fused tensors of one MoE layer (the largest rank), and how many of them are padding"]
-    for dtype in dtypes:
-        lines.append(f"scales {str(dtype).removeprefix('torch.')}:")
-        lines.append("  " + HEADER)
-        for tp in tps:
-            lines.append(_row(moe, dtype, tp, ep_size, placement, mark=tp == tp_size))
+    for group in groups.values():
+        if len(groups) > 1:
+            lines.append(f"{len(group)} layer(s) {group[0].spec.describe()}: {', '.join(p.prefix for p in group)}")
+        for dtype in sorted({plan.fused.scale_dtype for plan in group}, key=str):
+            lines.append(f"{'scales' if group[0].moe.quant.quantized else 'weights'} "
+                         f"{str(dtype).removeprefix('torch.')}:")
+            lines.append("  " + HEADER)
+            lines += [_row(group[0].moe, dtype, tp, ep_size, placement, mark=tp == tp_size, layer=group[0].layer)
+                      for tp in tps]
     return "\n".join(lines)
 
 
-def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *, mark: bool) -> str:
+def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *, mark: bool,
+         layer: int | None = None) -> str:
     head = f"{'*' if mark else ' '} {tp:>3} {ep:>3}"
     try:
-        c = layout_cost(moe, dtype, tp, ep, placement)
+        c = layout_cost(moe, dtype, tp, ep, placement, layer)
     except WNA16Error as exc:
         return f"{head}  impossible: {exc}"
     return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {c.group_eff:>5}  {c.rank_bytes:>12} "

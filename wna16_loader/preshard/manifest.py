@@ -23,9 +23,11 @@ def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
 def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:
     """Fused specs per layer (I as `intermediate`, I_p as `part`, the rank's `padding`, plus I' as
     `padded_intermediate`); for --layout checkpoint only the local experts (the tensors keep the source format)."""
+    mtp = {p: {"mtp": True} if lp.mtp else {} for p, lp in rank.plans.items()}  # only MTP layers say so
     if plan.params["layout"] == "checkpoint":
-        return {p: {"experts": list(s.experts)} for p, s in rank.layers.items()}
-    return {p: {**spec_record(s), "padded_intermediate": s.part * plan.params["tp"]} for p, s in rank.layers.items()}
+        return {p: {"experts": list(s.experts), **mtp[p]} for p, s in rank.layers.items()}
+    return {p: {**spec_record(s), "padded_intermediate": s.part * plan.params["tp"], **mtp[p]}
+            for p, s in rank.layers.items()}
 
 
 def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -41,4 +43,13 @@ def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[
             "parallel": {"tp": plan.params["tp"], "ep": plan.params["ep"], "placement": plan.params["placement"]},
             "source": plan.fingerprint, "quantization": plan.quant,
             "common": {"files": [records[f.path] for f in plan.common]}, "ranks": ranks,
-            "source_tensors": dict(sorted(account.items())), "copied": list(plan.copied)}
+            "source_tensors": dict(sorted(account.items())), "copied": list(plan.copied), **_mtp_record(plan)}
+
+
+def _mtp_record(plan: ShardPlan) -> dict[str, Any]:
+    """`"mtp"`: the source's MTP layers and whether they were sharded or copied to common/ (only for a source
+    with MTP experts: other outputs stay as they were)."""
+    if not plan.mtp_layers:
+        return {}
+    return {"mtp": {"layers": list(plan.mtp_layers), "sharded": plan.params["mtp"],
+                    "where": "the ranks' files" if plan.params["mtp"] else "common/ (--no-mtp), unchanged"}}

@@ -13,7 +13,8 @@ from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
 from ..load.plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
 from ..load.presharded import SCHEMA_VERSION
-from ..logs import log, warn_reduced_groups
+from ..load.specs import warn_reduced_groups_by_spec
+from ..logs import log
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.bulk import gc_paused
@@ -81,6 +82,7 @@ class ShardPlan:
     common: tuple[FilePlan, ...]
     expert_sources: dict[str, tuple[int, ...]]  # source tensor -> ranks whose fused tensors it feeds
     copied: tuple[str, ...]
+    mtp_layers: tuple[str, ...] = ()  # the source's MTP experts prefixes (sharded when params["mtp"], else in common/)
 
     def all_files(self) -> list[FilePlan]:
         """Common files first, then every rank's, in rank order."""
@@ -93,8 +95,10 @@ def rank_folder(rank: int, world: int) -> str:
 
 
 def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str = "linear",
-              max_file_size: int = 4 * 2**30, layout: str = "fused") -> ShardPlan:
+              max_file_size: int = 4 * 2**30, layout: str = "fused", mtp: bool = True) -> ShardPlan:
     """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers.
+    `mtp`: shard the MTP layers' experts like the others (else their tensors go to common/ unchanged; a
+    source without MTP experts is planned, and recorded, exactly as before).
 
     layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
     fall on word and group boundaries.
@@ -111,18 +115,20 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
     moe = read_config_files(src)
     with CheckpointIndex(src) as index:
         scan = CheckpointScan.of(index)
+        mtp_layers = scan.mtp_prefixes(moe.mtp)
+        scan = scan if mtp else scan.without(mtp_layers)
         ranks, expert_sources = _plan_ranks(index, moe, scan, (tp_size, ep_size, placement), max_file_size, layout)
         common_sizes = {name: index.refs[name].nbytes for name in scan.others}
         _check_account(index, scan, expert_sources)
         fingerprint = source_fingerprint(src, index.files)
     params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
-              "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION}
+              "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION, **({"mtp": mtp} if mtp_layers else {})}
     quant = _quant_summary(moe, ranks)
-    warn_reduced_groups(log, group_size=moe.quant.group_size, effective=quant["group_size_eff"], tp_size=tp_size,
-                        intermediate=moe.intermediate_size)
+    warn_reduced_groups_by_spec(log, tp_size=tp_size, intermediate=moe.intermediate_size, effective={
+        prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in ranks[0].plans.items()})
     return ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
-                     expert_sources=expert_sources, copied=_copied_files(src))
+                     expert_sources=expert_sources, copied=_copied_files(src), mtp_layers=mtp_layers)
 
 
 def check_source_folder(src: str | Path) -> Path:
@@ -162,7 +168,7 @@ def _plan_rank(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, tab
     sliced: dict[str, SlicedTensor] = {}
     for plan in plans:
         if layout == "checkpoint":
-            sliced.update(slice_layer(moe.quant, plan))
+            sliced.update(slice_layer(plan.moe.quant, plan))
         else:
             sizes.update({f"{plan.prefix}.{name}": nbytes_of(shape, dtype)
                           for name, (shape, dtype) in plan.fused.shapes().items()})
@@ -237,10 +243,24 @@ def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -
 
 
 def _quant_summary(moe: MoEConfig, ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
+    """The manifest's `quantization`: the top-level spec, G_eff per layer, and, only when some layer has a spec of
+    its own, `layers`: each layer's spec and the rule it came from."""
     q = moe.quant
-    return {"format": q.format_name, "bits": q.bits, "group_size": q.group_size, "sym": q.symmetric,
-            "act_order": q.act_order, "checkpoint_format": q.checkpoint_format,
-            "group_size_eff": {prefix: spec.group_size for prefix, spec in ranks[0].layers.items()}}
+    summary = {"format": q.format_name, "bits": q.bits, "group_size": q.group_size, "sym": q.symmetric,
+               "act_order": q.act_order, "checkpoint_format": q.checkpoint_format,
+               "group_size_eff": {prefix: spec.group_size for prefix, spec in ranks[0].layers.items()}}
+    plans = ranks[0].plans
+    if any(plan.moe.quant != q for plan in plans.values()):
+        summary["layers"] = {prefix: spec_summary(plan) for prefix, plan in plans.items()}
+    return summary
+
+
+def spec_summary(plan: LayerPlan) -> dict[str, Any]:
+    """One layer's spec as the manifest records it."""
+    q = plan.moe.quant
+    return {"quantized": q.quantized, "format": q.format_name, "bits": q.bits, "group_size": q.group_size,
+            "sym": q.symmetric, "act_order": q.act_order, "checkpoint_format": q.checkpoint_format,
+            "spec": q.describe(), "rule": plan.spec.rule, **({"found": plan.spec.found} if plan.spec.found else {})}
 
 
 def _copied_files(src: Path) -> tuple[str, ...]:

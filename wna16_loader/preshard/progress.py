@@ -24,7 +24,13 @@ def human_size(nbytes: int) -> str:
 
 
 def quant_line(plan: ShardPlan) -> str:
-    """e.g. `gptq 4-bit, group 32 (G_eff 16 in 2 layers), asymmetric, act-order`."""
+    """e.g. `gptq 4-bit, group 32 (G_eff 16 in 2 layers), asymmetric, act-order`; with layers of their own specs,
+    each spec and its layer count (`per layer: gptq 4-bit g32 asym x1, not quantized (float weights) x1`)."""
+    if "layers" in plan.quant:
+        counts: dict[str, int] = {}
+        for layer in plan.quant["layers"].values():
+            counts[layer["spec"]] = counts.get(layer["spec"], 0) + 1
+        return "per layer: " + ", ".join(f"{spec} x{n}" for spec, n in counts.items())
     q = plan.quant
     reduced = [g for g in q["group_size_eff"].values() if g != q["group_size"]]
     group = "channelwise" if q["group_size"] == -1 else f"group {q['group_size']}"
@@ -42,9 +48,13 @@ def describe_plan(plan: ShardPlan) -> str:
              f"max file size {human_size(p['max_file_size'])}",
              f"quantization: {quant_line(plan)}"]
     lines += [f"  G_eff {prefix}: {g}" for prefix, g in plan.quant["group_size_eff"].items()]
+    lines += [f"  spec {prefix}: {layer.spec.describe()}" for prefix, layer in plan.ranks[0].plans.items()]
     if plan.moe.resolution is not None:  # how every model value was found: the first thing to read when a model fails
         lines += ["model config: " + line.strip() if i == 0 else line
                   for i, line in enumerate(plan.moe.resolution.describe().splitlines())]
+    if plan.mtp_layers:
+        where = "sharded like the MoE layers" if plan.params["mtp"] else "copied unchanged into common/ (--no-mtp)"
+        lines.append(f"MTP layers: {', '.join(plan.mtp_layers)}: {where}")
     groups = [(COMMON_DIR, plan.common)] + [(r.folder, r.files) for r in plan.ranks]
     for folder, files in groups:
         total = sum(f.nbytes for f in files)

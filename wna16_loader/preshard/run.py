@@ -20,13 +20,14 @@ from .writing import write_all
 def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_size: int = 1,
                         placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
                         verify: bool = False, dry_run: bool = False, progress: bool = True,
-                        layout: str = "fused", workers: int = 1, force: bool = False) -> ShardSummary:
+                        layout: str = "fused", workers: int = 1, force: bool = False, mtp: bool = True) -> ShardSummary:
     """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
     layout: "fused" (load_experts' tensors) or "checkpoint" (source tensors sliced per rank, source names
     and format). dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
     verify: re-read the output and compare it with the source; problems land in the summary.
     workers: folders written in parallel processes (output identical to workers=1).
+    mtp: shard the MTP layers' experts (default); False copies their tensors unchanged into common/.
     An `out` that already holds this plan's finished output (same parameters and source; files present with
     the recorded headers and sizes) is left untouched and the summary says `complete`; force=True rewrites it.
     Raises a WNA16Error subclass on bad input, a locked or foreign `out`, changed parameters or a failed write.
@@ -36,7 +37,7 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     if workers < 1:
         raise PreshardError(f"workers={workers}: must be at least 1, e.g. --workers 4.")
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
-                     layout=layout)
+                     layout=layout, mtp=mtp)
     if dry_run:
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
     make_dir(out)

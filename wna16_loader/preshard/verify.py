@@ -80,6 +80,7 @@ def verify_report(out: str | Path, source: str | Path | None = None) -> VerifyRe
     if source is None or problems:
         return replace(report, problems=tuple(problems))
     _check_common(out, manifest, Path(source))
+    problems += verify_mtp(manifest)
     problems += (_verify_sliced if layout == "checkpoint" else _verify_experts)(out, manifest, Path(source))
     experts = {p: set() for rank in manifest["ranks"] for p in rank["layers"]}
     for rank in manifest["ranks"]:
@@ -141,7 +142,7 @@ def _verify_sliced(out: Path, manifest: dict[str, Any], source: Path) -> list[st
     """--layout checkpoint: every tensor equals the rank's slice of the source, re-read from the source."""
     p = manifest["params"]
     plan = make_plan(source, tp_size=p["tp"], ep_size=p["ep"], placement=p["placement"],
-                     max_file_size=p["max_file_size"], layout="checkpoint")
+                     max_file_size=p["max_file_size"], layout="checkpoint", mtp=p.get("mtp", True))
     problems = []
     with CheckpointIndex(source) as index:
         for rank, rec in zip(plan.ranks, manifest["ranks"]):
@@ -155,9 +156,9 @@ def _verify_sliced(out: Path, manifest: dict[str, Any], source: Path) -> list[st
 
 def _verify_experts(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
     """Stitch every rank's dequantised experts over TP and compare with a tp=1 ep=1 load of the source."""
-    par = manifest["parallel"]
-    reference = load_experts(source, ParallelConfig(1, 0))
-    loads = {r.rank: load_presharded(out, r) for r in ParallelConfig.all_ranks(
+    par, mtp = manifest["parallel"], manifest["params"].get("mtp", False)
+    reference = load_experts(source, ParallelConfig(1, 0), include_mtp=mtp)
+    loads = {r.rank: load_presharded(out, r, include_mtp=mtp) for r in ParallelConfig.all_ranks(
         tp_size=par["tp"], ep_size=par["ep"], expert_placement=par["placement"])}
     problems = []
     for prefix, ref_layer in reference.items():
@@ -165,6 +166,22 @@ def _verify_experts(out: Path, manifest: dict[str, Any], source: Path) -> list[s
         for ep_rank in range(par["ep"]):
             ranks = [loads[ep_rank * par["tp"] + t] for t in range(par["tp"])]
             problems += _compare_stitched(prefix, ep_rank, [r[prefix] for r in ranks], ref_layer, ref)
+    return problems
+
+
+def verify_mtp(manifest: dict[str, Any]) -> list[str]:
+    """The MTP layers the manifest records are where it says: every rank holds each as a layer marked
+    `"mtp": true` when sharded, none of them when copied to common/ (where `_check_common` compares them)."""
+    record = manifest.get("mtp")
+    if record is None:
+        return []
+    wanted = set(record["layers"]) if record["sharded"] else set()
+    problems = []
+    for rank in manifest["ranks"]:
+        found = {p for p, rec in rank["layers"].items() if rec.get("mtp", False)}
+        if found != wanted:
+            problems.append(f"rank {rank['rank']}: MTP layers {sorted(found)} in its files, but the manifest "
+                            f"records {sorted(record['layers'])} as {record['where']}; re-shard the source")
     return problems
 
 

@@ -250,11 +250,14 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
 
 
 def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_config: dict[str, Any], *,
-                            files: int = 1, scale_dtype: torch.dtype = torch.float16,
-                            seed: int = 0) -> SyntheticCheckpoint:
+                            files: int = 1, scale_dtype: torch.dtype = torch.float16, seed: int = 0,
+                            mtp: bool = False, mtp_dtype: torch.dtype | None = None) -> SyntheticCheckpoint:
     """Write a checkpoint for a real `config` (a config.json of any family of the table) and return its
     references: expert tensors for every MoE layer the config names, at each layer's own sizes, under the
-    family's root, module and projection names (up and down only for non-gated families)."""
+    family's root, module and projection names (up and down only for non-gated families).
+    `mtp`: also every MTP layer the config declares (`MoEConfig.mtp`), in the family's MTP naming, with its
+    non-expert tensors; its experts quantized like the rest (references and `prefixes` include them), or with
+    `mtp_dtype` as unquantized `.weight` tensors of that dtype (as official Qwen3.5 GPTQ releases ship them)."""
     from ..models.config import resolve_moe_config
     from ..models.families import BY_MODEL_TYPE, GENERIC
 
@@ -279,8 +282,48 @@ def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_co
             prefixes.append(experts_prefix_for(root, layer, module))
             shard.update(_layer_tensors(gen, moe.quant, names, prefixes[-1], (values.num_experts, moe.hidden_size,
                                         values.intermediate_size), scale_dtype, False, refs))
+    if mtp:
+        prefixes += _write_mtp(gen, moe, names, (root, module), shards[-1], scale_dtype, refs, mtp_dtype)
     _save(folder, config, shards)
     return SyntheticCheckpoint(folder=folder, spec=moe.quant, references=refs, prefixes=tuple(prefixes))
+
+
+def _write_mtp(gen: torch.Generator, moe: Any, names: dict[str, str], where: tuple[str, str | None],
+               shard: dict[str, torch.Tensor], scale_dtype: torch.dtype, refs: dict[tuple[str, int, str], torch.Tensor],
+               dtype: torch.dtype | None) -> list[str]:
+    """Every MTP layer `moe` (a MoEConfig) declares into `shard`: its own tensors, router, attention and
+    experts (quantized with references, or 16-bit `.weight` of `dtype`); returns their experts prefixes."""
+    root, module = where
+    sizes, prefixes = (moe.num_experts, moe.hidden_size, moe.intermediate_size), []
+    for i in range(moe.mtp.count if moe.mtp.routed else 0):
+        mtp_root, layer = moe.mtp.root or root, moe.mtp.first + i
+        prefixes.append(experts_prefix_for(mtp_root, layer, module))
+        shard.update(_mtp_tensors(gen, mtp_root, layer, moe.hidden_size, moe.mtp.root is not None))
+        shard.update(_other_tensors(gen, mtp_root, module, layer, True, moe.num_experts, moe.hidden_size))
+        shard.update(_layer_tensors(gen, moe.quant, names, prefixes[-1], sizes, scale_dtype, False, refs)
+                     if dtype is None else _unquantized(gen, names, prefixes[-1], sizes, dtype))
+    return prefixes
+
+
+def _mtp_tensors(gen: torch.Generator, root: str, layer: int, hidden: int, tree: bool) -> dict[str, torch.Tensor]:
+    """An MTP layer's own non-expert tensors: the tree's fc and norms (`tree`: Qwen3-Next / Qwen3.5, `mtp.*`),
+    else the appended layer's enorm, hnorm, eh_proj and shared_head norm (DeepSeek-V3 / GLM)."""
+    base = f"{root}.layers.{layer}"
+    norms = (f"{root}.norm", f"{root}.pre_fc_norm_embedding", f"{root}.pre_fc_norm_hidden") if tree else \
+        (f"{base}.enorm", f"{base}.hnorm", f"{base}.shared_head.norm")
+    out = {f"{name}.weight": torch.ones(hidden, dtype=torch.bfloat16) for name in norms}
+    out[f"{root}.fc.weight" if tree else f"{base}.eh_proj.weight"] = \
+        torch.randn(hidden, 2 * hidden, generator=gen).to(torch.bfloat16)
+    return out
+
+
+def _unquantized(gen: torch.Generator, names: dict[str, str], prefix: str, sizes: tuple[int, int, int],
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One layer's expert projections as 16-bit `{prefix}.{e}.{proj}.weight [N, K]` tensors, not quantized."""
+    num_experts, hidden, inter = sizes
+    shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    return {f"{prefix}.{e}.{proj}.weight": torch.randn(*shapes[kind], generator=gen).to(dtype)
+            for e in range(num_experts) for kind, proj in names.items()}
 
 
 def _save(folder: Path, config: dict[str, Any], shards: list[dict[str, torch.Tensor]]) -> None:
