@@ -110,6 +110,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("load",),       # plan, reads, fused layout and writer, ledger, device policy, load_experts
     ("engine",),     # the weight_loader hook, name mapping, FusedMoEExperts, model-level loading
     ("preshard",),   # wna16-shard
+    ("integrations",),  # engine plugins (vLLM's --load-format wna16); each imports its engine, nothing imports them
     ("testing",),    # synthetic checkpoints, the GPU stand-in, the demo
     ("cli", "tables", ""),  # entry points and the public API (`wna16_loader/__init__.py`)
 )

@@ -1,0 +1,113 @@
+"""One rank of a vLLM TP group (a process of its own, started by `tier.run_group`).
+
+    python vllm_rank.py JOBS.json RANK
+
+JOBS.json: {"tp", "init_method", "out", "jobs": [...]}; a job is either
+- {"kind": "layer", "name", "folder", "method", "prefix", "experts", "hidden", "intermediate", "top_k",
+   "ckpt_names"}: vLLM builds one `FusedMoE` layer with `get_quantization_config(method).from_config(...)`,
+   loads the checkpoint's expert tensors through `runner.load_weights` (vLLM's weight loaders) and runs its
+   `process_weights_after_loading`; or
+- {"kind": "model", "name", "folder", "load_format"}: vLLM builds and loads the whole model (`get_model`,
+   `--quantization moe_wna16`).
+Each job writes OUT/NAME/rank{R}.safetensors (every parameter) or OUT/NAME/rank{R}.json (vLLM's error).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import workarounds
+
+# vLLM's compressed-tensors method names its fused parameters apart; after its Triton conversion their
+# contents are in the moe_wna16 layout. moe_wna16 name -> compressed-tensors name.
+CT_NAMES = {"w13_qweight": "w13_weight_packed", "w2_qweight": "w2_weight_packed", "w13_scales": "w13_weight_scale",
+            "w2_scales": "w2_weight_scale", "w13_qzeros": "w13_weight_zero_point", "w2_qzeros": "w2_weight_zero_point"}
+
+
+def layer_job(job: dict) -> dict[str, torch.Tensor]:
+    """vLLM's fused parameters of one MoE layer, under the moe_wna16 names."""
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    folder = Path(job["folder"])
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    runner = FusedMoEFactory(num_experts=job["experts"], top_k=job["top_k"], hidden_size=job["hidden"],
+                             intermediate_size=job["intermediate"], params_dtype=torch.float16,
+                             quant_config=get_quantization_config(job["method"]).from_config(config),
+                             prefix=job["prefix"], ckpt_names=tuple(job["ckpt_names"]))
+    head = job["prefix"] + "."
+    weights = [(name[len(head):], t) for name, t in load_file(str(folder / "model.safetensors")).items()
+               if name.startswith(head)]
+    list(runner.load_weights(workarounds.drop_trivial_g_idx(weights, config.get("group_size", -1))))
+    layer = runner.routed_experts
+    layer.quant_method.process_weights_after_loading(layer)
+    params, tensors = dict(layer.named_parameters()), {}
+    for ours, ct in CT_NAMES.items():
+        param = params.get(ct, params.get(ours))
+        if param is not None and param.numel() > 0:  # symmetric GPTQ: moe_wna16 registers empty qzeros
+            tensors[ours] = param.data
+    return tensors
+
+
+def model_job(job: dict) -> dict[str, torch.Tensor]:
+    """Every parameter of the whole model after vLLM's load (`job["load_format"]`: auto or wna16)."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as every vLLM process does: our entry point registers --load-format wna16
+    model_config = ModelConfig(model=job["folder"], quantization="moe_wna16", dtype="float16",
+                               skip_tokenizer_init=True, enforce_eager=True)
+    config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format=job["load_format"]),
+                        device_config=DeviceConfig("cpu"), parallel_config=current_parallel())
+    with set_current_vllm_config(config):  # replaces the job's fresh config: this one names the model
+        model = get_model(vllm_config=config)
+    return {name: p.data.contiguous() for name, p in model.named_parameters()}
+
+
+def current_parallel():
+    from vllm.config import ParallelConfig, get_current_vllm_config
+
+    return ParallelConfig(tensor_parallel_size=get_current_vllm_config().parallel_config.tensor_parallel_size)
+
+
+def run_job(job: dict, out: Path, rank: int) -> None:
+    folder = out / job["name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        tensors = (layer_job if job["kind"] == "layer" else model_job)(job)
+    except Exception as exc:  # vLLM refusing a checkpoint is a result the test pins
+        error = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()[-3000:]}
+        (folder / f"rank{rank}.json").write_text(json.dumps(error))
+        return
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors"))
+
+
+def main(jobs_file: str, rank_arg: str) -> None:
+    spec, rank = json.loads(Path(jobs_file).read_text()), int(rank_arg)
+    workarounds.apply(f"wna16-tier-{spec['tp']}-{rank}")
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    tp = spec["tp"]
+
+    def fresh():  # one config per job: vLLM registers every layer name in the current config, once
+        return set_current_vllm_config(VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp)))
+
+    with fresh():
+        init_distributed_environment(world_size=tp, rank=rank, local_rank=rank,
+                                     distributed_init_method=spec["init_method"], backend="gloo")
+        initialize_model_parallel(tp)
+    for job in spec["jobs"]:
+        with fresh():
+            run_job(job, Path(spec["out"]), rank)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

