@@ -181,8 +181,9 @@ class ExpertSlots(NamedTuple):
 
 class LayerTable:
     """One layer's routed-expert tensors under one config, rank by rank the same: the tensors that feed no
-    slot (name, why), the entries (expert or None, source) -> {role: ref} of the others, each expert's
-    `ExpertSlots` (made when first asked) and the entries whose headers passed `check_headers`."""
+    slot (name, why), the entries (expert or None, source) -> {role: tensor name} of the others (their refs
+    made only for the experts asked: an EP rank's own), each expert's `ExpertSlots` (made when first asked)
+    and the entries whose headers passed `check_headers`."""
 
     def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
                  rules: KeyRules, spec: LayerSpec | None = None) -> None:
@@ -190,17 +191,18 @@ class LayerTable:
         self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
         self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
         self.rejects: list[tuple[str, str]] = []
-        self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
+        self.entries: dict[EntryKey, dict[Role, str]] = {}
+        self._refs = index.refs
         self.passed: set[EntryKey] = set()
         self._experts: dict[int, ExpertSlots] = {}
         self._required = required_roles(moe)
-        refs, entries, roles = index.refs, self.entries, rules.roles
+        entries, roles = self.entries, rules.roles
         for key in keys:
             problem = rules.problem(key)
             if problem is not None:
                 self.rejects.append((key.name, problem))
             else:
-                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = refs[key.name]
+                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = key.name
 
     def expert(self, expert: int) -> ExpertSlots:
         """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
@@ -227,7 +229,9 @@ class LayerTable:
         self.passed.update(entry for entry, _ in todo)
 
     def _source(self, entry: EntryKey, expert: int) -> SourceTensors:
-        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], self.entries[entry],
+        refs = self._refs
+        tensors = {role: refs[name] for role, name in self.entries[entry].items()}
+        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], tensors,
                                     expert if entry[0] is None else None)
 
 
