@@ -23,7 +23,7 @@ from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
-from .ledger import Ledger, Slot
+from .ledger import Ledger, Slot, SlotKey, slot_key
 from .params import SourceTensors, check_header, expected_shape
 from .specs import checked_layer_spec
 
@@ -43,6 +43,7 @@ class LayerPlan:
     moe: MoEConfig
     spec: LayerSpec
     mtp: bool = False  # an MTP (multi-token-prediction) layer
+    records: tuple[tuple[SlotKey, str], ...] = ()  # (slot, tensor name) of every source of the local experts
 
 
 @dataclass(frozen=True)
@@ -150,11 +151,13 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
         ledger.reject(name, why)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
     checks: list[tuple[EntryKey, SourceTensors]] = []
+    records: list[tuple[SlotKey, str]] = []
     scales: dict[torch.dtype, str] = {}  # scale dtype -> the last tensor of that dtype
     for expert in sorted(set(geometry.experts)):
         slots = table.expert(expert)
         ledger.expect_slots(slots.expected)
         ledger.record_slots(slots.records)
+        records += slots.records
         for proj, entry, src in slots.sources:
             sources[(expert, proj)] = src
             checks.append((entry, src))
@@ -163,7 +166,7 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
                          activation=moe.activation)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources, moe=moe,
-                     spec=table.spec)
+                     spec=table.spec, records=tuple(records))
 
 
 EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
@@ -171,11 +174,12 @@ EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked ov
 
 class ExpertSlots(NamedTuple):
     """One expert of one layer, for any rank that holds it: the first source of each projection (with
-    its entry), the slots it must fill and the (slot, tensor name) writes of every source found."""
+    its entry), the slots it must fill and the (slot, tensor name) writes of every source found (slots as
+    the plain tuples the ledger keeps: `slot_key`)."""
 
     sources: tuple[tuple[Proj, EntryKey, SourceTensors], ...]
-    expected: tuple[Slot, ...]
-    records: tuple[tuple[Slot, str], ...]
+    expected: tuple[SlotKey, ...]
+    records: tuple[tuple[SlotKey, str], ...]
     scales: tuple[tuple[torch.dtype, str], ...]  # (dtype, name) of the scales of each source that has them
 
 
@@ -211,8 +215,8 @@ class LayerTable:
             for proj in layer_projections(self.moe.gated):
                 entries = _candidates(self.entries, expert, proj)
                 candidates = [self._source(entry, expert) for entry in entries]
-                expected += [Slot.of(self.prefix, expert, proj, role) for role in self._required]
-                records += [(Slot.of(self.prefix, expert, proj, role), ref.name)
+                expected += [slot_key(self.prefix, expert, proj, role) for role in self._required]
+                records += [(slot_key(self.prefix, expert, proj, role), ref.name)
                             for src in candidates for role, ref in src.tensors.items()]
                 if candidates:
                     sources.append((proj, entries[0], candidates[0]))
