@@ -44,6 +44,7 @@ from ..load.plan import STACKED_SOURCES, KeyRules, LayerPlan, expert_key_problem
 from ..models.config import MoEConfig
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
 from ..parallel.partition import LayerGeometry
+from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .mapping import ShardId, default_alias
 
@@ -368,16 +369,17 @@ class ExpertLoadHook(LayerLoad):
     def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
         """`LayerLoad.load_plan`, with every slot recorded in this hook's ledger (a module that loads a
         plan and may later take tensors through `weight_loader` too)."""
-        self.ledger.record_slots(plan.records)
-        values: dict[tuple[Role, ...], tuple[str, ...]] = {}  # the role values of each set of roles, made once
-        for proj in plan.fused.projections:
-            written = self.written[proj]
-            for expert in plan.fused.experts:
-                src = plan.sources[(expert, proj)]
-                roles = tuple(src.tensors)
-                if roles not in values:
-                    values[roles] = tuple(role._value_ for role in roles)
-                written[expert] = (src.source._value_, src.expert_row, values[roles])
+        with gc_paused():  # a record per tensor: see storage/bulk.py
+            self.ledger.record_slots(plan.records)
+            values: dict[tuple[Role, ...], tuple[str, ...]] = {}  # the role values of each set of roles, made once
+            for proj in plan.fused.projections:
+                written = self.written[proj]
+                for expert in plan.fused.experts:
+                    src = plan.sources[(expert, proj)]
+                    roles = tuple(src.tensors)
+                    if roles not in values:
+                        values[roles] = tuple(role._value_ for role in roles)
+                    written[expert] = (src.source._value_, src.expert_row, values[roles])
         super().load_plan(index, writer, plan)
 
     def missing_names(self, prefix: str) -> list[str]:
