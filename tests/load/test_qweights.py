@@ -221,7 +221,7 @@ def test_fused_words_batching(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, e
     monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", chunk_bytes)
     with planned(tmp_path, 2, 1) as (index, spec, plan):
         sources = batch(plan, Proj.GATE)  # K 64 rows: 8 words x N_l 32 per expert
-        begins = [index.begins[src.tensors[Role.QWEIGHT].name] for src in sources]
+        begins = [index.begin(src.tensors[Role.QWEIGHT].name) for src in sources]
         assert (len(set(b - a for a, b in zip(begins, begins[1:]))) > 1) == (experts > 10)
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))
         assert [c.experts for c in chunks] == pieces

@@ -38,13 +38,14 @@ from ..errors import FormatError
 from ..formats import Role
 from ..load.fused import FusedWriter, layer_projections
 from ..load.keys import STACKED_SOURCES, KeyRules, expert_key_problem
-from ..load.layer import LayerLoad, plan_runs
-from ..load.ledger import Ledger, Slot
+from ..load.layer import LayerLoad
+from ..load.ledger import Ledger
 from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
 from ..load.plan import LayerPlan, sizes_source_tensors
 from ..models.config import MoEConfig
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
 from ..parallel.partition import LayerGeometry
+from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .mapping import ShardId, default_alias
 
@@ -369,13 +370,17 @@ class ExpertLoadHook(LayerLoad):
     def load_plan(self, index: CheckpointIndex, writer: FusedWriter, plan: LayerPlan) -> None:
         """`LayerLoad.load_plan`, with every slot recorded in this hook's ledger (a module that loads a
         plan and may later take tensors through `weight_loader` too)."""
-        for proj in plan.fused.projections:
-            for experts, sources in plan_runs(plan, proj):
-                for expert, src in zip(experts, sources):
-                    self.ledger.record_slots((Slot.of(self.prefix, expert, proj, role), ref.name)
-                                             for role, ref in src.tensors.items())
-                    self.written[proj][expert] = (src.source._value_, src.expert_row,
-                                                  tuple(role._value_ for role in src.tensors))
+        with gc_paused():  # a record per tensor: see storage/bulk.py
+            self.ledger.record_slots(plan.records)
+            values: dict[tuple[Role, ...], tuple[str, ...]] = {}  # the role values of each set of roles, made once
+            for proj in plan.fused.projections:
+                written = self.written[proj]
+                for expert in plan.fused.experts:
+                    src = plan.sources[(expert, proj)]
+                    roles = tuple(src.tensors)
+                    if roles not in values:
+                        values[roles] = tuple(role._value_ for role in roles)
+                    written[expert] = (src.source._value_, src.expert_row, values[roles])
         super().load_plan(index, writer, plan)
 
     def missing_names(self, prefix: str) -> list[str]:

@@ -106,6 +106,10 @@ class ModuleRules:
         """Whether `resolve` needs the checkpoint's module names (some rule is `unless_module`)."""
         return any(rule.unless_module for rule in self.rules)
 
+    def uniform(self) -> ModuleSpec | None:
+        """What every module resolves to when there is no rule (the default); None when rules decide."""
+        return None if self.rules else self.resolve("")
+
     def resolve(self, module: str, modules: Container[str] = ()) -> ModuleSpec:
         """The spec of the Linear module named `module` (`modules`: every module name of the checkpoint)."""
         first = self._exact.get(module, len(self.rules))

@@ -41,6 +41,14 @@ class SlotNames(Protocol):
     def summary(self, missing: list[Slot]) -> str | None: ...
 
 
+SlotKey = tuple[str, int, str, str]  # a `Slot` as the plain tuple the ledger keeps (prefix, expert, proj, role)
+
+
+def slot_key(prefix: str, expert: int, proj: Proj, role: Role) -> SlotKey:
+    """The plain-tuple key of one slot (equal to, and hashed as, its `Slot`; untracked by the collector)."""
+    return (prefix, expert, proj._value_, role._value_)
+
+
 @dataclass
 class Ledger:
     """Records every slot written; `check` raises one error naming every offender."""

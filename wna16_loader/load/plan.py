@@ -24,7 +24,7 @@ from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
 from .keys import KeyRules
-from .ledger import Ledger, Slot
+from .ledger import Ledger, Slot, SlotKey, slot_key
 from .params import SourceTensors, check_header, expected_shape
 from .specs import checked_layer_spec
 
@@ -42,6 +42,7 @@ class LayerPlan:
     moe: MoEConfig
     spec: LayerSpec
     mtp: bool = False  # an MTP (multi-token-prediction) layer
+    records: tuple[tuple[SlotKey, str], ...] = ()  # (slot, tensor name) of every source of the local experts
 
 
 @dataclass(frozen=True)
@@ -191,11 +192,13 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
         ledger.reject(name, why)
     sources: dict[tuple[int, Proj], SourceTensors] = {}
     checks: list[tuple[EntryKey, SourceTensors]] = []
+    records: list[tuple[SlotKey, str]] = []
     scales: dict[torch.dtype, str] = {}  # scale dtype -> the last tensor of that dtype
     for expert in sorted(set(geometry.experts)):
         slots = table.expert(expert)
         ledger.expect_slots(slots.expected)
         ledger.record_slots(slots.records)
+        records += slots.records
         for proj, entry, src in slots.sources:
             sources[(expert, proj)] = src
             checks.append((entry, src))
@@ -204,7 +207,7 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
                          activation=moe.activation)
     return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources, moe=moe,
-                     spec=table.spec)
+                     spec=table.spec, records=tuple(records))
 
 
 EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
@@ -212,18 +215,20 @@ EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked ov
 
 class ExpertSlots(NamedTuple):
     """One expert of one layer, for any rank that holds it: the first source of each projection (with
-    its entry), the slots it must fill and the (slot, tensor name) writes of every source found."""
+    its entry), the slots it must fill and the (slot, tensor name) writes of every source found (slots as
+    the plain tuples the ledger keeps: `slot_key`)."""
 
     sources: tuple[tuple[Proj, EntryKey, SourceTensors], ...]
-    expected: tuple[Slot, ...]
-    records: tuple[tuple[Slot, str], ...]
+    expected: tuple[SlotKey, ...]
+    records: tuple[tuple[SlotKey, str], ...]
     scales: tuple[tuple[torch.dtype, str], ...]  # (dtype, name) of the scales of each source that has them
 
 
 class LayerTable:
     """One layer's routed-expert tensors under one config, rank by rank the same: the tensors that feed no
-    slot (name, why), the entries (expert or None, source) -> {role: ref} of the others, each expert's
-    `ExpertSlots` (made when first asked) and the entries whose headers passed `check_headers`."""
+    slot (name, why), the entries (expert or None, source) -> {role: tensor name} of the others (their refs
+    made only for the experts asked: an EP rank's own), each expert's `ExpertSlots` (made when first asked)
+    and the entries whose headers passed `check_headers`."""
 
     def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
                  rules: KeyRules, spec: LayerSpec | None = None) -> None:
@@ -231,17 +236,18 @@ class LayerTable:
         self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
         self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
         self.rejects: list[tuple[str, str]] = []
-        self.entries: dict[EntryKey, dict[Role, TensorRef]] = {}
+        self.entries: dict[EntryKey, dict[Role, str]] = {}
+        self._refs = index.refs
         self.passed: set[EntryKey] = set()
         self._experts: dict[int, ExpertSlots] = {}
         self._required = required_roles(moe)
-        refs, entries, roles = index.refs, self.entries, rules.roles
+        entries, roles = self.entries, rules.roles
         for key in keys:
             problem = rules.problem(key)
             if problem is not None:
                 self.rejects.append((key.name, problem))
             else:
-                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = refs[key.name]
+                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = key.name
 
     def expert(self, expert: int) -> ExpertSlots:
         """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
@@ -250,8 +256,8 @@ class LayerTable:
             for proj in layer_projections(self.moe.gated):
                 entries = _candidates(self.entries, expert, proj)
                 candidates = [self._source(entry, expert) for entry in entries]
-                expected += [Slot.of(self.prefix, expert, proj, role) for role in self._required]
-                records += [(Slot.of(self.prefix, expert, proj, role), ref.name)
+                expected += [slot_key(self.prefix, expert, proj, role) for role in self._required]
+                records += [(slot_key(self.prefix, expert, proj, role), ref.name)
                             for src in candidates for role, ref in src.tensors.items()]
                 if candidates:
                     sources.append((proj, entries[0], candidates[0]))
@@ -268,7 +274,9 @@ class LayerTable:
         self.passed.update(entry for entry, _ in todo)
 
     def _source(self, entry: EntryKey, expert: int) -> SourceTensors:
-        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], self.entries[entry],
+        refs = self._refs
+        tensors = {role: refs[name] for role, name in self.entries[entry].items()}
+        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], tensors,
                                     expert if entry[0] is None else None)
 
 

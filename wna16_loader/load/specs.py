@@ -14,7 +14,7 @@ import logging
 from typing import Container, Sequence
 
 from ..errors import FormatError
-from ..formats import QuantSpec, Role, unquantized_spec
+from ..formats import ModuleRules, QuantSpec, Role, unquantized_spec
 from ..logs import log, warn_reduced_groups
 from ..models.config import MoEConfig
 from ..models.layer_specs import LayerSpec, resolve_layer_spec
@@ -28,10 +28,10 @@ def checked_layer_spec(moe: MoEConfig, prefix: str, keys: Sequence[ExpertTensorK
     """The spec of the layer whose routed-expert tensors are `keys`: the rules' (every module of the
     layer resolved; one spec per layer), unless the tensors show the other kind (see the module doc).
     `modules`: every module name of the checkpoint, for rules that need them."""
-    declared = moe.spec_of(prefix) if moe.rules is None else \
-        resolve_layer_spec(moe.rules, prefix, sorted({key.module_name for key in keys}), modules)
+    declared = moe.spec_of(prefix) if moe.rules is None else _declared(moe.rules, prefix, keys, modules)
     suffixes = {key.suffix for key in keys}
-    floats = [key for key in keys if unquantized_spec().layout_for_suffix(key.suffix) is not None]
+    float_suffixes = {suffix for suffix in suffixes if unquantized_spec().layout_for_suffix(suffix) is not None}
+    floats = [key for key in keys if key.suffix in float_suffixes] if float_suffixes else []
     if declared.spec.quantized and floats and not suffixes & {lay.suffix for lay in declared.spec.layouts}:
         found = f"float tensors such as {_named(floats[0], refs)}"
         _warn(prefix, declared, found)
@@ -43,6 +43,15 @@ def checked_layer_spec(moe: MoEConfig, prefix: str, keys: Sequence[ExpertTensorK
         return LayerSpec(spec, declared.rule, None, found)
     dtype = refs[floats[0].name].dtype if floats and not declared.spec.quantized else None
     return LayerSpec(declared.spec, declared.rule, dtype)
+
+
+def _declared(rules: ModuleRules, prefix: str, keys: Sequence[ExpertTensorKey], modules: Container[str]) -> LayerSpec:
+    """The rules' spec of the layer: without any rule every module gets the default, so the layer does (no
+    module is resolved one by one); else `resolve_layer_spec` over the layer's modules."""
+    every = rules.uniform()
+    if every is not None and every.refusal is None:
+        return LayerSpec(every.spec, every.origin)
+    return resolve_layer_spec(rules, prefix, sorted({key.module_name for key in keys}), modules)
 
 
 def _named(key: ExpertTensorKey, refs: dict[str, TensorRef]) -> str:

@@ -54,6 +54,10 @@ class MappedFile:
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         self._flat: dict[tuple[torch.dtype, int], torch.Tensor] = {}
 
+    def dtype_names(self) -> set[str]:
+        """The dtype names of the header's entries."""
+        return {entry.dtype for entry in self.entries.values()}
+
     def flat(self, dtype: torch.dtype, phase: int) -> torch.Tensor:
         """The whole file as a 1-D `dtype` view starting at byte `phase` (< itemsize)."""
         key = (dtype, phase)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from safetensors import safe_open
@@ -57,29 +57,51 @@ def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
+class TensorRefs(Mapping[str, TensorRef]):
+    """name -> `TensorRef` of every tensor of an index, made when asked from the files' header entries (the
+    index keeps one dict entry per tensor, name -> file; iterating gives the names in file order)."""
+
+    def __init__(self, maps: dict[str, MappedFile]) -> None:
+        self.files: dict[str, str] = {}  # tensor name -> its file
+        self._maps = maps
+
+    def __getitem__(self, name: str) -> TensorRef:
+        file = self.files[name]
+        entry = self._maps[file].entries[name]
+        return TensorRef(name, file, entry.shape, DTYPES[entry.dtype])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.files
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.files)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
 class CheckpointIndex:
     """Every tensor of a safetensors checkpoint folder, readable by slices.
 
     Use as a context manager, or call `close()` (views already handed out keep their mapping).
-    `bytes_read` counts the bytes of every slice returned. `begins[name]` is the tensor's first byte
-    in its file.
+    `bytes_read` counts the bytes of every slice returned. `refs[name]` is a tensor's `TensorRef`.
     """
 
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self.files, weight_map = _shard_files(self.folder)
         self._maps: dict[str, MappedFile] = {}
-        self.refs: dict[str, TensorRef] = {}
-        self.begins: dict[str, int] = {}
+        self.refs = TensorRefs(self._maps)
         self.metadata: dict[str, dict[str, str]] = {}
         self.bytes_read = 0
-        with gc_paused():  # one TensorRef per tensor: see bulk.py
+        with gc_paused():  # header entries of every tensor: see bulk.py
             for file in self.files:
                 self._index_file(file)
             if weight_map is not None:
-                _check_index_file(self.folder / INDEX_FILE, weight_map, self.refs)
+                _check_index_file(self.folder / INDEX_FILE, weight_map, self.refs.files)
 
     def _index_file(self, file: str) -> None:
+        """Map and check one file; its names join the index (every dtype known, no name in two files)."""
         try:
             with safe_open(str(self.folder / file), framework="pt") as handle:  # the format's own checks
                 self.metadata[file] = handle.metadata() or {}
@@ -87,20 +109,20 @@ class CheckpointIndex:
             raise truncated_error(self.folder / file, f"{self.folder / file}: not a readable safetensors file "
                                                       f"({exc}).") from None
         mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
-        refs, begins = self.refs, self.begins
-        for name, (dtype_name, shape, begin, _) in mapped.entries.items():
-            dtype = DTYPES.get(dtype_name)
-            if name in refs or dtype is None:
-                self._refuse(file, name, dtype_name)
-            refs[name] = TensorRef(name, file, shape, dtype)
-            begins[name] = begin
+        files = self.refs.files
+        if not files.keys().isdisjoint(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
+            self._refuse(file, mapped)
+        files.update(dict.fromkeys(mapped.entries, file))
 
-    def _refuse(self, file: str, name: str, dtype_name: str) -> None:
-        if name in self.refs:
-            raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs[name].file} and {file}; "
-                                  f"a checkpoint must hold each tensor once.")
-        raise CheckpointError(f"{file}: tensor {name!r} has dtype {dtype_name!r}, which this "
-                              f"loader does not know; known: {sorted(DTYPES)}.")
+    def _refuse(self, file: str, mapped: MappedFile) -> None:
+        """The error for the first entry of `file` that is stored in an earlier file too or has an unknown dtype."""
+        for name, entry in mapped.entries.items():
+            if name in self.refs.files:
+                raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs.files[name]} and {file}; "
+                                      f"a checkpoint must hold each tensor once.")
+            if entry.dtype not in DTYPES:
+                raise CheckpointError(f"{file}: tensor {name!r} has dtype {entry.dtype!r}, which this "
+                                      f"loader does not know; known: {sorted(DTYPES)}.")
 
     def __enter__(self) -> "CheckpointIndex":
         return self
@@ -151,10 +173,14 @@ class CheckpointIndex:
             self.bytes_read += stacked.numel() * stacked.element_size()
         return stacked
 
+    def begin(self, name: str) -> int:
+        """The first byte of tensor `name` in its file."""
+        return self._maps[self.refs.files[name]].entries[name].begin
+
     def locate(self, ref: TensorRef, index: Index) -> tuple[int, str, tuple[int, ...], torch.dtype, Index]:
         """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,
         file, shape, dtype, rest of the index), leading int indices folded into the first byte."""
-        begin, shape = self.begins[ref.name], ref.shape
+        begin, shape = self.begin(ref.name), ref.shape
         while index and isinstance(index[0], int):
             if not 0 <= index[0] < shape[0]:
                 raise IndexError(f"{ref.name}: row {index[0]} outside 0..{shape[0] - 1}")
@@ -223,16 +249,14 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def _check_index_file(index_path: Path, weight_map: dict[str, str], refs: dict[str, TensorRef]) -> None:
-    """The index file's weight map and the shard headers must agree name for name (one dict comparison in C
-    when they do; the per-name comparison only to list the differences)."""
-    if len(weight_map) == len(refs) and weight_map == {name: ref.file for name, ref in refs.items()}:
+def _check_index_file(index_path: Path, weight_map: dict[str, str], files: dict[str, str]) -> None:
+    """The index file's weight map and the shard headers (`files`: tensor name -> file) must agree name for
+    name (one dict comparison in C when they do; the per-name comparison only to list the differences)."""
+    if weight_map == files:
         return
-    problems = [f"{name}: index says {file}, header says {refs[name].file if name in refs else 'nowhere'}"
-                for name, file in weight_map.items() if name not in refs or refs[name].file != file]
-    problems += [f"{name}: in {ref.file} but not in the index" for name, ref in refs.items()
-                 if name not in weight_map]
+    problems = [f"{name}: index says {file}, header says {files.get(name, 'nowhere')}"
+                for name, file in weight_map.items() if files.get(name) != file]
+    problems += [f"{name}: in {file} but not in the index" for name, file in files.items() if name not in weight_map]
     if problems:
         raise CheckpointError(f"{index_path} disagrees with the shard headers for {len(problems)} tensors:\n"
                               f"{format_offenders(problems)}")
-
