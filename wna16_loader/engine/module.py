@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import CompletenessError, LayoutMismatchError
 from ..load.device import DevicePolicy
-from ..load.fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter
+from ..load.fused import DequantizedExperts, FusedExperts, FusedSpec, FusedWriter, SpecView
 from ..load.ledger import Ledger
 from ..load.plan import LayerPlan, expect_projection, layer_geometry
 from ..load.presharded import put_layer
@@ -43,7 +43,7 @@ def _registers_on_meta() -> bool:
     return probe.p.is_meta
 
 
-class FusedMoEExperts(nn.Module):
+class FusedMoEExperts(SpecView, nn.Module):
     """One MoE layer's routed experts on one rank, in the fused layout (see the module table).
 
     Under `accelerate.init_empty_weights()` (or with device="meta") nothing is
@@ -83,15 +83,6 @@ class FusedMoEExperts(nn.Module):
                                                        requires_grad=False))
         self._after_move()
 
-    bits = property(lambda self: self.spec.bits, doc="Bits per weight (16: float experts).")
-    quantized = property(lambda self: self.spec.quantized, doc="False for float experts (w13_weight / w2_weight).")
-    group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
-    has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
-    act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
-    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
-    intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
-    intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
-    padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
     mtp = property(lambda self: self.moe.mtp.index(self.prefix) is not None, doc="Whether this is an MTP layer.")
 
     def extra_repr(self) -> str:

@@ -139,7 +139,23 @@ def layer_projections(gated: bool) -> tuple[Proj, ...]:
     return (Proj.GATE, Proj.UP, Proj.DOWN) if gated else (Proj.UP, Proj.DOWN)
 
 
-class FusedExperts:
+class SpecView:
+    """The layout facts of a layer read through its `spec` (a FusedSpec): shared by `FusedExperts` and the
+    engine's `FusedMoEExperts`."""
+
+    spec: FusedSpec
+    bits = property(lambda self: self.spec.bits, doc="Bits per weight (16: float experts).")
+    quantized = property(lambda self: self.spec.quantized, doc="False for float experts (w13_weight / w2_weight).")
+    group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
+    has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
+    act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
+    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
+    intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
+    intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
+    padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
+
+
+class FusedExperts(SpecView):
     """One MoE layer's fused parameters on one rank (see the module table); `mtp`: an MTP layer's."""
 
     def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, mtp: bool = False) -> None:
@@ -154,21 +170,11 @@ class FusedExperts:
             return self.__dict__["tensors"].get(name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
-    bits = property(lambda self: self.spec.bits, doc="Bits per weight.")
-    group_size = property(lambda self: self.spec.group_size, doc="G_eff (-1: channelwise).")
-    has_zero_point = property(lambda self: self.spec.has_zero_point, doc="Whether qzeros are stored.")
-    act_order = property(lambda self: self.spec.act_order, doc="Whether g_idx orders the groups.")
-    gated = property(lambda self: self.spec.gated, doc="Whether w13 holds gate and up (else up only).")
     activation = property(lambda self: self.spec.activation, doc="The experts' activation, as the config names it.")
-    intermediate_size = property(lambda self: self.spec.intermediate, doc="I: the model's expert intermediate size.")
-    intermediate_size_per_partition = property(lambda self: self.spec.part, doc="I_p (I'/tp when padded).")
-    padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
         return f"FusedExperts({self.prefix!r}, {shapes})"
-
-    quantized = property(lambda self: self.spec.quantized, doc="False for float experts (w13_weight / w2_weight).")
 
     def dequantize(self) -> DequantizedExperts:
         """Float32 weights of every local expert, for users and tests (float experts: their weights)."""
