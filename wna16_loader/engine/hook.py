@@ -2,10 +2,10 @@
 
 An engine walks the checkpoint and hands every routed-expert tensor, whole, to
 `weight_loader(param, loaded_weight, weight_name, shard_id, expert_id)` (vLLM's
-calling convention). `ExpertLoadHook` keeps the tensors of one (expert,
-projection) in a `TensorStore` until every role the format requires has
-arrived, then reads the rank's slice through the same `ExpertLoadHook.write` as
-`load_experts` (which passes whole runs of experts at once) and the same `FusedWriter`. Tensors of non-local
+calling convention). `ExpertLoadHook` keeps what the rank needs of the tensors of one
+(expert, projection) in a `Stage` (engine/staging.py) until every role the format requires
+has arrived, then reads the rank's slice through the same `LayerLoad.write` as `load_experts`
+(which passes whole runs of experts at once) and the same `FusedWriter`. Tensors of non-local
 experts are refused before anything is kept or converted.
 
 | shard_id | projection | fused rows                        |
@@ -16,21 +16,23 @@ experts are refused before anything is kept or converted.
 
 Non-gated experts (e.g. Nemotron-H) have no "w1": "w3" fills w13 rows [0, I_p).
 
-Per call the hook costs about a dict lookup: the name is classified in O(1) (`ExpertNameParser`: the
-regex runs once per name shape, then split and dict lookups), the kind-level checks (suffix, source,
-header shape and dtype) are worked out once per (suffix, source, stacked, shard id) and then compared,
-and a non-local expert returns before anything is kept. The tensor is held as it is (a reference: no
-copy, no conversion). Complete projections are written in batches: a projection's batch is written
-once every local expert of the layer has it (the engine's usual order: a layer's tensors one after the
-other), or once HOOK_BATCH_BYTES are held, or at `flush()` (which every reader of the module's
-parameters or ledger calls first); a batch is read and written through `LayerLoad.write`, a run of
-consecutive slots at a time, exactly as `load_experts` does.
+Per call the hook costs about a dict lookup and one small copy: the name is classified in O(1)
+(`ExpertNameParser`: the regex runs once per name shape, then split and dict lookups), the
+kind-level checks (suffix, source, header shape and dtype) are worked out once per (suffix, source,
+stacked, shard id) and then compared, and a non-local expert returns before anything is kept. The
+storage slice of a per-expert tensor that covers the rank's part is copied into its stage's buffer
+and the engine's tensor is let go at once (see staging.py for why nothing per tensor may stay alive);
+stacked tensors are held as they are. A stage covers a chunk of consecutive local slots of one
+projection and source kind (as many as fit HOOK_BATCH_BYTES of staged bytes: every local expert at
+small sizes); it is written once every slot of it is complete (the engine's usual order: a layer's
+tensors one after the other), or at `flush()` (which every reader of the module's parameters or
+ledger calls first), a run of consecutive slots at a time, exactly as `load_experts` does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+import math
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -40,7 +42,7 @@ from ..load.fused import FusedWriter, layer_projections
 from ..load.keys import STACKED_SOURCES, KeyRules, expert_key_problem
 from ..load.layer import LayerLoad
 from ..load.ledger import Ledger
-from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
+from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape, rank_spans, storage_index
 from ..load.plan import LayerPlan, sizes_source_tensors
 from ..models.config import MoEConfig
 from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
@@ -48,72 +50,15 @@ from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .mapping import ShardId, default_alias
+from .staging import MEMORY_FILE, Index, Stage, TensorStore
 
-MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
-HOOK_BATCH_BYTES = 64 << 20  # complete projections held before they are written (bounds the hook's memory)
+__all__ = ["ExpertLoadHook", "HOOK_BATCH_BYTES", "MEMORY_FILE", "TensorStore"]
 
-
-class TensorStore:
-    """Whole in-memory tensors, read like a CheckpointIndex: `read(ref, index)` is `tensor[index]` on the CPU.
-
-    Each `hold` of a name is matched by one `release`; the tensor is dropped at the last one. `nbytes`: the
-    bytes of the tensors held.
-    """
-
-    def __init__(self) -> None:
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._holds: dict[str, int] = {}
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def hold(self, ref: TensorRef, tensor: torch.Tensor) -> TensorRef:
-        """Keep `tensor` under `ref.name` until released."""
-        holds = self._holds.get(ref.name, 0)
-        if not holds:
-            self.nbytes += tensor.numel() * tensor.element_size()
-        self._tensors[ref.name] = tensor
-        self._holds[ref.name] = holds + 1
-        return ref
-
-    def release(self, ref: TensorRef) -> None:
-        """Drop one hold of `ref`; the tensor goes with the last."""
-        self._holds[ref.name] -= 1
-        if not self._holds[ref.name]:
-            tensor = self._tensors.pop(ref.name)
-            self.nbytes -= tensor.numel() * tensor.element_size()
-            del self._holds[ref.name]
-
-    def read(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor:
-        """`tensor[index]` (basic slices and ints), on the CPU."""
-        tensor = self._tensors[ref.name]
-        out = (tensor[index] if index else tensor).to("cpu")
-        return out
-
-    view = read  # the TensorReader name: the held tensor is the caller's, so a view is as safe as it
-
-    def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
-               pin: bool = False) -> torch.Tensor:
-        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`)."""
-        views = [self.view(ref, index) for ref, index in zip(refs, indices)]
-        return torch.stack(views, out=torch.empty((len(views), *views[0].shape), dtype=views[0].dtype,
-                                                  pin_memory=pin))
-
-    def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]]) -> None:
-        """Held tensors are separate objects, never one strided view: None (the reader then gathers)."""
-        return None
-
-    @classmethod
-    def of(cls, ref: TensorRef, tensor: torch.Tensor) -> "TensorStore":
-        """A store holding one tensor."""
-        store = cls()
-        store.hold(ref, tensor)
-        return store
+HOOK_BATCH_BYTES = 64 << 20  # staged bytes of one stage (a chunk of slots of one projection) at most
 
 
 class Arrival(NamedTuple):
-    """What one weight_loader call delivers, resolved from its name and arguments (a named tuple: one per call)."""
+    """What one checked weight_loader call delivers, resolved from its name and arguments."""
 
     source: Source
     role: Role
@@ -123,35 +68,28 @@ class Arrival(NamedTuple):
 
 class Kind(NamedTuple):
     """What every tensor of one (alias, suffix, stacked, projection) shares once one of them passed every
-    check: its source and role, and the header the config implies (allowed dtypes, shape)."""
+    check: its source and role, the header the config implies (allowed dtypes, shape), and where it is
+    staged (the role's value and bit, the storage index covering the rank's part, None when held whole;
+    the slots per stage; the (source value, stacked) its projection then comes from)."""
 
     source: Source
     role: Role
     dtypes: tuple[torch.dtype, ...]
     shape: tuple[int, ...]
+    value: str
+    bit: int
+    index: Index | None
+    chunk: int
+    origin: tuple[str, bool]
 
 
 _SHARD_PROJS: dict[str | ShardId, Proj] = {**{s.value: s.proj for s in ShardId}, **{s: s.proj for s in ShardId}}
-
-
-@dataclass
-class Collected:
-    """The tensors of one (expert, projection) received so far."""
-
-    source: Source
-    expert_row: int | None
-    refs: dict[Role, TensorRef]
-
 
 # What is left of a written (expert, projection), kept for the module's life: (source value, expert row,
 # role values). A plain tuple of strings and ints, which the garbage collector stops tracking (named tuples
 # and objects stay tracked; see `Ledger`'s note).
 Written = tuple[str, "int | None", tuple[str, ...]]
-
-
-def written_record(entry: Collected) -> Written:
-    """The record of a written `Collected`."""
-    return entry.source._value_, entry.expert_row, tuple(role._value_ for role in entry.refs)
+StageKey = tuple[str, str, bool, int]  # (projection value, source value, stacked, chunk number): plain, untracked
 
 
 class ExpertLoadHook(LayerLoad):
@@ -159,27 +97,38 @@ class ExpertLoadHook(LayerLoad):
 
     The ledger records every (expert, projection, role) slot filled, so `Ledger.check`
     reports what is missing or duplicated. `accept` takes a writer factory, called
-    only for tensors this rank keeps. Complete projections wait in `ready` until their batch
-    is written (see the module docstring); `flush()` writes every one of them now.
+    only for tensors this rank keeps. Tensors wait in their `Stage` (`pending`) until its
+    slots are complete (see the module docstring); `flush()` writes every complete one now.
     """
 
     def __init__(self, prefix: str, moe: MoEConfig, geometry: LayerGeometry, ledger: Ledger, *,
                  allow_nonfinite: bool = False) -> None:
         super().__init__(prefix, moe, geometry, allow_nonfinite=allow_nonfinite)
         self.ledger = ledger
-        self.required = frozenset(lay.role for lay in moe.quant.layouts if moe.quant.required(lay))
+        self.roles = tuple(dict.fromkeys(lay.role for lay in moe.quant.layouts))  # role i has bit 1 << i
+        self.required = sum(1 << i for i, role in enumerate(self.roles)
+                            if any(moe.quant.required(lay) for lay in moe.quant.layouts if lay.role is role))
         self.local = frozenset(geometry.experts)
-        self.store = TensorStore()
-        self.pending: dict[tuple[int, Proj], Collected] = {}
+        self.store = TensorStore()  # tensors held whole (stacked ones)
+        self.pending: dict[StageKey, Stage] = {}
         self.written: dict[Proj, dict[int, Written]] = {proj: {} for proj in Proj}
-        self.ready: dict[Proj, dict[int, None]] = {}  # complete, not written yet (insertion-ordered sets)
-        self.done: dict[Proj, int] = {}  # experts written per projection
         self.aliases: dict[Proj, tuple[str, bool]] = {}  # proj -> (checkpoint module name, stacked)
+        self._origins: dict[Proj, list[tuple[str, bool] | None]] = {p: [None] * len(geometry.experts) for p in Proj}
         self._parse = ExpertNameParser()
         self._rules = KeyRules(moe)
         self._kinds: dict[tuple[str, str, bool, Proj], Kind] = {}
         self._slots = {expert: i for i, expert in enumerate(geometry.experts)}
         self._writer: Callable[[], FusedWriter] | None = None
+
+    @property
+    def ready(self) -> dict[Proj, list[int]]:
+        """The experts of each projection that are complete but not written yet (waiting for their stage)."""
+        out: dict[Proj, list[int]] = {}
+        for (proj, *_), stage in self.pending.items():
+            for i, have in enumerate(stage.roles):
+                if have != -1 and have & self.required == self.required:
+                    out.setdefault(Proj(proj), []).append(self.geometry.experts[stage.first + i])
+        return out
 
     def accept(self, writer: Callable[[], FusedWriter], loaded: torch.Tensor, weight_name: str,
                shard_id: str | ShardId, expert_id: int | None) -> bool:
@@ -193,13 +142,15 @@ class ExpertLoadHook(LayerLoad):
             return False
         if loaded.shape != kind.shape or loaded.dtype not in kind.dtypes:
             return self._accept_checked(writer, loaded, weight_name, shard_id, expert_id)
-        fused = writer()  # fails early when the parameters are not materialised
+        writer()  # fails early when the parameters are not materialised
         self._writer = writer
-        ref = TensorRef(weight_name, MEMORY_FILE, kind.shape, loaded.dtype)
-        arrival = Arrival(kind.source, kind.role, key.expert, weight_name.rsplit(".", 2)[-2])
-        self.aliases[proj] = (arrival.alias, key.expert is None)
-        for expert in self.geometry.experts if key.expert is None else (key.expert,):
-            self._arrive(fused, loaded, ref, expert, proj, arrival)
+        if key.expert is None:
+            self.aliases[proj] = (weight_name.rsplit(".", 2)[-2], True)
+            for expert in self.geometry.experts:
+                self._arrive(kind, proj, expert, loaded, weight_name)
+        else:
+            self.aliases[proj] = (weight_name.rsplit(".", 2)[-2], False)
+            self._arrive(kind, proj, key.expert, loaded, weight_name)
         self.tensors += 1
         return True
 
@@ -228,22 +179,35 @@ class ExpertLoadHook(LayerLoad):
             ((arrival.expert,) if arrival.expert in self.local else ())
         if not experts:
             return False
-        fused = writer()  # fails early when the parameters are not materialised
+        writer()  # fails early when the parameters are not materialised
         self._writer = writer
         ref = TensorRef(weight_name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype)
-        row = None if arrival.expert is not None else experts[0]
+        src = self._source(arrival.source, {arrival.role: ref}, None if arrival.expert is not None else experts[0])
         layout = self.moe.quant.layout(arrival.role)
-        src = self._source(arrival.source, {arrival.role: ref}, row)
         check_header(ref, layout, self.moe.quant, src, self.geometry.num_experts)
+        kind = self._new_kind(arrival, proj, src, expected_shape(layout, self.moe.quant, src, self.geometry.num_experts))
         if parse_expert_name(weight_name) is not None:
-            self._kinds[(arrival.alias, weight_name.rpartition(".")[2], arrival.expert is None, proj)] = Kind(
-                arrival.source, arrival.role, layout.dtypes,
-                expected_shape(layout, self.moe.quant, src, self.geometry.num_experts))
+            self._kinds[(arrival.alias, weight_name.rpartition(".")[2], arrival.expert is None, proj)] = kind
         self.aliases[proj] = (arrival.alias, arrival.expert is None)
         for expert in experts:
-            self._arrive(fused, loaded, ref, expert, proj, arrival)
+            self._arrive(kind, proj, expert, loaded, weight_name)
         self.tensors += 1
         return True
+
+    def _new_kind(self, arrival: Arrival, proj: Proj, src: SourceTensors, shape: tuple[int, ...]) -> Kind:
+        """The `Kind` of a checked arrival: its stage's chunk of slots (as many as fit HOOK_BATCH_BYTES of
+        the staged parts of every role), and the storage index of its own role's staged part."""
+        stacked = arrival.expert is None
+        spans, _ = rank_spans(src, self.geometry.slice(proj))
+        per_word = self.moe.quant.pack_factor
+        staged = {lay.role: storage_index(lay, spans, per_word, None) for lay in self.moe.quant.layouts}
+        slot_bytes = sum(math.prod(s.stop - s.start for s in staged[lay.role]) * max(d.itemsize for d in lay.dtypes)
+                         for lay in self.moe.quant.layouts)
+        chunk = len(self.local) if stacked else max(1, HOOK_BATCH_BYTES // max(1, slot_bytes))
+        layout = self.moe.quant.layout(arrival.role)
+        return Kind(arrival.source, arrival.role, layout.dtypes, shape, arrival.role._value_,
+                    1 << self.roles.index(arrival.role), None if stacked else staged[arrival.role], chunk,
+                    (arrival.source._value_, stacked))
 
     def _resolve(self, weight_name: str, proj: Proj, expert_id: int | None) -> Arrival:
         """Source, role and expert of a tensor, from its checkpoint name (or a bare suffix and expert_id)."""
@@ -289,73 +253,94 @@ class ExpertLoadHook(LayerLoad):
         """SourceTensors at this layer's own sizes."""
         return sizes_source_tensors(self.geometry.hidden, self.geometry.intermediate, source, refs, row)
 
-    def _arrive(self, writer: FusedWriter, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
-                arrival: Arrival) -> None:
-        """Record one role of (expert, proj); once every required role is here the projection is ready,
-        and its batch is written when complete (or when HOOK_BATCH_BYTES are held)."""
-        self.ledger.record(self.prefix, expert, proj, arrival.role, ref.name)
-        key, row = (expert, proj), (expert if arrival.expert is None else None)
+    def _arrive(self, kind: Kind, proj: Proj, expert: int, loaded: torch.Tensor, name: str) -> None:
+        """Record one role of (expert, proj) and stage it; a stage whose slots are all complete is written."""
+        self.ledger.record(self.prefix, expert, proj, kind.role, name)
         done = self.written[proj].get(expert)
         if done is not None:
-            self._late(done, loaded, ref, expert, proj, arrival.role)
+            self._late(done, loaded, TensorRef(name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype), expert, proj,
+                       kind.role)
             return
-        entry = self.pending.get(key)
-        if entry is None:
-            entry = self.pending[key] = Collected(arrival.source, row, {})
-        elif (entry.source, entry.expert_row) != (arrival.source, row):
-            raise FormatError(f"{ref.name}: {self.prefix} expert {expert} {proj.value} already has tensors from "
-                              f"{sorted(r.name for r in entry.refs.values())}; one projection must come from one "
-                              f"source ({entry.source.value} {'stacked' if entry.expert_row is not None else ''}).")
-        ready = self.ready.setdefault(proj, {})
-        if arrival.role in entry.refs:
-            if expert in ready:  # a duplicate of a complete projection: the first stays (the ledger reports it)
-                return
-            self.store.release(entry.refs[arrival.role])  # a duplicate: the ledger reports it; keep the newest
-        entry.refs[arrival.role] = self.store.hold(ref, loaded)
-        if expert not in ready and self.required <= entry.refs.keys():
-            ready[expert] = None
-            if len(ready) + self.done.get(proj, 0) >= len(self.local):
-                self._flush(proj)
-            elif self.store.nbytes >= HOOK_BATCH_BYTES:
-                self.flush()
+        slot = self._slots[expert]
+        origins = self._origins[proj]
+        if origins[slot] is None:
+            origins[slot] = kind.origin
+        elif origins[slot] != kind.origin:
+            self._mixed_sources(name, proj, expert, origins[slot])
+        key = (proj._value_, kind.origin[0], kind.origin[1], slot // kind.chunk)
+        stage = self.pending.get(key)
+        if stage is None:
+            first = key[3] * kind.chunk
+            count = min(kind.chunk, len(self.geometry.experts) - first)
+            stage = self.pending[key] = Stage(first, count, kind.source, kind.origin[1], self.store)
+        i = slot - stage.first
+        have = stage.roles[i]
+        if have & kind.bit and have & self.required == self.required:
+            return  # a duplicate of a complete projection: the first stays (the ledger reports it)
+        stage.take(kind.value, kind.index, i, loaded, name)  # a duplicate of an incomplete one: the newest stays
+        stage.roles[i] = have | kind.bit
+        if have & self.required != self.required and (have | kind.bit) & self.required == self.required:
+            stage.ready += 1
+            if stage.ready + stage.written == stage.count:
+                self._write_stage(key)
+
+    def _mixed_sources(self, name: str, proj: Proj, expert: int, origin: tuple[str, bool]) -> None:
+        """FormatError: (expert, proj) already has tensors from another source kind."""
+        slot = self._slots[expert]
+        held = [stage.names[role][slot - stage.first] for (p, *where), stage in self.pending.items()
+                if p == proj._value_ and tuple(where[:2]) == origin and 0 <= slot - stage.first < stage.count
+                for role in stage.names]
+        raise FormatError(f"{name}: {self.prefix} expert {expert} {proj.value} already has tensors from "
+                          f"{sorted(n for n in held if n is not None)}; one projection must come from one "
+                          f"source ({origin[0]} {'stacked' if origin[1] else ''}).")
 
     def flush(self) -> None:
         """Write every complete projection not written yet (a run of consecutive slots at a time)."""
-        for proj in list(self.ready):
-            self._flush(proj)
+        for key in list(self.pending):
+            self._write_stage(key)
 
-    def _flush(self, proj: Proj) -> None:
-        ready = self.ready.get(proj)
-        if not ready:
-            return
-        assert self._writer is not None, "a projection is ready, so a tensor was accepted"
-        writer = self._writer()
-        for run in self._runs(sorted(ready, key=self._slots.__getitem__), proj):
-            entries = [self.pending[(expert, proj)] for expert in run]
-            self.write(self.store, writer, run, proj,
-                       tuple(self._source(e.source, e.refs, e.expert_row) for e in entries))
-            for expert, entry in zip(run, entries):
-                for held in entry.refs.values():
-                    self.store.release(held)
-                self.written[proj][expert] = written_record(self.pending.pop((expert, proj)))
-                del ready[expert]
-            self.done[proj] = self.done.get(proj, 0) + len(run)
-        del self.ready[proj]
+    def _write_stage(self, key: StageKey) -> None:
+        """Write the complete slots of one stage, a run of consecutive slots with one set of roles at a time;
+        the stage goes once every slot of it is written."""
+        stage = self.pending[key]
+        if stage.ready:
+            assert self._writer is not None, "a projection is ready, so a tensor was accepted"
+            writer, proj = self._writer(), Proj(key[0])
+            with torch.no_grad():
+                for run in self._runs(stage):
+                    self._write_run(stage, writer, proj, run)
+        if stage.written == stage.count:
+            del self.pending[key]
 
-    def _runs(self, experts: list[int], proj: Proj) -> list[tuple[int, ...]]:
-        """`experts` (in slot order) cut into runs of consecutive slots whose `proj` comes from one source
-        kind with one set of roles: each run is one `write`."""
+    def _write_run(self, stage: Stage, writer: FusedWriter, proj: Proj, run: list[int]) -> None:
+        """Read and write slots `run` (consecutive, complete, one set of roles) of `stage`, then release them."""
+        have = stage.roles[run[0]]
+        roles = [(role, role._value_) for i, role in enumerate(self.roles) if have >> i & 1]
+        experts = tuple(self.geometry.experts[stage.first + i] for i in run)
+        sources = tuple(self._source(stage.source, {role: stage.ref(value, i) for role, value in roles},
+                                     expert if stage.stacked else None) for i, expert in zip(run, experts))
+        self.write(stage, writer, experts, proj, sources)
+        values = tuple(value for _, value in roles)
+        written = self.written[proj]
+        for i, expert in zip(run, experts):
+            stage.release(i)
+            written[expert] = (stage.source._value_, expert if stage.stacked else None, values)
+        stage.ready -= len(run)
+
+    def _runs(self, stage: Stage) -> list[list[int]]:
+        """The complete, unwritten slots of `stage` cut into runs of consecutive slots with one set of roles."""
         runs: list[list[int]] = []
         last = None
-        for expert in experts:
-            entry = self.pending[(expert, proj)]
-            shape = (entry.source, entry.expert_row is None, entry.refs.keys())
-            if runs and shape == last[1] and self._slots[expert] == self._slots[last[0]] + 1:
-                runs[-1].append(expert)
+        for i, have in enumerate(stage.roles):
+            if have == -1 or have & self.required != self.required:
+                last = None
+                continue
+            if have == last:
+                runs[-1].append(i)
             else:
-                runs.append([expert])
-            last = (expert, shape)
-        return [tuple(run) for run in runs]
+                runs.append([i])
+            last = have
+        return runs
 
     def _late(self, done: Written, loaded: torch.Tensor, ref: TensorRef, expert: int, proj: Proj,
               role: Role) -> None:

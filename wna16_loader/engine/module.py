@@ -142,8 +142,9 @@ class FusedMoEExperts(SpecView, nn.Module):
         a stacked tensor). `param` is any parameter of this module: a projection's tensors
         fill several fused parameters at once, written when all its required roles are in.
         """
-        with torch.no_grad():
-            return self.hook.accept(self._fused_writer, loaded_weight, weight_name, shard_id, expert_id)
+        if loaded_weight.requires_grad:  # what is staged or written never joins a graph (writes run in no_grad)
+            loaded_weight = loaded_weight.detach()
+        return self.hook.accept(self._fused_writer, loaded_weight, weight_name, shard_id, expert_id)
 
     def map_checkpoint_name(self, name: str) -> tuple[ParamTarget, ...]:
         """The fused parameters of this layer that checkpoint tensor `name` feeds (O(1))."""
