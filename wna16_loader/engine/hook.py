@@ -45,7 +45,7 @@ from ..load.ledger import Ledger
 from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape, rank_spans, storage_index
 from ..load.plan import LayerPlan, sizes_source_tensors
 from ..models.config import MoEConfig
-from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
+from ..models.names import SHAPE_RULE, ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
 from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
@@ -117,6 +117,7 @@ class ExpertLoadHook(LayerLoad):
         self._parse = ExpertNameParser()
         self._rules = KeyRules(moe)
         self._kinds: dict[tuple[str, str, bool, Proj], Kind] = {}
+        self._table: dict[tuple[str, str, str, Proj | None], tuple[Kind, int]] = {}  # (stem, alias, suffix, proj)
         self._slots = {expert: i for i, expert in enumerate(geometry.experts)}
         self._writer: Callable[[], FusedWriter] | None = None
 
@@ -132,8 +133,35 @@ class ExpertLoadHook(LayerLoad):
 
     def accept(self, writer: Callable[[], FusedWriter], loaded: torch.Tensor, weight_name: str,
                shard_id: str | ShardId, expert_id: int | None) -> bool:
-        """Take one whole checkpoint tensor; False (nothing kept or converted) when no local expert needs it."""
+        """Take one whole checkpoint tensor; False (nothing kept or converted) when no local expert needs it.
+
+        A per-expert name of a (stem, alias, suffix, projection) whose kind passed every check before is
+        classified by one lookup in the module's name table; anything else takes `_accept_parsed`."""
         proj = _SHARD_PROJS.get(shard_id) if isinstance(shard_id, (str, ShardId)) else None
+        body, _, suffix = weight_name.rpartition(".")
+        numbered, _, alias = body.rpartition(".")
+        stem, _, number = numbered.rpartition(".")
+        entry = self._table.get((stem, alias, suffix, proj))
+        if entry is None or not number.isdecimal():
+            return self._accept_parsed(writer, loaded, weight_name, shard_id, expert_id, proj)
+        kind, count = entry
+        expert = int(number)
+        if expert >= count or (expert_id is not None and expert_id != expert):
+            return self._accept_checked(writer, loaded, weight_name, shard_id, expert_id)
+        if expert not in self.local:
+            return False
+        if loaded.shape != kind.shape or loaded.dtype not in kind.dtypes:
+            return self._accept_checked(writer, loaded, weight_name, shard_id, expert_id)
+        writer()  # fails early when the parameters are not materialised
+        self._writer = writer
+        self._arrive(kind, proj, expert, loaded, weight_name)
+        self.tensors += 1
+        return True
+
+    def _accept_parsed(self, writer: Callable[[], FusedWriter], loaded: torch.Tensor, weight_name: str,
+                       shard_id: str | ShardId, expert_id: int | None, proj: Proj | None) -> bool:
+        """`accept` for a name the table does not hold (stacked tensors, the first of each kind): the name
+        parsed (`ExpertNameParser`), its kind looked up, or else every check (`_accept_checked`)."""
         key = self._parse(weight_name) if proj is not None else None
         kind = None if key is None else self._kind_of(key, weight_name, proj, expert_id)
         if kind is None:  # anything unusual: the checked path (which raises the error, if any)
@@ -186,13 +214,26 @@ class ExpertLoadHook(LayerLoad):
         layout = self.moe.quant.layout(arrival.role)
         check_header(ref, layout, self.moe.quant, src, self.geometry.num_experts)
         kind = self._new_kind(arrival, proj, src, expected_shape(layout, self.moe.quant, src, self.geometry.num_experts))
-        if parse_expert_name(weight_name) is not None:
+        key = parse_expert_name(weight_name)
+        if key is not None:
             self._kinds[(arrival.alias, weight_name.rpartition(".")[2], arrival.expert is None, proj)] = kind
+            self._remember(key, weight_name, proj, kind)
         self.aliases[proj] = (arrival.alias, arrival.expert is None)
         for expert in experts:
             self._arrive(kind, proj, expert, loaded, weight_name)
         self.tensors += 1
         return True
+
+    def _remember(self, key: ExpertTensorKey, weight_name: str, proj: Proj, kind: Kind) -> None:
+        """Put a checked per-expert name's (stem, alias, suffix, projection) into the name table, with the
+        layer's expert count, when every name of that shape parses alike (`SHAPE_RULE`)."""
+        body, _, suffix = weight_name.rpartition(".")
+        numbered, _, alias = body.rpartition(".")
+        stem, _, number = numbered.rpartition(".")
+        if SHAPE_RULE and key.expert is not None and number.isdecimal() and int(number) == key.expert and \
+                suffix == key.suffix and self._rules.problem(key) is None:
+            count = min(self.geometry.num_experts, self.moe.layer(key.layer).num_experts)
+            self._table[(stem, alias, suffix, proj)] = (kind, count)
 
     def _new_kind(self, arrival: Arrival, proj: Proj, src: SourceTensors, shape: tuple[int, ...]) -> Kind:
         """The `Kind` of a checked arrival: its stage's chunk of slots (as many as fit HOOK_BATCH_BYTES of

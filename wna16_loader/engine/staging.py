@@ -139,7 +139,8 @@ class Stage:
                 part = loaded[index]
                 buffer = self.buffers[role] = torch.empty((self.count, *part.shape), dtype=loaded.dtype)
                 self.index[role] = index
-            if buffer.dtype is loaded.dtype and self.index[role] == index:
+            staged = self.index[role]
+            if buffer.dtype is loaded.dtype and (staged is index or staged == index):
                 buffer[i].copy_(loaded[index])
                 self.where[name] = (role, i)
                 return
@@ -190,9 +191,11 @@ class Stage:
         return torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=pin).copy_(stacked)
 
     def release(self, i: int) -> None:
-        """Slot `i` is written: forget its tensors."""
-        for role in self.names:
-            if self.names[role][i] is not None:
-                self.drop(role, i)
+        """Slot `i` is written: let go of the tensors it holds whole (its buffer rows go with the stage)."""
+        for names in self.names.values():
+            name = names[i]
+            if name is not None and name not in self.where:
+                self.held.release(name)
+            names[i] = None
         self.roles[i] = -1
         self.written += 1

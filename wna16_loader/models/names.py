@@ -148,6 +148,9 @@ class ExpertNameParser:
 
 _UNSEEN = object()
 _DOTTED_ALIASES = any("." in alias for alias in PROJ_ALIASES)  # the shape rule needs dot-free aliases
+# Whether the shape rule of `ExpertNameParser` holds: every name `{stem}.{e}.{proj}.{suffix}` with a decimal `e`
+# parses as every other of its (stem, proj, suffix) shape does, with `e` as its expert id.
+SHAPE_RULE = not _DOTTED_ALIASES
 
 
 def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
