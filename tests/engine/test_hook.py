@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -260,12 +261,14 @@ def test_weight_loader_equals_load_experts(checkpoints: Callable[..., Path], cas
         assert all(len(m.hook.store) == 0 and not m.hook.pending for m in experts_of(model).values())
 
 
+@pytest.mark.parametrize("cap", [1, 6000])
 @pytest.mark.parametrize("order", ["file", "reversed"])
 @pytest.mark.parametrize("case", ["gptq_act_order_tp2_ep2", "awq_tp3_padded", "gptq_stacked_tp2_ep2"])
-def test_weight_loader_batches_of_any_size(checkpoints: Callable[..., Path], case: str, order: str,
+def test_weight_loader_batches_of_any_size(checkpoints: Callable[..., Path], case: str, order: str, cap: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """A batch cap of one byte writes every projection as it completes (runs of one slot): same bytes."""
-    monkeypatch.setattr("wna16_loader.engine.hook.HOOK_BATCH_BYTES", 1)
+    """A stage cap of one byte writes every projection as it completes (stages of one slot), 6000 bytes
+    stages of two or three slots: same bytes."""
+    monkeypatch.setattr("wna16_loader.engine.hook.HOOK_BATCH_BYTES", cap)
     fmt, kwargs, tp, ep = ENGINE_CASES[case]
     folder = checkpoints(fmt, **kwargs)
     tensors = list(checkpoint_tensors(folder))[::-1 if order == "reversed" else 1]
@@ -276,6 +279,22 @@ def test_weight_loader_batches_of_any_size(checkpoints: Callable[..., Path], cas
             assert not module.hook.ready and not module.hook.pending and len(module.hook.store) == 0
         check_model_complete(model)
         assert_equal_to_load_experts(model, folder, parallel)
+
+
+def test_handed_over_per_expert_tensors_are_not_kept(checkpoints: Callable[..., Path]) -> None:
+    """The hook copies the rank's part of a per-expert tensor and keeps no reference to the engine's tensor
+    (it is freed at once, before its projection is written); what it stages is the rank's slice only."""
+    folder = checkpoints("gptq_act_order")
+    model, moe = model_for(folder, ParallelConfig(tp_size=2, tp_rank=1))
+    module = next(iter(experts_of(model).values()))
+    name = f"{module.prefix}.0.gate_proj.qweight"
+    tensor = dict(checkpoint_tensors(folder))[name].clone()
+    alive = weakref.ref(tensor)
+    assert module.weight_loader(module.w13_qweight, tensor, name, "w1", 0)
+    del tensor
+    assert alive() is None and len(module.hook.store) == 0
+    (stage,) = module.hook.pending.values()
+    assert stage.buffers["qweight"].shape == (len(module.spec.experts), 8, 32)  # [K/8, N/2] of [8, 64]
 
 
 def test_complete_projections_wait_for_their_batch_until_read(checkpoints: Callable[..., Path]) -> None:
