@@ -31,56 +31,30 @@ ledger calls first), a run of consecutive slots at a time, exactly as `load_expe
 
 from __future__ import annotations
 
-import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 from ..errors import FormatError
 from ..formats import Role
 from ..load.fused import FusedWriter, layer_projections
-from ..load.keys import STACKED_SOURCES, KeyRules, expert_key_problem
+from ..load.keys import KeyRules
 from ..load.layer import LayerLoad
 from ..load.ledger import Ledger
-from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape, rank_spans, storage_index
+from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
 from ..load.plan import LayerPlan, sizes_source_tensors
 from ..models.config import MoEConfig
 from ..models.names import SHAPE_RULE, ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
 from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
+from .kinds import Kind, name_shape, resolve, staged_kind
 from .mapping import ShardId, default_alias
-from .staging import MEMORY_FILE, Index, Stage, TensorStore
+from .staging import MEMORY_FILE, Stage, TensorStore
 
 __all__ = ["ExpertLoadHook", "HOOK_BATCH_BYTES", "MEMORY_FILE", "TensorStore"]
 
 HOOK_BATCH_BYTES = 64 << 20  # staged bytes of one stage (a chunk of slots of one projection) at most
-
-
-class Arrival(NamedTuple):
-    """What one checked weight_loader call delivers, resolved from its name and arguments."""
-
-    source: Source
-    role: Role
-    expert: int | None  # None: stacked over experts
-    alias: str  # checkpoint module name of the projection, e.g. gate_proj
-
-
-class Kind(NamedTuple):
-    """What every tensor of one (alias, suffix, stacked, projection) shares once one of them passed every
-    check: its source and role, the header the config implies (allowed dtypes, shape), and where it is
-    staged (the role's value and bit, the storage index covering the rank's part, None when held whole;
-    the slots per stage; the (source value, stacked) its projection then comes from)."""
-
-    source: Source
-    role: Role
-    dtypes: tuple[torch.dtype, ...]
-    shape: tuple[int, ...]
-    value: str
-    bit: int
-    index: Index | None
-    chunk: int
-    origin: tuple[str, bool]
 
 
 _SHARD_PROJS: dict[str | ShardId, Proj] = {**{s.value: s.proj for s in ShardId}, **{s: s.proj for s in ShardId}}
@@ -138,9 +112,7 @@ class ExpertLoadHook(LayerLoad):
         A per-expert name of a (stem, alias, suffix, projection) whose kind passed every check before is
         classified by one lookup in the module's name table; anything else takes `_accept_parsed`."""
         proj = _SHARD_PROJS.get(shard_id) if isinstance(shard_id, (str, ShardId)) else None
-        body, _, suffix = weight_name.rpartition(".")
-        numbered, _, alias = body.rpartition(".")
-        stem, _, number = numbered.rpartition(".")
+        stem, number, alias, suffix = name_shape(weight_name)
         entry = self._table.get((stem, alias, suffix, proj))
         if entry is None or not number.isdecimal():
             return self._accept_parsed(writer, loaded, weight_name, shard_id, expert_id, proj)
@@ -202,7 +174,7 @@ class ExpertLoadHook(LayerLoad):
             raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but "
                               f"{self.moe.family} experts are not gated; their tensors come with shard_id "
                               f"{[ShardId.of_proj(p).value for p in self.projections]}.")
-        arrival = self._resolve(weight_name, proj, expert_id)
+        arrival = resolve(self.moe, self.geometry, weight_name, proj, expert_id)
         experts = self.geometry.experts if arrival.expert is None else \
             ((arrival.expert,) if arrival.expert in self.local else ())
         if not experts:
@@ -213,7 +185,8 @@ class ExpertLoadHook(LayerLoad):
         src = self._source(arrival.source, {arrival.role: ref}, None if arrival.expert is not None else experts[0])
         layout = self.moe.quant.layout(arrival.role)
         check_header(ref, layout, self.moe.quant, src, self.geometry.num_experts)
-        kind = self._new_kind(arrival, proj, src, expected_shape(layout, self.moe.quant, src, self.geometry.num_experts))
+        shape = expected_shape(layout, self.moe.quant, src, self.geometry.num_experts)
+        kind = staged_kind(self.moe, self.geometry, arrival, proj, src, shape, self.roles, HOOK_BATCH_BYTES)
         key = parse_expert_name(weight_name)
         if key is not None:
             self._kinds[(arrival.alias, weight_name.rpartition(".")[2], arrival.expert is None, proj)] = kind
@@ -227,63 +200,11 @@ class ExpertLoadHook(LayerLoad):
     def _remember(self, key: ExpertTensorKey, weight_name: str, proj: Proj, kind: Kind) -> None:
         """Put a checked per-expert name's (stem, alias, suffix, projection) into the name table, with the
         layer's expert count, when every name of that shape parses alike (`SHAPE_RULE`)."""
-        body, _, suffix = weight_name.rpartition(".")
-        numbered, _, alias = body.rpartition(".")
-        stem, _, number = numbered.rpartition(".")
+        stem, number, alias, suffix = name_shape(weight_name)
         if SHAPE_RULE and key.expert is not None and number.isdecimal() and int(number) == key.expert and \
                 suffix == key.suffix and self._rules.problem(key) is None:
             count = min(self.geometry.num_experts, self.moe.layer(key.layer).num_experts)
             self._table[(stem, alias, suffix, proj)] = (kind, count)
-
-    def _new_kind(self, arrival: Arrival, proj: Proj, src: SourceTensors, shape: tuple[int, ...]) -> Kind:
-        """The `Kind` of a checked arrival: its stage's chunk of slots (as many as fit HOOK_BATCH_BYTES of
-        the staged parts of every role), and the storage index of its own role's staged part."""
-        stacked = arrival.expert is None
-        spans, _ = rank_spans(src, self.geometry.slice(proj))
-        per_word = self.moe.quant.pack_factor
-        staged = {lay.role: storage_index(lay, spans, per_word, None) for lay in self.moe.quant.layouts}
-        slot_bytes = sum(math.prod(s.stop - s.start for s in staged[lay.role]) * max(d.itemsize for d in lay.dtypes)
-                         for lay in self.moe.quant.layouts)
-        chunk = len(self.local) if stacked else max(1, HOOK_BATCH_BYTES // max(1, slot_bytes))
-        layout = self.moe.quant.layout(arrival.role)
-        return Kind(arrival.source, arrival.role, layout.dtypes, shape, arrival.role._value_,
-                    1 << self.roles.index(arrival.role), None if stacked else staged[arrival.role], chunk,
-                    (arrival.source._value_, stacked))
-
-    def _resolve(self, weight_name: str, proj: Proj, expert_id: int | None) -> Arrival:
-        """Source, role and expert of a tensor, from its checkpoint name (or a bare suffix and expert_id)."""
-        key = parse_expert_name(weight_name)
-        if key is None:
-            suffix, source, expert, alias = weight_name.rsplit(".", 1)[-1], Source(proj.value), expert_id, None
-        else:
-            suffix, source, expert = key.suffix, key.source, key.expert
-            alias = key.module_name.rsplit(".", 1)[-1]
-            if expert_id is not None and expert_id != key.expert:
-                raise FormatError(f"{weight_name}: expert_id={expert_id} but the name says expert {key.expert} "
-                                  f"(None: stacked over experts); pass the id the name carries.")
-        layout = self.moe.quant.layout_for_suffix(suffix)
-        if layout is None:
-            raise FormatError(f"{weight_name}: suffix {suffix!r} is not a {self.moe.quant.format_name} expert "
-                              f"tensor; expected one of {sorted(lay.suffix for lay in self.moe.quant.layouts)}. "
-                              f"Pass the checkpoint tensor's own name as weight_name.")
-        self._check_ids(weight_name, proj, source, expert)
-        problem = None if key is None else expert_key_problem(self.moe, key)
-        if problem is not None:
-            raise FormatError(f"{weight_name}: {problem}; no fused parameter takes it.")
-        return Arrival(source, layout.role, expert, alias or default_alias(proj))
-
-    def _check_ids(self, weight_name: str, proj: Proj, source: Source, expert: int | None) -> None:
-        if proj not in source.projs:
-            raise FormatError(f"{weight_name}: shard_id {ShardId.of_proj(proj).value!r} means {proj.value}, but the "
-                              f"tensor holds {[p.value for p in source.projs]}; use shard_id "
-                              f"{[ShardId.of_proj(p).value for p in source.projs]}.")
-        count = self.geometry.num_experts
-        if expert is None and source not in STACKED_SOURCES:
-            raise FormatError(f"{weight_name}: no expert id, and only gate_up_proj and down_proj tensors stack "
-                              f"over experts; pass expert_id (0..{count - 1}).")
-        if expert is not None and not 0 <= expert < count:
-            raise FormatError(f"{weight_name}: expert id {expert} is outside 0..{count - 1} "
-                              f"(the config declares {count} experts).")
 
     @property
     def projections(self) -> tuple[Proj, ...]:
