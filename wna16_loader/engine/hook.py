@@ -155,7 +155,7 @@ class ExpertLoadHook(LayerLoad):
         return True
 
     def _kind_of(self, key: ExpertTensorKey, weight_name: str, proj: Proj, expert_id: int | None) -> Kind | None:
-        """The tensor's kind when every check of `_resolve` is known to pass for it (its kind passed
+        """The tensor's kind when every check of `kinds.resolve` is known to pass for it (its kind passed
         before, its expert id is consistent and in range, the planner's rule accepts it); else None."""
         alias = weight_name.rsplit(".", 2)[-2]
         kind = self._kinds.get((alias, key.suffix, key.expert is None, proj))
@@ -229,12 +229,7 @@ class ExpertLoadHook(LayerLoad):
             origins[slot] = kind.origin
         elif origins[slot] != kind.origin:
             self._mixed_sources(name, proj, expert, origins[slot])
-        key = (proj._value_, kind.origin[0], kind.origin[1], slot // kind.chunk)
-        stage = self.pending.get(key)
-        if stage is None:
-            first = key[3] * kind.chunk
-            count = min(kind.chunk, len(self.geometry.experts) - first)
-            stage = self.pending[key] = Stage(first, count, kind.source, kind.origin[1], self.store)
+        key, stage = self._stage(kind, proj, slot)
         i = slot - stage.first
         have = stage.roles[i]
         if have & kind.bit and have & self.required == self.required:
@@ -245,6 +240,16 @@ class ExpertLoadHook(LayerLoad):
             stage.ready += 1
             if stage.ready + stage.written == stage.count:
                 self._write_stage(key)
+
+    def _stage(self, kind: Kind, proj: Proj, slot: int) -> tuple[StageKey, Stage]:
+        """The stage of `slot` of `proj` for tensors of `kind` (made at the first of them)."""
+        key = (proj._value_, kind.origin[0], kind.origin[1], slot // kind.chunk)
+        stage = self.pending.get(key)
+        if stage is None:
+            first = key[3] * kind.chunk
+            count = min(kind.chunk, len(self.geometry.experts) - first)
+            stage = self.pending[key] = Stage(first, count, kind.source, kind.origin[1], self.store)
+        return key, stage
 
     def _mixed_sources(self, name: str, proj: Proj, expert: int, origin: tuple[str, bool]) -> None:
         """FormatError: (expert, proj) already has tensors from another source kind."""
