@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wna16_loader.engine.staging import MEMORY_FILE, Stage, TensorStore, within
+from wna16_loader.engine.staging import MEMORY_FILE, Stage, TensorStore, copy_index, within
 from wna16_loader.models.names import Source
 from wna16_loader.storage.index import TensorRef
 
@@ -43,6 +43,21 @@ def test_within_translates_reads_inside_the_staged_part() -> None:
 def test_within_refuses_reads_outside_the_staged_part(index: tuple) -> None:
     with pytest.raises(AssertionError):
         within(PART, index)
+
+
+def test_copy_index_drops_trailing_whole_dims() -> None:
+    assert copy_index(PART, (6, 40)) == PART
+    assert copy_index((slice(0, 3), slice(0, 40)), (6, 40)) == slice(0, 3)
+    assert copy_index(WHOLE, (6, 40)) is None
+    assert copy_index((slice(0, 6), slice(0, 39)), (6, 40)) == (slice(0, 6), slice(0, 39))
+
+
+@pytest.mark.parametrize("index", [WHOLE, (slice(2, 5), slice(0, 40))])
+def test_stage_copies_whole_or_row_cut_parts(index: tuple) -> None:
+    stage = Stage(0, 2, Source.DOWN, False, TensorStore())
+    for i in range(2):
+        stage.take("qweight", index, i, tensor(i), ref(i).name)
+    assert torch.equal(stage.gather([ref(0), ref(1)], [index] * 2), torch.stack([tensor(0)[index], tensor(1)[index]]))
 
 
 def test_stage_reads_equal_the_whole_tensors_and_keep_no_tensor_per_slot() -> None:

@@ -102,6 +102,15 @@ def within(staged: Index, index: Index) -> Index:
     return tuple(out)
 
 
+def copy_index(index: Index, shape: tuple[int, ...]) -> Index | slice | None:
+    """`index` (slices of a tensor of `shape`) without its trailing whole-dim slices: None for the whole
+    tensor, a bare slice for a cut along the first dim only (each a cheaper `tensor[...]` per call)."""
+    dims = list(index)
+    while dims and dims[-1] == slice(0, shape[len(dims) - 1]):
+        dims.pop()
+    return None if not dims else dims[0] if len(dims) == 1 else tuple(dims)
+
+
 class Stage:
     """The tensors of one chunk of consecutive local slots [first, first + count) of one projection from one
     source kind, and a TensorReader over them (module table).
@@ -118,6 +127,7 @@ class Stage:
         self.names: dict[str, list[str | None]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}  # the whole tensor's shape, per role
         self.index: dict[str, Index] = {}  # the staged part, per role
+        self.pick: dict[str, Index | slice | None] = {}  # the same as the copy takes it (`copy_index`)
         self.buffers: dict[str, torch.Tensor] = {}
         self.where: dict[str, tuple[str, int]] = {}  # staged tensor name -> (role, slot)
         self.ready = 0  # slots whose required roles are all here, not written yet
@@ -125,7 +135,8 @@ class Stage:
 
     def take(self, role: str, index: Index | None, i: int, loaded: torch.Tensor, name: str) -> None:
         """Keep tensor `name` for role `role` of slot `i`: its `index` part copied into the role's buffer,
-        or the whole tensor held (`index` None: a stacked tensor, kept for every slot it feeds)."""
+        or the whole tensor held (`index` None: a stacked tensor, kept for every slot it feeds). Every
+        tensor of one role has one shape (the hook checks each header first)."""
         names = self.names.get(role)
         if names is None:
             names = self.names[role] = [None] * self.count
@@ -138,10 +149,11 @@ class Stage:
             if buffer is None:
                 part = loaded[index]
                 buffer = self.buffers[role] = torch.empty((self.count, *part.shape), dtype=loaded.dtype)
-                self.index[role] = index
+                self.index[role], self.pick[role] = index, copy_index(index, tuple(loaded.shape))
             staged = self.index[role]
             if buffer.dtype is loaded.dtype and (staged is index or staged == index):
-                buffer[i].copy_(loaded[index])
+                pick = self.pick[role]
+                buffer[i].copy_(loaded if pick is None else loaded[pick])
                 self.where[name] = (role, i)
                 return
         self.held.hold(TensorRef(name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype), loaded)
