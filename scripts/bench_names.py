@@ -19,7 +19,8 @@ Contenders, alternated within each repetition, one process, freed heap returned 
                weight_loader, then check_model_complete (modules and the engine's name mapping built before)
 
 Each is timed in wall-clock seconds and in this process's CPU seconds (one torch thread: CPU time is the
-work done, which other processes sharing the machine disturb far less than the wall clock).
+work done, which other processes sharing the machine disturb far less than the wall clock), with the full
+collections of the cyclic GC it ran and their CPU seconds (`gc.callbacks`).
 
 Then the conversions (scripts/bench_common.conversion_rates): GB/s of each on one and two threads against a
 plain copy of the same bytes.
@@ -28,6 +29,7 @@ plain copy of the same bytes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -226,20 +228,48 @@ def contenders(path: Path) -> dict[str, Callable[[], Any]]:
             "hook tp1": lambda: run_hook(path, models["tp1"], calls["tp1"])}
 
 
+class FullCollections:
+    """Counts the cyclic collector's full (oldest-generation) collections and their CPU seconds through
+    `gc.callbacks` while installed (`with`): what a loader that keeps many objects alive pays per load."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.count += 1
+            self.seconds += time.process_time() - self._start
+
+    def __enter__(self) -> "FullCollections":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self)
+
+
 def measure(path: Path, reps: int, only: list[str] | None = None) -> dict[str, dict[str, float]]:
     """Median wall-clock and CPU seconds (this process: on a shared machine the steadier of the two) per
-    contender over `reps` alternated repetitions (order reversed every other one)."""
+    contender over `reps` alternated repetitions (order reversed every other one), and the median count
+    and CPU seconds of the full collections each ran ("gc full", "gc s")."""
     tasks = contenders(path)
     labels = [label for label in tasks if not only or label in only]
-    times: dict[str, dict[str, list[float]]] = {"wall": {label: [] for label in labels},
-                                                "cpu": {label: [] for label in labels}}
+    times: dict[str, dict[str, list[float]]] = {clock: {label: [] for label in labels}
+                                                for clock in ("wall", "cpu", "gc full", "gc s")}
     for rep in range(reps):
         for label in labels if rep % 2 == 0 else labels[::-1]:
             release_freed_memory()
-            wall, cpu = time.perf_counter(), time.process_time()
-            result = tasks[label]()
-            times["cpu"][label].append(time.process_time() - cpu)
-            times["wall"][label].append(time.perf_counter() - wall)
+            with FullCollections() as full:
+                wall, cpu = time.perf_counter(), time.process_time()
+                result = tasks[label]()
+                times["cpu"][label].append(time.process_time() - cpu)
+                times["wall"][label].append(time.perf_counter() - wall)
+            times["gc full"][label].append(full.count)
+            times["gc s"][label].append(full.seconds)
             del result
     return {clock: {label: statistics.median(v) for label, v in runs.items()} for clock, runs in times.items()}
 
@@ -290,6 +320,8 @@ def main(argv: list[str] | None = None) -> None:
     tensors = sum(len(v) for v in expert_tensors(path).values())
     seconds = measure(path, args.reps, [s for s in args.only.split(",") if s] or None)
     text = "\n\n".join(f"{clock} seconds:\n" + report(seconds[clock], tensors) for clock in ("wall", "cpu"))
+    text += "\n\nfull GC collections per run (median): " + ", ".join(
+        f"{label} {seconds['gc full'][label]:g} ({seconds['gc s'][label]:.2f} s CPU)" for label in seconds["gc full"])
     rates = {} if args.no_conversions else conversion_rates()
     print(f"\nsize={args.size} reps={args.reps} expert tensors={tensors} cpus={os.cpu_count()} "
           f"threads={torch.get_num_threads()}\n{text}")
