@@ -108,3 +108,14 @@ def test_stacked_tensors_are_held_once_for_every_slot() -> None:
     for i in range(3):
         stage.release(i)
     assert len(store) == 0
+
+
+def test_buffers_stay_on_the_cpu_under_another_default_device() -> None:
+    """Engines build models under `torch.device(...)`: the staged parts and gathers are CPU memory anyway."""
+    tensors, stage = [tensor(0), tensor(1)], Stage(0, 2, Source.GATE, False, TensorStore())
+    with torch.device("meta"):
+        for i, handed in enumerate(tensors):
+            stage.take("qweight", PART, i, handed, ref(i).name)
+        gathered = stage.gather([ref(0), ref(1)], [PART] * 2)
+    assert stage.buffers["qweight"].device.type == "cpu" and gathered.device.type == "cpu"
+    assert torch.equal(gathered, torch.stack([tensor(0)[PART], tensor(1)[PART]]))

@@ -87,7 +87,8 @@ class TensorStore:
 
 def stacked_copy(views: list[torch.Tensor], pin: bool) -> torch.Tensor:
     """`views` stacked into fresh CPU memory (pinned with `pin`)."""
-    return torch.stack(views, out=torch.empty((len(views), *views[0].shape), dtype=views[0].dtype, pin_memory=pin))
+    out = torch.empty((len(views), *views[0].shape), dtype=views[0].dtype, device="cpu", pin_memory=pin)
+    return torch.stack(views, out=out)
 
 
 def within(staged: Index, index: Index) -> Index:
@@ -148,7 +149,7 @@ class Stage:
             buffer = self.buffers.get(role)
             if buffer is None:
                 part = loaded[index]
-                buffer = self.buffers[role] = torch.empty((self.count, *part.shape), dtype=loaded.dtype)
+                buffer = self.buffers[role] = torch.empty((self.count, *part.shape), dtype=loaded.dtype, device="cpu")
                 self.index[role], self.pick[role] = index, copy_index(index, tuple(loaded.shape))
             staged = self.index[role]
             if buffer.dtype is loaded.dtype and (staged is index or staged == index):
@@ -200,7 +201,7 @@ class Stage:
         stacked = self.view_stacked(refs, indices)
         if stacked is None:
             return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin)
-        return torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=pin).copy_(stacked)
+        return torch.empty(stacked.shape, dtype=stacked.dtype, device="cpu", pin_memory=pin).copy_(stacked)
 
     def release(self, i: int) -> None:
         """Slot `i` is written: let go of the tensors it holds whole (its buffer rows go with the stage)."""
