@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from wna16_loader.engine.staging import MEMORY_FILE, Stage, TensorStore, copy_index, within
+from wna16_loader.engine.staging import HOLD_WHOLE_BYTES, MEMORY_FILE, Stage, TensorStore, copy_index, within
 from wna16_loader.models.names import Source
 from wna16_loader.storage.index import TensorRef
 
@@ -119,3 +119,18 @@ def test_buffers_stay_on_the_cpu_under_another_default_device() -> None:
         gathered = stage.gather([ref(0), ref(1)], [PART] * 2)
     assert stage.buffers["qweight"].device.type == "cpu" and gathered.device.type == "cpu"
     assert torch.equal(gathered, torch.stack([tensor(0)[PART], tensor(1)[PART]]))
+
+
+def test_large_tensors_needed_whole_are_held_and_large_parts_staged() -> None:
+    """A whole tensor of HOLD_WHOLE_BYTES is held as it is (a copy would buy nothing); a part of one is staged."""
+    big = torch.arange(HOLD_WHOLE_BYTES // 4, dtype=torch.int32).reshape(128, -1)
+    name, whole = "x.0.down_proj.qweight", (slice(0, 128), slice(0, big.shape[1]))
+    big_ref = TensorRef(name, MEMORY_FILE, tuple(big.shape), torch.int32)
+    store = TensorStore()
+    held = Stage(0, 1, Source.DOWN, False, store)
+    held.take("qweight", whole, 0, big, name)
+    assert len(store) == 1 and not held.buffers and torch.equal(held.gather([big_ref], [whole])[0], big)
+    store = TensorStore()
+    cut = Stage(0, 1, Source.DOWN, False, store)
+    cut.take("qweight", (slice(0, 64), whole[1]), 0, big, name)
+    assert len(store) == 0 and torch.equal(cut.view(big_ref, (slice(0, 64), whole[1])), big[:64])

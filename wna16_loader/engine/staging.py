@@ -7,8 +7,8 @@ ten thousand promotions set off a full collection over the whole process (at Dee
 of them per load, a second or more of CPU). So a `Stage` copies what the write needs of a per-expert
 tensor, the storage slice covering the rank's part, into one buffer per role for a chunk of consecutive
 slots, and lets the engine's tensor go at once; per tensor it keeps only a name and plain tuples of
-strings and ints, which the collector stops tracking. Stacked tensors (few: one per role and layer) are
-held whole in a `TensorStore`.
+strings and ints, which the collector stops tracking. Stacked tensors (few: one per role and layer) and
+large tensors the rank needs whole (HOLD_WHOLE_BYTES: few per GB) are held as they are in a `TensorStore`.
 
 | Stage.buffers[role] | [S, *staged]  `tensor[index[role]]` of the tensor of each of the S slots |
 """
@@ -24,6 +24,10 @@ from ..storage.index import TensorRef
 
 Index = tuple[slice | int, ...]
 MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
+# A per-expert tensor the rank needs whole is held as it is from this size on: copying it would cost more than
+# the collector's work per object held (~7 µs per held tensor at DeepSeek-V3 scale, about a 64 KiB copy),
+# and tensors this large are too few per GB to set off many full collections.
+HOLD_WHOLE_BYTES = 64 << 10
 
 
 class TensorStore:
@@ -145,19 +149,26 @@ class Stage:
         elif names[i] is not None:
             self.drop(role, i)
         names[i] = name
-        if index is not None:
-            buffer = self.buffers.get(role)
-            if buffer is None:
-                part = loaded[index]
-                buffer = self.buffers[role] = torch.empty((self.count, *part.shape), dtype=loaded.dtype, device="cpu")
-                self.index[role], self.pick[role] = index, copy_index(index, tuple(loaded.shape))
-            staged = self.index[role]
-            if buffer.dtype is loaded.dtype and (staged is index or staged == index):
-                pick = self.pick[role]
-                buffer[i].copy_(loaded if pick is None else loaded[pick])
-                self.where[name] = (role, i)
-                return
+        if index is not None and self._stages(role, index, loaded):
+            pick = self.pick[role]
+            self.buffers[role][i].copy_(loaded if pick is None else loaded[pick])
+            self.where[name] = (role, i)
+            return
         self.held.hold(TensorRef(name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype), loaded)
+
+    def _stages(self, role: str, index: Index, loaded: torch.Tensor) -> bool:
+        """Whether the `index` part of `loaded` goes into the role's buffer (made at the first that does): not
+        when the part is a whole tensor of HOLD_WHOLE_BYTES or more, nor for another dtype or index."""
+        buffer = self.buffers.get(role)
+        if buffer is None:
+            pick = copy_index(index, tuple(loaded.shape))
+            if pick is None and loaded.numel() * loaded.element_size() >= HOLD_WHOLE_BYTES:
+                return False
+            shape = (self.count, *loaded[index].shape)
+            buffer = self.buffers[role] = torch.empty(shape, dtype=loaded.dtype, device="cpu")
+            self.index[role], self.pick[role] = index, pick
+        staged = self.index[role]
+        return buffer.dtype is loaded.dtype and (staged is index or staged == index)
 
     def drop(self, role: str, i: int) -> None:
         """Forget what slot `i` holds for `role`."""
