@@ -175,22 +175,22 @@ class ExpertLoadHook(LayerLoad):
                               f"{self.moe.family} experts are not gated; their tensors come with shard_id "
                               f"{[ShardId.of_proj(p).value for p in self.projections]}.")
         arrival = resolve(self.moe, self.geometry, weight_name, proj, expert_id)
-        experts = self.geometry.experts if arrival.expert is None else \
-            ((arrival.expert,) if arrival.expert in self.local else ())
-        if not experts:
-            return False
-        writer()  # fails early when the parameters are not materialised
-        self._writer = writer
         ref = TensorRef(weight_name, MEMORY_FILE, tuple(loaded.shape), loaded.dtype)
-        src = self._source(arrival.source, {arrival.role: ref}, None if arrival.expert is not None else experts[0])
+        src = self._source(arrival.source, {arrival.role: ref}, None if arrival.expert is not None else 0)
         layout = self.moe.quant.layout(arrival.role)
-        check_header(ref, layout, self.moe.quant, src, self.geometry.num_experts)
         shape = expected_shape(layout, self.moe.quant, src, self.geometry.num_experts)
         kind = staged_kind(self.moe, self.geometry, arrival, proj, src, shape, self.roles, HOOK_BATCH_BYTES)
         key = parse_expert_name(weight_name)
-        if key is not None:
+        if key is not None:  # the kind's checks of the name passed: its next tensors take the fast path
             self._kinds[(arrival.alias, weight_name.rpartition(".")[2], arrival.expert is None, proj)] = kind
             self._remember(key, weight_name, proj, kind)
+        experts = self.geometry.experts if arrival.expert is None else \
+            ((arrival.expert,) if arrival.expert in self.local else ())
+        if not experts:
+            return False  # nothing of it is kept, so its header is not looked at (the fast path compares it)
+        writer()  # fails early when the parameters are not materialised
+        self._writer = writer
+        check_header(ref, layout, self.moe.quant, src, self.geometry.num_experts)
         self.aliases[proj] = (arrival.alias, arrival.expert is None)
         for expert in experts:
             self._arrive(kind, proj, expert, loaded, weight_name)
