@@ -363,6 +363,11 @@ def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
     if value.dim() < 2 or value.shape[-2] < 2 or value.stride(-2) != 1 or value.stride(-1) == 1:
         target.copy_(value)  # not a transpose
         return
+    if value.device.type == "cpu" and torch.get_num_threads() == 1 and _whole_transposed_matrices(target, value):
+        for target_matrix, value_matrix in zip(target.unbind(0), value.unbind(0)) if value.dim() == 3 else \
+                ((target, value),):
+            target_matrix.copy_(value_matrix)  # torch's blocked transpose: 1.2-2x the tiles on one thread
+        return
     n, w = value.shape[-2:]
     if value.device.type == "cpu" and value.stride(-1) * value.element_size() % PAGE_BYTES == 0 \
             and w >= 2 * STAGED_ROWS:
@@ -374,6 +379,19 @@ def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
         return
     tiled = lambda t: t.unflatten(-2, (n // block, block)).unflatten(-1, (w // block, block))  # noqa: E731
     tiled(target).copy_(tiled(value))
+
+
+BLOCKED_TRANSPOSE_MIN = 60 * 60  # the fewest elements for which torch's copy_ takes its blocked transpose
+
+
+def _whole_transposed_matrices(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether each [N, W] matrix of `value` (2 dims, or 3 with experts first) is a contiguous [W, N] one
+    transposed and the matching matrix of `target` is contiguous: torch's copy_ then moves it in blocks
+    through a buffer (its own transpose path), faster than the tiles below on one thread (the tiles
+    spread over torch's threads; that path does not)."""
+    n, w = value.shape[-2:]
+    return value.dim() in (2, 3) and target.dtype == value.dtype and value.stride(-1) == n and \
+        target.stride(-1) == 1 and target.stride(-2) == w and n * w >= BLOCKED_TRANSPOSE_MIN
 
 
 def _copy_through_padded_rows(target: torch.Tensor, value: torch.Tensor) -> None:
