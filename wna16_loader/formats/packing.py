@@ -110,7 +110,7 @@ def transpose_nibble_words(words: torch.Tensor, *, slot_order: tuple[int, ...] |
         delta.bitwise_xor_(pairs[:, :, :, 1]).bitwise_and_(mask)  # the fields that differ between the halves
         torch.bitwise_xor(pairs[:, :, :, 1], delta, out=swapped[:, :, :, 1])
         torch.bitwise_xor(pairs[:, :, :, 0], delta.bitwise_left_shift_(shift), out=swapped[:, :, :, 0])
-    by_word = block.permute(0, 1, 3, 2).contiguous() if slot_order is None else _reordered(block, slot_order)
+    by_word = _reordered(block, tuple(range(8)) if slot_order is None else slot_order)  # fresh: block is scratch
     return by_word.reshape(*lead, rows // 8, width * 8).transpose(-1, -2)
 
 
