@@ -24,7 +24,7 @@ from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
 from .keys import KeyRules
-from .ledger import Ledger, Slot, SlotKey, slot_key
+from .ledger import Ledger, Slot, SlotKey
 from .params import SourceTensors, check_header, expected_shape
 from .specs import checked_layer_spec
 
