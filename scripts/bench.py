@@ -87,28 +87,7 @@ def build_checkpoint(workdir: Path, fmt: str, size: str) -> Path:
     return folder
 
 
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------- contenders
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------- timing
@@ -136,8 +115,6 @@ def contenders(path: Path) -> dict[str, Callable[[], Any]]:
             tasks[f"ours tp{tp} r{rank}"] = lambda cfg=cfg: run_ours(path, cfg)
             tasks[f"whole tp{tp} r{rank}"] = lambda cfg=cfg: run_whole(path, cfg)
     return tasks
-
-
 
 
 def time_alternating(tasks: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[float]]:
@@ -182,10 +159,6 @@ def summarise(times: dict[str, list[float]]) -> dict[str, Any]:
 # file-backed pages (the safetensors mapping) separately.
 
 
-
-
-
-
 def shard_rss(workdir: Path) -> dict[str, Any]:
     """Peak anonymous RSS of wna16-shard (GPTQ, TP=4) on the 4-layer and the 8-layer full checkpoint."""
     out = {}
@@ -199,8 +172,6 @@ def shard_rss(workdir: Path) -> dict[str, Any]:
     return out
 
 
-
-
 def measure_rss(path: Path) -> dict[str, Any]:
     """Peak anonymous RSS of ours at TP=1 and TP=4 (rank 1) and of the floor, vs the fused output bytes."""
     out = {}
@@ -212,10 +183,6 @@ def measure_rss(path: Path) -> dict[str, Any]:
                       "fused_mib": fused / 2**20, "excess_mib": (growth - fused) / 2**20,
                       "file_mapped_peak_mib": rss["file_peak_kib"] / 1024, "hwm_mib": rss["hwm_kib"] / 1024}
     return out
-
-
-
-
 
 
 def measure_pages(path: Path) -> dict[str, Any]:

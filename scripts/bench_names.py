@@ -58,6 +58,8 @@ from bench_common import (  # noqa: E402
 from wna16_loader import FusedMoEExperts, ParallelConfig, load_experts, load_model_experts, read_moe_config  # noqa: E402
 from wna16_loader.engine.mapping import expert_param_mapping  # noqa: E402
 from wna16_loader.engine.model import check_model_complete  # noqa: E402
+from wna16_loader.storage.bulk import gc_paused  # noqa: E402
+from wna16_loader.storage.index import CheckpointIndex  # noqa: E402
 from wna16_loader.testing.synthetic import quant_config  # noqa: E402
 
 CONFIG = HERE.parent / "tests" / "fixtures" / "configs" / "deepseek_v3.json"
@@ -159,6 +161,23 @@ def run_headers(path: Path, tensors: dict[str, list[str]]) -> int:
     return count
 
 
+def run_header_json(path: Path) -> int:
+    """json.loads of every file's header alone (the collector paused, as the index does): what any parse of
+    the headers in Python pays at least."""
+    count = 0
+    with gc_paused():
+        for file in sorted(path.glob("*.safetensors")):
+            with open(file, "rb") as handle:
+                count += len(json.loads(handle.read(int.from_bytes(handle.read(8), "little"))))
+    return count
+
+
+def run_index(path: Path) -> int:
+    """The checkpoint index every load builds first (safetensors' own open of every file, then its header)."""
+    with CheckpointIndex(path) as index:
+        return len(index.refs)
+
+
 def build_model(path: Path, parallel: ParallelConfig) -> dict[str, FusedMoEExperts]:
     """One FusedMoEExperts per MoE layer on the CPU, keyed by experts prefix (outside the clock)."""
     moe = read_moe_config(path)
@@ -221,6 +240,8 @@ def contenders(path: Path) -> dict[str, Callable[[], Any]]:
     calls = {k: engine_calls(path, m) for k, m in models.items()}
     return {"floor": lambda: run_floor(path, tensors),
             "headers": lambda: run_headers(path, tensors),
+            "header json": lambda: run_header_json(path),
+            "index": lambda: run_index(path),
             "tp8": lambda: load_experts(path, tp8),
             "ep8": lambda: load_experts(path, ep8),
             "model": lambda: run_model(path, models["tp8"], tp8),
@@ -279,6 +300,8 @@ def report(seconds: dict[str, float], tensors: int) -> str:
     floor, headers = seconds.get("floor"), seconds.get("headers")
     rows = [("floor", "reading every expert tensor once", None),
             ("headers", "the headers alone", None),
+            ("header json", "json.loads of every header (a bound of any parse in Python)", None),
+            ("index", "CheckpointIndex (safetensors' open + the header JSON of every file)", None),
             ("tp8", "load_experts, TP 8 rank 0", ("floor", 0.5, "headers", 5.0)),
             ("ep8", "load_experts, EP 8 rank 0", ("floor", 0.15)),
             ("model", "load_model_experts, TP 8 rank 0", ("tp8", 1.2)),

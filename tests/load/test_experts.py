@@ -385,13 +385,19 @@ def test_read_moe_config(tmp_path):
 
 def _record_reads(monkeypatch) -> list[tuple[str, tuple]]:
     reads: list[tuple[str, tuple]] = []
-    original = CheckpointIndex.locate  # every read (view, read, gather) locates its tensor here
+    original, original_run = CheckpointIndex.locate, CheckpointIndex.locate_run  # every read passes one of them
 
     def recording(self, ref, index=()):
         reads.append((ref.name, index))
         return original(self, ref, index)
 
+    def recording_run(self, refs, indices):
+        begins = original_run(self, refs, indices)
+        reads.extend((ref.name, index) for ref, index in zip(refs, indices) if begins is not None)
+        return begins
+
     monkeypatch.setattr(CheckpointIndex, "locate", recording)
+    monkeypatch.setattr(CheckpointIndex, "locate_run", recording_run)
     return reads
 
 

@@ -7,7 +7,9 @@ functions are vectorised over whole tensors; nothing here reads files.
 
 from __future__ import annotations
 
+import math
 import sys
+import threading
 
 import torch
 
@@ -96,22 +98,53 @@ def transpose_nibble_words(words: torch.Tensor, *, slot_order: tuple[int, ...] |
     *lead, rows, width = words.shape
     if rows % 8:
         raise AssertionError(f"the nibble transpose needs a multiple of 8 rows, got {rows}")
-    block = words.reshape(-1, rows // 8, 8, width).clone(memory_format=torch.contiguous_format)
-    swap = torch.empty((block.shape[0], rows // 8, 4, width), dtype=block.dtype, device=block.device)
+    source = words.reshape(-1, rows // 8, 8, width)
+    block = _scratch(0, source.shape, source.dtype, source.device)
+    swap = _scratch(1, (block.shape[0], rows // 8, 4, width), block.dtype, block.device)
     for stage, (shift, mask) in enumerate(_NIBBLE_STAGES):
-        pairs = block.view(block.shape[0], rows // 8, 2 ** stage, 2, 8 // 2 ** (stage + 1), width)
-        low, high = pairs[:, :, :, 0], pairs[:, :, :, 1]
-        delta = swap.view(low.shape)  # one scratch buffer for every stage: no temporaries per operation
-        torch.bitwise_right_shift(low, shift, out=delta)
-        delta.bitwise_xor_(high).bitwise_and_(mask)  # the fields that differ between the two halves
-        high.bitwise_xor_(delta)
-        low.bitwise_xor_(delta.bitwise_left_shift_(shift))
-    by_word = block.permute(0, 1, 3, 2)  # [B, K/8, W, 8 slots]: slot s of word w holds k = 8t .. 8t+7
-    if slot_order is not None:
-        by_word = by_word.index_select(3, torch.tensor(_inverse(slot_order, 8), device=words.device))
-    else:
-        by_word = by_word.contiguous()
+        pairs = (source if stage == 0 else block).view(block.shape[0], rows // 8, 2 ** stage, 2,
+                                                       8 // 2 ** (stage + 1), width)
+        swapped = block.view(pairs.shape)  # the first stage reads the words and writes the copy: no clone
+        delta = swap.view(pairs[:, :, :, 0].shape)  # one scratch buffer for every stage: no temporaries per op
+        torch.bitwise_right_shift(pairs[:, :, :, 0], shift, out=delta)
+        delta.bitwise_xor_(pairs[:, :, :, 1]).bitwise_and_(mask)  # the fields that differ between the halves
+        torch.bitwise_xor(pairs[:, :, :, 1], delta, out=swapped[:, :, :, 1])
+        torch.bitwise_xor(pairs[:, :, :, 0], delta.bitwise_left_shift_(shift), out=swapped[:, :, :, 0])
+    by_word = _reordered(block, tuple(range(8)) if slot_order is None else slot_order)  # fresh: block is scratch
     return by_word.reshape(*lead, rows // 8, width * 8).transpose(-1, -2)
+
+
+_SCRATCH = threading.local()  # per thread: host buffers reused from call to call
+SCRATCH_MAX_BYTES = 16 << 20  # larger requests get fresh memory (the loader converts chunks of 2 MiB)
+
+
+def _scratch(slot: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised host tensor for the caller's own use until its next call on this thread (slot
+    `slot`; grown when too small); a fresh one on a device (its allocator caches its own) or above
+    SCRATCH_MAX_BYTES. Fresh host memory costs a page fault per 4 KiB once the allocator has returned
+    it to the system: measured, the nibble transpose of 2 MiB chunks ran at 0.9 GB/s with fresh
+    buffers and 3.0 with reused ones."""
+    count = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or count > SCRATCH_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    buffers: dict[int, torch.Tensor] = _SCRATCH.__dict__.setdefault("buffers", {})
+    if slot not in buffers or buffers[slot].numel() < count:
+        buffers[slot] = torch.empty(count, dtype=torch.uint8)
+    return buffers[slot][:count].view(dtype).view(shape)
+
+
+def _reordered(block: torch.Tensor, slot_order: tuple[int, ...]) -> torch.Tensor:
+    """[B, K/8, 8 slots, W] -> [B, K/8, W, 8 positions]: slot s goes to position slot_order[s], one strided
+    copy per slot (twice as fast as an index_select along a last dim of 8).
+
+    | in  | block [B, K/8, 8, W] int32 |
+    | out | words [B, K/8, W, 8] int32 |
+    """
+    _inverse(slot_order, 8)  # checks that it is a permutation
+    out = torch.empty((*block.shape[:2], block.shape[3], 8), dtype=block.dtype, device=block.device)
+    for slot, position in enumerate(slot_order):
+        out[:, :, :, position].copy_(block[:, :, slot])
+    return out
 
 
 def _word_bytes(words: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from ..logs import rank_logger
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
+from ..storage.bulk import gc_paused
 from ..storage.hub import resolve_checkpoint
 from ..storage.index import CheckpointIndex
 from .device import DevicePolicy
@@ -70,7 +71,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     if is_presharded(path):
         return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
     start = time.perf_counter()
-    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
+    with gc_paused(), planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:

@@ -348,6 +348,7 @@ def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Te
 
 
 STAGED_ROWS = 64  # source rows moved per block through a buffer whose rows are not a page apart
+BLOCKED_MIN = 60 * 60  # the fewest elements for which torch's copy_ takes its blocked transpose
 
 
 def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -356,12 +357,16 @@ def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
 
     A tiled copy keeps both the rows read and the rows written in cache (about 1.5x faster than a
     plain strided copy). Any leading dims (experts) are carried along; the source rows may be
-    strided (a column slice of a file's tensor). On the CPU, source rows a whole number of pages
-    apart (N a multiple of 1024 int32 words: most real hidden sizes) defeat the tiles, since every
-    row of a tile maps to the same cache sets; such sources go through a padded buffer first.
-    """
+    strided (a column slice of a file's tensor). On the CPU, source rows a whole number of pages apart
+    (N a multiple of 1024 int32 words) defeat the tiles (every row of a tile maps to the same cache sets):
+    they go through a padded buffer first. On one thread, whole transposed matrices go through torch's
+    blocked transpose instead (1.2-2x the tiles; the tiles, unlike it, spread over torch's threads)."""
     if value.dim() < 2 or value.shape[-2] < 2 or value.stride(-2) != 1 or value.stride(-1) == 1:
         target.copy_(value)  # not a transpose
+        return
+    if value.device.type == "cpu" and torch.get_num_threads() == 1 and _whole_transposed_matrices(target, value):
+        for matrix, source in zip(target.unbind(0), value.unbind(0)) if value.dim() == 3 else [(target, value)]:
+            matrix.copy_(source)
         return
     n, w = value.shape[-2:]
     if value.device.type == "cpu" and value.stride(-1) * value.element_size() % PAGE_BYTES == 0 \
@@ -374,6 +379,13 @@ def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
         return
     tiled = lambda t: t.unflatten(-2, (n // block, block)).unflatten(-1, (w // block, block))  # noqa: E731
     tiled(target).copy_(tiled(value))
+
+
+def _whole_transposed_matrices(target: torch.Tensor, value: torch.Tensor) -> bool:
+    """Each [N, W] matrix of `value` (experts first, if any) a [W, N] one transposed, `target`'s contiguous."""
+    n, w = value.shape[-2:]
+    return value.dim() in (2, 3) and target.shape == value.shape and target.dtype == value.dtype and \
+        value.stride(-1) == n and target.stride(-1) == 1 and target.stride(-2) == w and n * w >= BLOCKED_MIN
 
 
 def _copy_through_padded_rows(target: torch.Tensor, value: torch.Tensor) -> None:

@@ -39,7 +39,8 @@ class LayerLoad:
               sources: Sequence[SourceTensors]) -> None:
         """Read the rank's slice of `proj` for `experts` (consecutive slots, one source kind) through
         `reader` and write it: the one write path of every load."""
-        for src in sources:
+        role = self.moe.quant.dtype_role
+        for src in {src.tensors[role].dtype: src for src in reversed(sources)}.values():  # first of each dtype
             self._check_scale_dtype(src, writer)
         cut = self.geometry.slice(proj)
         if not self.moe.quant.quantized:

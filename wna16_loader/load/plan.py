@@ -24,7 +24,7 @@ from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
 from .keys import KeyRules
-from .ledger import Ledger, Slot, SlotKey, slot_key
+from .ledger import Ledger, Slot, SlotKey
 from .params import SourceTensors, check_header, expected_shape
 from .specs import checked_layer_spec
 
@@ -240,7 +240,8 @@ class LayerTable:
         self._refs = index.refs
         self.passed: set[EntryKey] = set()
         self._experts: dict[int, ExpertSlots] = {}
-        self._required = required_roles(moe)
+        required = tuple(role._value_ for role in required_roles(moe))
+        self._projections = tuple((proj, proj._value_, required) for proj in layer_projections(moe.gated))
         entries, roles = self.entries, rules.roles
         for key in keys:
             problem = rules.problem(key)
@@ -252,20 +253,24 @@ class LayerTable:
     def expert(self, expert: int) -> ExpertSlots:
         """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
         if expert not in self._experts:
-            sources, expected, records = [], [], []
-            for proj in layer_projections(self.moe.gated):
-                entries = _candidates(self.entries, expert, proj)
-                candidates = [self._source(entry, expert) for entry in entries]
-                expected += [slot_key(self.prefix, expert, proj, role) for role in self._required]
-                records += [(slot_key(self.prefix, expert, proj, role), ref.name)
-                            for src in candidates for role, ref in src.tensors.items()]
-                if candidates:
-                    sources.append((proj, entries[0], candidates[0]))
-            role = self.moe.quant.dtype_role
-            scales = tuple((src.tensors[role].dtype, src.tensors[role].name) for _, _, src in sources
-                           if role in src.tensors)
-            self._experts[expert] = ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
+            self._experts[expert] = self._expert_slots(expert)
         return self._experts[expert]
+
+    def _expert_slots(self, expert: int) -> ExpertSlots:
+        sources, expected, records = [], [], []
+        prefix, entries, made = self.prefix, self.entries, {}
+        for proj, value, required in self._projections:
+            candidates = _candidates(entries, expert, proj)
+            expected += [(prefix, expert, value, role) for role in required]
+            records += [((prefix, expert, value, role._value_), name) for entry in candidates
+                        for role, name in entries[entry].items()]
+            if candidates:
+                if candidates[0] not in made:  # gate and up of one stacked gate_up source share it
+                    made[candidates[0]] = self._source(candidates[0], expert)
+                sources.append((proj, candidates[0], made[candidates[0]]))
+        role = self.moe.quant.dtype_role
+        scales = tuple((src.tensors[role].dtype, src.tensors[role].name) for _, _, src in sources if role in src.tensors)
+        return ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
 
     def check_headers(self, checks: list[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
         """`check_headers` of the sources whose entries have not passed it yet (in order)."""

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -41,17 +42,8 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
     groups = [None] + list(range(len(plan.ranks)))
     try:
         if workers <= 1:
-            state = {"written": 0, "kill_after": KILL_AFTER_FILES}
-            # one mapping per source file for every folder; one committer, so that a folder's last fsync
-            # overlaps the next folder's work
-            with CheckpointIndex(plan.source) as index, ThreadPoolExecutor(1, "wna16-commit") as commits:
-                try:
-                    pending = [write_folder(out, plan, g, journal, state, meter.advance, index=index,
-                                            commits=commits) for g in groups]
-                except KeyboardInterrupt:  # Ctrl-C: finish the commit under way, drop the queued ones
-                    commits.shutdown(wait=True, cancel_futures=True)
-                    raise
-            results = [(summary, [future.result() for future in futures]) for summary, futures in pending]
+            with torch_threads_beside_writers():
+                results = _write_serial(out, plan, groups, journal, meter)
         else:
             results = _write_parallel(out, plan, groups, journal, workers)
             for summary, _ in results:
@@ -63,6 +55,39 @@ def write_all(out: Path, plan: ShardPlan, journal: dict[str, dict[str, Any]], pr
     finally:
         meter.close()
     return tuple(summaries)
+
+
+def _write_serial(out: Path, plan: ShardPlan, groups: list[int | None], journal: dict[str, dict[str, Any]],
+                  meter: Progress) -> list[tuple[RankSummary, list[dict[str, Any]]]]:
+    """Every folder in this process, one after another; results in folder order."""
+    state = {"written": 0, "kill_after": KILL_AFTER_FILES}
+    # one mapping per source file for every folder; one committer, so that a folder's last fsync
+    # overlaps the next folder's work
+    with CheckpointIndex(plan.source) as index, ThreadPoolExecutor(1, "wna16-commit") as commits:
+        try:
+            pending = [write_folder(out, plan, g, journal, state, meter.advance, index=index, commits=commits)
+                       for g in groups]
+        except KeyboardInterrupt:  # Ctrl-C: finish the commit under way, drop the queued ones
+            commits.shutdown(wait=True, cancel_futures=True)
+            raise
+    return [(summary, [future.result() for future in futures]) for summary, futures in pending]
+
+
+HASHING_THREADS = 2  # per file being written: the file's sha256 and the tensors' sha256 (see _Pipeline)
+
+
+@contextmanager
+def torch_threads_beside_writers() -> Iterator[None]:
+    """torch's intra-op threads limited to the cores the hashing threads leave (at least one) meanwhile.
+    The fused layers are converted while the previous ones are written and hashed: an intra-op pool as
+    large as the machine would then spin at its barriers against the hashing threads (measured: 3.5x the
+    conversion's CPU time on 2 cores)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, before - HASHING_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _write_parallel(out: Path, plan: ShardPlan, groups: list[int | None], journal: dict[str, dict[str, Any]],
@@ -112,7 +137,7 @@ def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str
     committed; their journal records. `advance(bytes, path)` is called after each file (kept ones included).
     `index`: the source, already open (folders written one after another share its mappings and the pages
     they faulted in)."""
-    with ThreadPoolExecutor(1, "wna16-commit") as commits:
+    with ThreadPoolExecutor(1, "wna16-commit") as commits, torch_threads_beside_writers():
         summary, futures = write_folder(out, plan, group, journal, state, advance, index=index, commits=commits)
     return summary, [future.result() for future in futures]
 
@@ -259,17 +284,62 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
     for chunk in (len(text).to_bytes(8, "little"), text):
         handle.write(chunk)
         digest.update(chunk)
-    records: dict[str, Future[dict[str, Any]]] = {}
-    in_flight: tuple[Future[Any], ...] = ()
-    with ThreadPoolExecutor(1, "wna16-write") as writer, ThreadPoolExecutor(1, "wna16-hash") as hasher:
+    with _Pipeline(handle, digest) as pipeline:
         for name, (shape, dtype) in metas.items():
             tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
             assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
-            for future in in_flight:
-                future.result()  # one tensor in flight: memory stays bounded, errors surface in order
-            records[name] = hasher.submit(tensor_record, tensor)
-            in_flight = (writer.submit(_emit, handle, digest, tensor), records[name])
-    return {name: future.result() for name, future in records.items()}, digest.hexdigest()
+            pipeline.submit(name, tensor)
+        records = pipeline.records()
+    return records, digest.hexdigest()
+
+
+IN_FLIGHT_BYTES = 96 << 20  # tensors fetched but not yet written and hashed: bounds the writer's extra memory
+
+
+class _Pipeline:
+    """The three consumers of each fetched tensor, one thread each, so that the caller produces the next
+    tensors (the next fused layer) meanwhile: the file write, the file's running sha256 (both in order)
+    and the tensor's own sha256 for its record. Every byte is hashed twice, as the manifest records two
+    digests of it (a file's and a tensor's sha256 share no work); file writes, sha256 and tensor copies
+    all release the GIL. At most IN_FLIGHT_BYTES (or one tensor) are held; errors surface in order."""
+
+    def __init__(self, handle: Any, digest: Any) -> None:
+        self.handle, self.digest = handle, digest
+        self.pools = [ThreadPoolExecutor(1, f"wna16-{job}") for job in ("write", "digest", "hash")]
+        self.pending: deque[tuple[int, tuple[Future[Any], ...]]] = deque()
+        self.futures: dict[str, Future[dict[str, Any]]] = {}
+        self.held = 0
+
+    def submit(self, name: str, tensor: torch.Tensor) -> None:
+        """Hand one tensor to the three threads (after waiting for older ones while too much is held)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        while self.pending and self.held + nbytes > IN_FLIGHT_BYTES:
+            self._retire()
+        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        writer, digester, hasher = self.pools
+        self.futures[name] = hasher.submit(tensor_record, tensor)
+        jobs = (writer.submit(_emit, self.handle, data), digester.submit(self.digest.update, data), self.futures[name])
+        self.pending.append((nbytes, jobs))
+        self.held += nbytes
+
+    def _retire(self) -> None:
+        nbytes, jobs = self.pending.popleft()
+        for job in jobs:
+            job.result()
+        self.held -= nbytes
+
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Every tensor's manifest record, once all of them are written and hashed."""
+        while self.pending:
+            self._retire()
+        return {name: future.result() for name, future in self.futures.items()}
+
+    def __enter__(self) -> _Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for pool in self.pools:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 WRITEBACK_BYTES = 16 << 20  # after a tensor at least this large, the kernel is asked to start writing back
@@ -284,12 +354,8 @@ def start_writeback(handle: Any) -> None:
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _emit(handle: Any, digest: Any, tensor: torch.Tensor) -> None:
-    """Write one tensor's bytes and add them to the file's digest, on the writer thread, while the hasher
-    thread hashes the same bytes for the tensor's record and the caller produces the next tensor (file
-    writes, sha256 and tensor copies all release the GIL)."""
-    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+def _emit(handle: Any, data: memoryview) -> None:
+    """Write one tensor's bytes, on the writer thread (its hint to start writeback included)."""
     handle.write(data)
-    digest.update(data)
     if len(data) >= WRITEBACK_BYTES:
         start_writeback(handle)

@@ -22,7 +22,7 @@ import mmap
 import os
 import warnings
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -41,14 +41,78 @@ class HeaderEntry(NamedTuple):
     end: int
 
 
-class MappedFile:
-    """One safetensors file, mapped read-only once; its header parsed and checked."""
+class HeaderEntries(dict[str, HeaderEntry]):
+    """The entries of a header checked here, one `HeaderEntry` each (name -> entry)."""
 
-    def __init__(self, path: Path, itemsizes: dict[str, int]) -> None:
+    def begin(self, name: str) -> int:
+        """The first byte of tensor `name` in the file."""
+        return self[name].begin
+
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype name) of tensor `name`."""
+        entry = self[name]
+        return entry.shape, entry.dtype
+
+    def begins(self, names: Sequence[str]) -> list[int]:
+        """The first byte of each of `names`."""
+        return [self[name].begin for name in names]
+
+    def dtype_names(self) -> set[str]:
+        """The dtype names of the entries."""
+        return {entry.dtype for entry in self.values()}
+
+
+class CheckedEntries(Mapping[str, HeaderEntry]):
+    """The entries of a header that safetensors itself has opened, and so checked (every span inside
+    the file, contiguous, dtype x shape long): kept as the parsed JSON, each made a `HeaderEntry`
+    when asked, so a header of thousands of tensors costs one `json.loads`."""
+
+    def __init__(self, raw: dict[str, dict], start: int) -> None:
+        self._raw, self._start = raw, start
+
+    def __getitem__(self, name: str) -> HeaderEntry:
+        raw = self._raw[name]
+        begin, end = raw["data_offsets"]
+        return HeaderEntry(raw["dtype"], tuple(raw["shape"]), self._start + begin, self._start + end)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._raw
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    def begin(self, name: str) -> int:
+        """The first byte of tensor `name` in the file."""
+        return self._start + self._raw[name]["data_offsets"][0]
+
+    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+        """(shape, dtype name) of tensor `name` (no entry made)."""
+        raw = self._raw[name]
+        return tuple(raw["shape"]), raw["dtype"]
+
+    def begins(self, names: Sequence[str]) -> list[int]:
+        """The first byte of each of `names` (one pass, no entry made)."""
+        raw, start = self._raw, self._start
+        return [start + raw[name]["data_offsets"][0] for name in names]
+
+    def dtype_names(self) -> set[str]:
+        """The dtype names of the entries."""
+        return {raw["dtype"] for raw in self._raw.values()}
+
+
+class MappedFile:
+    """One safetensors file, mapped read-only once; its header parsed (and checked, unless safetensors
+    already has: `checked`)."""
+
+    def __init__(self, path: Path, itemsizes: dict[str, int], *, checked: bool = False) -> None:
         """`itemsizes`: bytes per element of every known dtype name (entries of other dtypes are kept
-        unchecked, for the caller to refuse by name)."""
+        unchecked, for the caller to refuse by name). `checked`: safetensors has opened the file (and
+        so checked every span): the entries are taken as they are (`CheckedEntries`)."""
         self.path = path
-        self.metadata, self.entries = read_header(path, itemsizes)
+        self.metadata, self.entries = read_checked_header(path) if checked else read_header(path, itemsizes)
         with open(path, "rb") as handle:
             self.size = os.fstat(handle.fileno()).st_size
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -56,7 +120,11 @@ class MappedFile:
 
     def dtype_names(self) -> set[str]:
         """The dtype names of the header's entries."""
-        return {entry.dtype for entry in self.entries.values()}
+        return self.entries.dtype_names()
+
+    def begins(self, names: Sequence[str]) -> list[int]:
+        """The first byte of each of `names` in the file."""
+        return self.entries.begins(names)
 
     def flat(self, dtype: torch.dtype, phase: int) -> torch.Tensor:
         """The whole file as a 1-D `dtype` view starting at byte `phase` (< itemsize)."""
@@ -87,14 +155,19 @@ def gather(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtyp
            index: Index = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """`[t[index] for t in tensors]` stacked into `out` (ordinary memory; fresh when None), for tensors of
     one `shape`/`dtype` at byte offsets `begins` of `file`. Evenly spaced offsets (rows of a stacked
-    tensor, or a writer's regular layout) are one strided view and one copy; others one view each."""
+    tensor, or a writer's regular layout), in the order given or in file order (a writer that sorts
+    names puts expert 10 before expert 2), are one strided view and one copy; others one view each."""
     stacked = stacked_view(file, begins, shape, dtype, index)
-    if stacked is None:
-        views = _same_views(file, begins, shape, dtype, index)
-        return torch.stack(views) if out is None else torch.stack(views, out=out)
-    if out is None:
-        return stacked.clone(memory_format=torch.contiguous_format)
-    return out.copy_(stacked)
+    if stacked is not None:
+        return stacked.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(stacked)
+    order = sorted(range(len(begins)), key=begins.__getitem__)
+    in_file_order = stacked_view(file, [begins[i] for i in order], shape, dtype, index)
+    if in_file_order is not None:
+        rank = sorted(range(len(order)), key=order.__getitem__)  # position in file order of each tensor
+        out = torch.empty(in_file_order.shape, dtype=dtype) if out is None else out
+        return torch.index_select(in_file_order, 0, torch.tensor(rank), out=out)
+    views = _same_views(file, begins, shape, dtype, index)
+    return torch.stack(views) if out is None else torch.stack(views, out=out)
 
 
 def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
@@ -151,7 +224,7 @@ def truncated_error(path: Path, otherwise: str) -> CheckpointError:
     return CheckpointError(f"{path}: {cut}; re-download it (an interrupted download or copy)." if cut else otherwise)
 
 
-def read_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+def read_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str, str], HeaderEntries]:
     """A safetensors file's metadata and header entries (absolute spans, each checked), without mapping it."""
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
@@ -175,8 +248,23 @@ def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
 
 
 def _parse_header(path: Path, prefix: bytes, handle, size: int,  # noqa: ANN001 (an open binary file)
-                  itemsizes: dict[str, int]) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+                  itemsizes: dict[str, int]) -> tuple[dict[str, str], HeaderEntries]:
     """The header's metadata and entries, every byte span checked (safetensors also checks on open)."""
+    metadata, header, start = _header_json(path, prefix, handle, size)
+    return metadata, _entries(path, header, start, size, itemsizes)
+
+
+def read_checked_header(path: Path) -> tuple[dict[str, str], CheckedEntries]:
+    """`read_header` of a file safetensors has opened (so every span is already checked): the entries are
+    kept as parsed (`CheckedEntries`)."""
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        metadata, header, start = _header_json(path, handle.read(8), handle, size)
+    return metadata, CheckedEntries(header, start)
+
+
+def _header_json(path: Path, prefix: bytes, handle, size: int) -> tuple[dict[str, str], dict, int]:  # noqa: ANN001
+    """(metadata, the other entries as parsed JSON, first byte of the data section) of an open file."""
     if len(prefix) < 8 or int.from_bytes(prefix, "little") > size - 8:
         raise truncated_error(path, f"{path}: not a readable safetensors file (header length past the end of the "
                                     f"{size}-byte file).")
@@ -188,13 +276,13 @@ def _parse_header(path: Path, prefix: bytes, handle, size: int,  # noqa: ANN001 
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a readable safetensors file (header is not a JSON object).")
     metadata = header.pop("__metadata__", None) or {}
-    return metadata, _entries(path, header, 8 + length, size, itemsizes)
+    return metadata, header, 8 + length
 
 
-def _entries(path: Path, header: dict, start: int, size: int, itemsizes: dict[str, int]) -> dict[str, HeaderEntry]:
+def _entries(path: Path, header: dict, start: int, size: int, itemsizes: dict[str, int]) -> HeaderEntries:
     """Every entry of a parsed header: `_entry`'s checks inlined for well-formed entries (a header holds
     thousands); any entry they do not pass goes through `_entry` itself, for its exact error."""
-    entries = {}
+    entries = HeaderEntries()
     prod = math.prod
     for name, raw in header.items():
         try:

@@ -67,8 +67,8 @@ class TensorRefs(Mapping[str, TensorRef]):
 
     def __getitem__(self, name: str) -> TensorRef:
         file = self.files[name]
-        entry = self._maps[file].entries[name]
-        return TensorRef(name, file, entry.shape, DTYPES[entry.dtype])
+        shape, dtype = self._maps[file].entries.shape_dtype(name)
+        return TensorRef(name, file, shape, DTYPES[dtype])
 
     def __contains__(self, name: object) -> bool:
         return name in self.files
@@ -108,7 +108,7 @@ class CheckpointIndex:
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
             raise truncated_error(self.folder / file, f"{self.folder / file}: not a readable safetensors file "
                                                       f"({exc}).") from None
-        mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
+        mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES, checked=True)
         files = self.refs.files
         if not files.keys().isdisjoint(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
             self._refuse(file, mapped)
@@ -150,6 +150,9 @@ class CheckpointIndex:
         """`[ref[index] for ...]` stacked into fresh ordinary memory (pinned with `pin`), safe to keep:
         tensors of one file, dtype and shape under one index (leading ints, e.g. rows of a stacked
         tensor, may differ) are located by offset and copied in one strided pass; others one at a time."""
+        together = self._gather_one_file(refs, indices, pin)
+        if together is not None:
+            return together
         located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
         begin, file, shape, dtype, index = located[0]
         one = self._maps[file].view(begin, shape, dtype, index)
@@ -161,9 +164,30 @@ class CheckpointIndex:
         self.bytes_read += out.numel() * out.element_size()
         return out
 
+    def _gather_one_file(self, refs: Sequence[TensorRef], indices: Sequence[Index], pin: bool) -> torch.Tensor | None:
+        """`gather` of tensors of one file, shape and dtype under one index without leading ints (the
+        tensors of one role of a run of experts): their offsets looked up in one pass; None for others."""
+        begins = self.locate_run(refs, indices)
+        if begins is None:
+            return None
+        first, index = refs[0], indices[0]
+        mapped = self._maps[first.file]
+        one = mapped.view(begins[0], first.shape, first.dtype, index)
+        out = torch.empty((len(refs), *one.shape), dtype=first.dtype, pin_memory=pin)
+        gather(mapped, begins, first.shape, first.dtype, index, out)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
     def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> torch.Tensor | None:
         """`[ref[index] for ...]` as ONE strided view [E, ...] of a file mapping (no copy; file memory, as
         `view`) when the slices lie evenly spaced in one file with one shape, dtype and index; else None."""
+        begins = self.locate_run(refs, indices)
+        if begins is not None:
+            first = refs[0]
+            stacked = stacked_view(self._maps[first.file], begins, first.shape, first.dtype, indices[0])
+            if stacked is not None:
+                self.bytes_read += stacked.numel() * stacked.element_size()
+            return stacked
         located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
         if any(loc[1:] != located[0][1:] for loc in located):
             return None
@@ -175,11 +199,20 @@ class CheckpointIndex:
 
     def begin(self, name: str) -> int:
         """The first byte of tensor `name` in its file."""
-        return self._maps[self.refs.files[name]].entries[name].begin
+        return self._maps[self.refs.files[name]].entries.begin(name)
+
+    def locate_run(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> list[int] | None:
+        """The first bytes of `refs` when they lie in one file with one shape and dtype, all read under one
+        index that starts with no int (the tensors of one role of a run of experts: located in one pass;
+        every read of such a run passes here); None for others (each goes through `locate`)."""
+        if not _one_file(refs, indices):
+            return None
+        return self._maps[refs[0].file].begins([ref.name for ref in refs])
 
     def locate(self, ref: TensorRef, index: Index) -> tuple[int, str, tuple[int, ...], torch.dtype, Index]:
         """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,
-        file, shape, dtype, rest of the index), leading int indices folded into the first byte."""
+        file, shape, dtype, rest of the index), leading int indices folded into the first byte. Every read
+        passes here or through `locate_run`."""
         begin, shape = self.begin(ref.name), ref.shape
         while index and isinstance(index[0], int):
             if not 0 <= index[0] < shape[0]:
@@ -187,6 +220,16 @@ class CheckpointIndex:
             begin += index[0] * nbytes_of(shape[1:], ref.dtype)
             index, shape = index[1:], shape[1:]
         return begin, ref.file, shape, ref.dtype, index
+
+
+def _one_file(refs: Sequence[TensorRef], indices: Sequence[Index]) -> bool:
+    """Whether `refs` lie in one file with one shape and dtype, all read under one index that starts with
+    no int (the tensors of one role of a run of experts)."""
+    first, index = refs[0], indices[0]
+    if (index and isinstance(index[0], int)) or any(i != index for i in indices):
+        return False
+    file, shape, dtype = first.file, first.shape, first.dtype
+    return all(ref.file == file and ref.shape == shape and ref.dtype == dtype for ref in refs)
 
 
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:
