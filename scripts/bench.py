@@ -43,7 +43,9 @@ from wna16_loader.parallel.partition import layout_problem
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import (  # noqa: E402  (the contenders and helpers shared with bench_scale)
+from bench_common import (  # noqa: E402  (the contenders and helpers shared with bench_scale)  # noqa: E402  (sizes run by bench_names.py, bench_scale.py)
+    NAME_SIZES,
+    SCALE_SIZES,
     durable_copy,
     evict,
     expert_bytes,
@@ -57,7 +59,6 @@ from bench_common import (  # noqa: E402  (the contenders and helpers shared wit
     run_ours,
     run_whole,
 )
-from bench_common import NAME_SIZES, SCALE_SIZES  # noqa: E402  (sizes run by bench_names.py, bench_scale.py)
 
 SIZES: dict[str, dict[str, int]] = {
     "small": {"num_experts": 16, "hidden": 1024, "intermediate": 704, "num_layers": 2, "files": 2},

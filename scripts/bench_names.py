@@ -45,8 +45,6 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-
 from bench_common import (  # noqa: E402
     NAME_SIZES,
     conversion_rates,
@@ -55,6 +53,8 @@ from bench_common import (  # noqa: E402
     release_freed_memory,
     run_floor,
 )
+from safetensors import safe_open  # noqa: E402
+
 from wna16_loader import FusedMoEExperts, ParallelConfig, load_experts, load_model_experts, read_moe_config  # noqa: E402
 from wna16_loader.engine.mapping import expert_param_mapping  # noqa: E402
 from wna16_loader.engine.model import check_model_complete  # noqa: E402

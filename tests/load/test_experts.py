@@ -13,8 +13,8 @@ import re
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from conftest import assert_exact, assert_owners, expected_experts, load_all_ranks, reassemble, stitch
+from safetensors.torch import load_file
 
 from wna16_loader import FUSED_NAMES, FusedExperts, LoadReport, ParallelConfig, load_experts, read_moe_config
 from wna16_loader.errors import CompletenessError

@@ -13,8 +13,17 @@ from conftest import FIXTURES, assert_exact, assert_owners, load_all_ranks, stit
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from wna16_loader import (FusedMoEExperts, LoadedExperts, ParallelConfig, check_model_complete, expert_param_mapping,
-                          install_load_hook, load_experts, load_model_experts, read_moe_config)
+from wna16_loader import (
+    FusedMoEExperts,
+    LoadedExperts,
+    ParallelConfig,
+    check_model_complete,
+    expert_param_mapping,
+    install_load_hook,
+    load_experts,
+    load_model_experts,
+    read_moe_config,
+)
 from wna16_loader.preshard import preshard_checkpoint
 from wna16_loader.preshard.verify import verify_output
 

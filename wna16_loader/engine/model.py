@@ -16,6 +16,7 @@ from ..load.presharded import is_presharded, rank_record, rank_specs, read_rank
 from ..load.results import LoadReport
 from ..logs import rank_logger
 from ..parallel.config import ParallelConfig
+from ..storage.bulk import gc_paused
 from ..storage.hub import resolve_checkpoint
 from .module import FusedMoEExperts
 
@@ -89,7 +90,7 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     _check_not_loaded(modules)
     if is_presharded(checkpoint_folder):
         return _load_presharded_into(modules, checkpoint_folder, parallel, include_mtp)
-    with planned(checkpoint_folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
+    with gc_paused(), planned(checkpoint_folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
         for plan in plans:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from .rules import Match, ModuleRules, not_quantized
 from .spec import (
     FLOAT_DTYPES,
     Dim,
@@ -26,7 +27,6 @@ from .spec import (
     int_key,
     str_tuple,
 )
-from .rules import Match, ModuleRules, not_quantized
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 

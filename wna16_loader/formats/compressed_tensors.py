@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from .rules import Match, ModuleRules, ModuleSpec, Rule, not_quantized
 from .spec import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -32,7 +33,6 @@ from .spec import (
     str_tuple,
     unquantized_spec,
 )
-from .rules import Match, ModuleRules, ModuleSpec, Rule, not_quantized
 
 LAYOUTS = (
     TensorLayout(Role.QWEIGHT, "weight_packed", (Dim.N, Dim.K), packed=Dim.K),

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError
+from .rules import Match, ModuleRules, Rule, literal_pattern, not_quantized
 from .spec import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -26,7 +27,6 @@ from .spec import (
     int_key,
     str_tuple,
 )
-from .rules import Match, ModuleRules, Rule, literal_pattern, not_quantized
 
 LAYOUTS = (
     TensorLayout(Role.QWEIGHT, "qweight", (Dim.K, Dim.N), packed=Dim.K),

@@ -45,8 +45,8 @@ import torch
 from ..errors import FormatError
 from ..formats import QuantSpec
 from ..formats.packing import pack_bytes
-from ..models.names import Proj
 from ..formats.spec import UNQUANTIZED_BITS
+from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, Span, values_per_byte
 from .dequant import DequantizedExperts, dequantize
 from .device import DevicePolicy

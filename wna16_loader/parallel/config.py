@@ -18,7 +18,6 @@ from typing import Any, Iterator, Mapping
 
 from ..errors import ShardingError
 
-
 MANIFEST_NAME = "wna16_manifest.json"  # a wna16-shard output's manifest; from_manifest reads its parallel record
 
 

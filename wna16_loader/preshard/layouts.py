@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from ..errors import WNA16Error
+from ..formats import QuantSpec
 from ..load.experts import planned
 from ..load.fused import FusedSpec
 from ..load.padfill import padding_bytes
-from ..formats import QuantSpec
 from ..load.plan import LayerPlan, layer_geometry
 from ..models.config import MoEConfig
 from ..parallel.config import ParallelConfig
