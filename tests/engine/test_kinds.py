@@ -9,19 +9,13 @@ import pytest
 import torch
 
 from wna16_loader import FormatError, ParallelConfig, read_moe_config
-from wna16_loader.engine.kinds import name_shape, resolve, staged_kind
+from wna16_loader.engine.kinds import resolve, staged_kind
 from wna16_loader.formats import Role
 from wna16_loader.load.params import expected_shape
 from wna16_loader.load.plan import layer_geometry, sizes_source_tensors
 from wna16_loader.models.names import Proj, Source
 from wna16_loader.storage.index import TensorRef
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
-
-
-def test_name_shape_splits_at_the_last_three_dots() -> None:
-    assert name_shape("model.layers.3.mlp.experts.12.gate_proj.qweight") == \
-        ("model.layers.3.mlp.experts", "12", "gate_proj", "qweight")
-    assert name_shape("model.layers.3.mlp.experts.gate_up_proj.qweight")[1] == "experts"  # stacked: not digits
 
 
 @pytest.mark.parametrize("stacked", [False, True])

@@ -17,6 +17,7 @@ from wna16_loader.models.names import (
     Source,
     experts_prefix_for,
     layer_of_prefix,
+    name_shape,
     parse_expert_name,
     prefix_at_layer,
 )
@@ -229,3 +230,9 @@ def test_parser_equals_the_regex_on_generated_names(segments: list[str]) -> None
 def test_enum_members_hash_by_identity() -> None:
     assert {Proj.GATE: 1}[Proj.GATE] == 1 and {Source.GATE_UP: 2}[Source("gate_up")] == 2
     assert len({*Proj, *Proj}) == len(Proj)
+
+
+def test_name_shape_splits_at_the_last_three_dots() -> None:
+    assert name_shape("model.layers.3.mlp.experts.12.gate_proj.qweight") == \
+        ("model.layers.3.mlp.experts", "12", "gate_proj", "qweight")
+    assert name_shape("model.layers.3.mlp.experts.gate_up_proj.qweight")[1] == "experts"  # stacked: not digits

@@ -17,9 +17,10 @@ experts are refused before anything is kept or converted.
 Non-gated experts (e.g. Nemotron-H) have no "w1": "w3" fills w13 rows [0, I_p).
 
 Per call the hook costs about a dict lookup and one small copy: the name is classified in O(1)
-(`ExpertNameParser`: the regex runs once per name shape, then split and dict lookups), the
-kind-level checks (suffix, source, header shape and dtype) are worked out once per (suffix, source,
-stacked, shard id) and then compared, and a non-local expert returns before anything is kept. The
+(split at its last dots and looked up in the module's table of (stem, alias, suffix, projection);
+stacked names and the first of each kind go through `ExpertNameParser`), the kind-level checks
+(suffix, source, header shape and dtype) are worked out once per kind (`engine/kinds.py`) and then
+compared, and a non-local expert returns before anything is kept. The
 storage slice of a per-expert tensor that covers the rank's part is copied into its stage's buffer
 and the engine's tensor is let go at once (see staging.py for why nothing per tensor may stay alive);
 stacked tensors are held as they are. A stage covers a chunk of consecutive local slots of one
@@ -44,11 +45,19 @@ from ..load.ledger import Ledger
 from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
 from ..load.plan import LayerPlan, sizes_source_tensors
 from ..models.config import MoEConfig
-from ..models.names import SHAPE_RULE, ExpertNameParser, ExpertTensorKey, Proj, Source, parse_expert_name
+from ..models.names import (
+    SHAPE_RULE,
+    ExpertNameParser,
+    ExpertTensorKey,
+    Proj,
+    Source,
+    name_shape,
+    parse_expert_name,
+)
 from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
-from .kinds import Kind, name_shape, resolve, staged_kind
+from .kinds import Kind, resolve, staged_kind
 from .mapping import ShardId, default_alias
 from .staging import MEMORY_FILE, Stage, TensorStore
 

@@ -2,7 +2,7 @@
 hands over (`resolve`, every inconsistent argument raising its own error), and the `Kind` every later tensor
 of that kind shares (its header, role, and where it is staged), so that those take one lookup.
 
-A kind is one (stem, alias, suffix, projection) of per-expert names (`name_shape`), or one (alias, suffix,
+A kind is one (stem, alias, suffix, projection) of per-expert names (`models.names.name_shape`), or one (alias, suffix,
 stacked, projection) of parsed names.
 """
 
@@ -48,14 +48,6 @@ class Kind(NamedTuple):
     index: Index | None
     chunk: int
     origin: tuple[str, bool]
-
-
-def name_shape(name: str) -> tuple[str, str, str, str]:
-    """(stem, expert digits, alias, suffix) of a name `{stem}.{e}.{alias}.{suffix}` (split at its last dots)."""
-    body, _, suffix = name.rpartition(".")
-    numbered, _, alias = body.rpartition(".")
-    stem, _, number = numbered.rpartition(".")
-    return stem, number, alias, suffix
 
 
 def staged_kind(moe: MoEConfig, geometry: LayerGeometry, arrival: Arrival, proj: Proj, src: SourceTensors,

@@ -129,10 +129,8 @@ class ExpertNameParser:
 
     def __call__(self, name: str) -> ExpertTensorKey | None:
         """What `parse_expert_name(name)` returns."""
-        body, _, suffix = name.rpartition(".")
-        numbered, _, proj = body.rpartition(".")
-        stem, dot, expert = numbered.rpartition(".")
-        if _DOTTED_ALIASES or not (dot and expert.isdecimal()):
+        stem, expert, proj, suffix = name_shape(name)
+        if not SHAPE_RULE or not (stem and expert.isdecimal()):
             return parse_expert_name(name)
         shape = (stem, proj, suffix)
         found = self._shapes.get(shape, _UNSEEN)
@@ -151,6 +149,14 @@ _DOTTED_ALIASES = any("." in alias for alias in PROJ_ALIASES)  # the shape rule 
 # Whether the shape rule of `ExpertNameParser` holds: every name `{stem}.{e}.{proj}.{suffix}` with a decimal `e`
 # parses as every other of its (stem, proj, suffix) shape does, with `e` as its expert id.
 SHAPE_RULE = not _DOTTED_ALIASES
+
+
+def name_shape(name: str) -> tuple[str, str, str, str]:
+    """(stem, expert digits, alias, suffix) of a name `{stem}.{e}.{alias}.{suffix}` (split at its last dots)."""
+    body, _, suffix = name.rpartition(".")
+    numbered, _, alias = body.rpartition(".")
+    stem, _, number = numbered.rpartition(".")
+    return stem, number, alias, suffix
 
 
 def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
