@@ -2,7 +2,8 @@
 
 `MappedFile` maps a file read-only and parses its header (8-byte little-endian length, JSON, data);
 every entry's byte span is checked against its dtype and shape and against the file size before
-anything is located. Reads are strided views over the one mapping of a file: no per-tensor call into
+anything is located, here (`HeaderEntries`) or, for a file safetensors has opened, by safetensors
+(`CheckedEntries`: the parsed JSON kept as it is). Reads are strided views over the one mapping of a file: no per-tensor call into
 safetensors.
 
 | MappedFile.view(begin, shape, dtype, index) | `index` of one tensor: a VIEW of the file pages        |

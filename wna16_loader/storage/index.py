@@ -1,7 +1,8 @@
 """Checkpoint IO: a name -> (file, shape, dtype) index and reads by validated header offsets.
 
-The index is built once from the shard headers: safetensors opens (and so validates) every
-file, `filemap.MappedFile` maps it once and checks every entry's byte span; the index is then
+The index is built once from the shard headers: safetensors opens (and so validates: every byte
+span inside the file, contiguous, dtype x shape long) every file, `filemap.MappedFile` maps it
+once and keeps its parsed header entries (`CheckedEntries`); the index is then
 checked against model.safetensors.index.json when present. Reads are strided views over the
 mappings (`view`, `gather`); whole files are never loaded, nothing is copied until asked.
 
