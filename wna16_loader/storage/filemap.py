@@ -17,15 +17,13 @@ A view keeps the mapping alive (it holds a reference) but is file memory: copy i
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import json
 import math
 import mmap
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, NamedTuple, Sequence
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -162,8 +160,7 @@ def gather(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtyp
     names puts expert 10 before expert 2), are one strided view and one copy; others one view each."""
     stacked = stacked_view(file, begins, shape, dtype, index)
     if stacked is not None:
-        out = torch.empty(stacked.shape, dtype=dtype) if out is None else out
-        return out if read_runs(file, stacked, out) else out.copy_(stacked)
+        return stacked.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(stacked)
     order = sorted(range(len(begins)), key=begins.__getitem__)
     in_file_order = stacked_view(file, [begins[i] for i in order], shape, dtype, index)
     if in_file_order is not None:
@@ -197,107 +194,6 @@ def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...]
     stacked = first.as_strided((len(begins), *shape), (step // dtype.itemsize, *first.stride()),
                                first.storage_offset())
     return stacked[(slice(None), *index)] if index else stacked
-
-
-PAGE_BYTES = 4096  # the mapping's page: a view faults in every page it touches
-GAP_BYTES = 64 << 10  # a gap between runs up to this long is read (into a scratch buffer) rather than skipped
-RUN_BYTES = 1024  # shorter runs cost more per byte through preadv's buffer list than through the mapping
-IOV_MAX = 1024  # buffers per preadv call (Linux and macOS allow 1024)
-
-
-def reads_are_cheaper(view: torch.Tensor) -> bool:
-    """Whether `read_runs` can fill a copy of the strided `view` of a mapping, and the view's runs are shorter
-    than a page and over twice their length apart (a column slice of row-major words: as a view, it faults
-    in whole pages of other columns; read, it touches no page of the mapping)."""
-    shape = _run_shape(tuple(view.shape), tuple(view.stride()), view.element_size())
-    return shape is not None and _PREADV is not None and shape[1] < PAGE_BYTES and shape[2] > 2 * shape[1]
-
-
-def read_runs(file: MappedFile, view: torch.Tensor, out: torch.Tensor) -> bool:
-    """Fill the contiguous CPU tensor `out` with the strided `view` of `file`'s mapping by preadv: the kernel
-    copies from the page cache, and no page of the mapping is touched. The runs of `view` (its contiguous
-    last dims) go into `out` in order, the gaps between them (each up to GAP_BYTES) into one scratch buffer;
-    a longer gap starts a new read. False, with `out` not filled, when `view` is not runs of at least
-    RUN_BYTES in file order, the C library has no preadv, or a read comes back short (the caller then
-    copies the view)."""
-    if _PREADV is None or not out.is_contiguous() or out.device.type != "cpu" or out.shape != view.shape:
-        return False
-    plan = _read_plan(tuple(view.shape), tuple(view.stride()), view.element_size())
-    if plan is None:
-        return False
-    buffers = plan.buffers.clone()
-    buffers[0::2, 0] += out.data_ptr()
-    first = view.data_ptr() - file.flat(torch.uint8, 0).data_ptr()  # the view's first byte in the file
-    handle = os.open(file.path, os.O_RDONLY)
-    try:
-        return all(_PREADV(handle, buffers.data_ptr() + 16 * at, count, first + offset) == want
-                   for at, count, offset, want in plan.calls)
-    finally:
-        os.close(handle)
-
-
-class _ReadPlan(NamedTuple):
-    """The preadv calls of one view pattern: `buffers` [B, 2] int64 struct iovec (runs' bases relative to
-    the output, gaps' in `scratch`) and per call (first buffer, buffers, file byte from the view's first, bytes)."""
-
-    buffers: torch.Tensor
-    scratch: torch.Tensor
-    calls: tuple[tuple[int, int, int, int], ...]
-
-
-@functools.lru_cache(maxsize=64)
-def _read_plan(shape: tuple[int, ...], stride: tuple[int, ...], item: int) -> _ReadPlan | None:
-    """The `_ReadPlan` of a view of `shape`/`stride` (elements of `item` bytes); None when not runs (`_run_shape`)."""
-    runs = _run_shape(shape, stride, item)
-    if runs is None:
-        return None
-    dims, run = runs[0], runs[1]
-    starts = torch.zeros(1, dtype=torch.int64)
-    for count, step in zip(shape[:dims], stride[:dims]):
-        starts = (starts[:, None] + torch.arange(count) * step * item).reshape(-1)
-    gaps = starts.diff() - run
-    scratch = torch.empty(int(gaps[gaps <= GAP_BYTES].max()) if bool((gaps <= GAP_BYTES).any()) else 0,
-                          dtype=torch.uint8)
-    buffers = torch.empty((2 * len(starts) - 1, 2), dtype=torch.int64)
-    buffers[0::2, 0], buffers[0::2, 1] = torch.arange(len(starts)) * run, run
-    buffers[1::2, 0], buffers[1::2, 1] = scratch.data_ptr(), gaps
-    bounds = [0] + (torch.nonzero(gaps > GAP_BYTES).reshape(-1) + 1).tolist() + [len(starts)]
-    edges = [(begin, min(begin + IOV_MAX // 2, high)) for low, high in zip(bounds, bounds[1:])
-             for begin in range(low, high, IOV_MAX // 2)]
-    at = starts.tolist()
-    calls = tuple((2 * b, 2 * (e - b) - 1, at[b], at[e - 1] + run - at[b]) for b, e in edges)
-    return _ReadPlan(buffers, scratch, calls)
-
-
-def _run_shape(shape: tuple[int, ...], stride: tuple[int, ...], item: int) -> tuple[int, int, int] | None:
-    """(dims outside the runs, bytes per run, bytes from one run to the next along the innermost of those
-    dims) of a strided view whose contiguous last dims hold at least RUN_BYTES and whose other dims each step
-    past everything inside them (so its runs lie in increasing file order without overlap); else None."""
-    run, dim = 1, len(shape)
-    while dim and (shape[dim - 1] == 1 or stride[dim - 1] == run):
-        run, dim = run * shape[dim - 1], dim - 1
-    outer, extent = [d for d in range(dim) if shape[d] > 1], run
-    for d in reversed(outer):
-        if stride[d] < extent:
-            return None
-        extent += stride[d] * (shape[d] - 1)
-    if not math.prod(shape) or run * item < RUN_BYTES:
-        return None
-    return dim, run * item, stride[outer[-1]] * item if outer else run * item
-
-
-def _c_preadv() -> Callable[[int, int, int, int], int] | None:
-    """The C library's preadv(fd, struct iovec array, count, offset); None where there is none (e.g. Windows)."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).preadv
-    except (AttributeError, OSError, TypeError):
-        return None
-    function.argtypes = (ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64)
-    function.restype = ctypes.c_ssize_t
-    return function
-
-
-_PREADV = _c_preadv()
 
 
 MAX_HEADER = 100 * 2**20  # a longer length prefix is garbage, not the header of a truncated file

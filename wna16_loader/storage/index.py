@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, format_offenders
 from .bulk import gc_paused
-from .filemap import Index, MappedFile, gather, reads_are_cheaper, stacked_view, truncated_error
+from .filemap import Index, MappedFile, gather, stacked_view, truncated_error
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -186,9 +186,8 @@ class CheckpointIndex:
         if begins is not None:
             first = refs[0]
             stacked = stacked_view(self._maps[first.file], begins, first.shape, first.dtype, indices[0])
-            if stacked is None or reads_are_cheaper(stacked):
-                return None  # a column slice: `gather` reads it (no page of the mapping faulted in)
-            self.bytes_read += stacked.numel() * stacked.element_size()
+            if stacked is not None:
+                self.bytes_read += stacked.numel() * stacked.element_size()
             return stacked
         located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
         if any(loc[1:] != located[0][1:] for loc in located):
