@@ -24,8 +24,8 @@ from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import FusedSpec, layer_projections
 from .keys import KeyRules
-from .ledger import Ledger, Slot, SlotKey
-from .params import SourceTensors, check_header, expected_shape
+from .ledger import Block, BlockKey, Ledger, Slot
+from .params import SourceTensors, check_header, expected_shape, storage_shape
 from .specs import checked_layer_spec
 
 
@@ -42,7 +42,7 @@ class LayerPlan:
     moe: MoEConfig
     spec: LayerSpec
     mtp: bool = False  # an MTP (multi-token-prediction) layer
-    records: tuple[tuple[SlotKey, str], ...] = ()  # (slot, tensor name) of every source of the local experts
+    records: tuple[Block, ...] = ()  # the names of every source of the local experts, by block of slots
 
 
 @dataclass(frozen=True)
@@ -190,99 +190,161 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     geometry = layer_geometry(moe, parallel, keys[0].layer)
     for name, why in table.rejects:
         ledger.reject(name, why)
-    sources: dict[tuple[int, Proj], SourceTensors] = {}
-    checks: list[tuple[EntryKey, SourceTensors]] = []
-    records: list[tuple[SlotKey, str]] = []
-    scales: dict[torch.dtype, str] = {}  # scale dtype -> the last tensor of that dtype
-    for expert in sorted(set(geometry.experts)):
-        slots = table.expert(expert)
-        ledger.expect_slots(slots.expected)
-        ledger.record_slots(slots.records)
-        records += slots.records
-        for proj, entry, src in slots.sources:
-            sources[(expert, proj)] = src
-            checks.append((entry, src))
-        scales.update(slots.scales)
-    table.check_headers(checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
-    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
+    slots = table.slots(tuple(sorted(set(geometry.experts))))
+    for key, experts in slots.expected:
+        ledger.expect_block(key, experts)
+    ledger.record_blocks(slots.records)
+    table.check_headers(slots.checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, slots.scales), gated=moe.gated,
                          activation=moe.activation)
-    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources, moe=moe,
-                     spec=table.spec, records=tuple(records))
+    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=slots.sources,
+                     moe=moe, spec=table.spec, records=slots.records)
 
 
 EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
+Column = tuple[Source, bool]  # a source kind, stacked over experts or not: one column of a layer's tensors
 
 
-class ExpertSlots(NamedTuple):
-    """One expert of one layer, for any rank that holds it: the first source of each projection (with
-    its entry), the slots it must fill and the (slot, tensor name) writes of every source found (slots as
-    the plain tuples the ledger keeps: `slot_key`)."""
+class LayerSlots(NamedTuple):
+    """One layer's share for a set of local experts, for any rank that holds them: the first source of
+    each (expert, projection), the (entry, source) pairs whose headers to check, the slots each
+    block must fill, the names of every source found by block, and the scale dtypes found (dtype -> a
+    tensor of that dtype)."""
 
-    sources: tuple[tuple[Proj, EntryKey, SourceTensors], ...]
-    expected: tuple[SlotKey, ...]
-    records: tuple[tuple[SlotKey, str], ...]
-    scales: tuple[tuple[torch.dtype, str], ...]  # (dtype, name) of the scales of each source that has them
+    sources: dict[tuple[int, Proj], SourceTensors]
+    checks: tuple[tuple[EntryKey, SourceTensors], ...]
+    expected: tuple[tuple[BlockKey, tuple[int, ...]], ...]
+    records: tuple[Block, ...]
+    scales: dict[torch.dtype, str]
 
 
 class LayerTable:
     """One layer's routed-expert tensors under one config, rank by rank the same: the tensors that feed no
-    slot (name, why), the entries (expert or None, source) -> {role: tensor name} of the others (their refs
-    made only for the experts asked: an EP rank's own), each expert's `ExpertSlots` (made when first asked)
-    and the entries whose headers passed `check_headers`."""
+    slot (name, why), the columns (source kind, stacked) -> {role: {expert or None: tensor name}} of the
+    others, the `LayerSlots` of each set of local experts asked (refs made only for those experts: an EP
+    rank's own) and the entries whose headers passed `check_headers`."""
 
     def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
                  rules: KeyRules, spec: LayerSpec | None = None) -> None:
         self.moe, self.prefix = moe, prefix
         self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
-        self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
         self.rejects: list[tuple[str, str]] = []
-        self.entries: dict[EntryKey, dict[Role, str]] = {}
+        self.columns: dict[Column, dict[Role, dict[int | None, str]]] = {}
         self._refs = index.refs
         self.passed: set[EntryKey] = set()
-        self._experts: dict[int, ExpertSlots] = {}
-        required = tuple(role._value_ for role in required_roles(moe))
-        self._projections = tuple((proj, proj._value_, required) for proj in layer_projections(moe.gated))
-        entries, roles = self.entries, rules.roles
+        self._slots: dict[tuple[int, ...], LayerSlots] = {}
+        columns, roles = self.columns, rules.roles
         for key in keys:
             problem = rules.problem(key)
             if problem is not None:
                 self.rejects.append((key.name, problem))
             else:
-                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = key.name
+                column = columns.setdefault((key.source, key.expert is None), {})
+                column.setdefault(roles[key.suffix], {})[key.expert] = key.name
+        values = moe.layer(keys[0].layer)
+        hidden, intermediate, self.num_experts = moe.hidden_size, values.intermediate_size, values.num_experts
+        self._sizes = {source: source_sizes(hidden, intermediate, source) for source in Source}
+        self._present = {column: frozenset().union(*names.values()) for column, names in columns.items()}
+        required = tuple(role._value_ for role in required_roles(moe))
+        self._projections = tuple((proj, proj._value_, required, self._columns_of(proj))
+                                  for proj in layer_projections(moe.gated))
 
-    def expert(self, expert: int) -> ExpertSlots:
-        """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
-        if expert not in self._experts:
-            self._experts[expert] = self._expert_slots(expert)
-        return self._experts[expert]
+    def _columns_of(self, proj: Proj) -> tuple[Column, ...]:
+        """The columns that hold `proj`, in the order they are tried: per expert, then stacked, by source."""
+        return tuple(column for source in SOURCES_OF[proj] for column in ((source, False), (source, True))
+                     if column in self.columns)
 
-    def _expert_slots(self, expert: int) -> ExpertSlots:
-        sources, expected, records = [], [], []
-        prefix, entries, made = self.prefix, self.entries, {}
-        for proj, value, required in self._projections:
-            candidates = _candidates(entries, expert, proj)
-            expected += [(prefix, expert, value, role) for role in required]
-            records += [((prefix, expert, value, role._value_), name) for entry in candidates
-                        for role, name in entries[entry].items()]
-            if candidates:
-                if candidates[0] not in made:  # gate and up of one stacked gate_up source share it
-                    made[candidates[0]] = self._source(candidates[0], expert)
-                sources.append((proj, candidates[0], made[candidates[0]]))
+    def slots(self, experts: tuple[int, ...]) -> LayerSlots:
+        """The `LayerSlots` of local `experts` (sorted), made when first asked."""
+        if experts not in self._slots:
+            sources, checks, dtypes = self._sources(experts)
+            self._slots[experts] = LayerSlots(sources, tuple(checks), self._expected(experts),
+                                              self._records(experts), self._scales(sources, dtypes))
+        return self._slots[experts]
+
+    def _sources(self, experts: tuple[int, ...]) -> tuple[dict[tuple[int, Proj], SourceTensors],
+                                                          list[tuple[EntryKey, SourceTensors]], set[torch.dtype]]:
+        """The first source of every (expert, projection) that has one, the (entry, source) header checks
+        still to do (none when every header matched in bulk: `_checked_refs`) and the dtypes of its scales.
+        Gate and up of one gate_up source share it."""
+        sources, checks, dtypes, present = {}, [], set(), self._present
+        refs, role = self._checked_refs(experts), self.moe.quant.dtype_role
+        for expert in experts:
+            made: dict[Column, SourceTensors] = {}
+            for proj, _, _, columns in self._projections:
+                column = next((c for c in columns if c[1] or expert in present[c]), None)
+                if column is None:
+                    continue
+                if column not in made:
+                    made[column] = src = self._source(column, expert, refs)
+                    if refs is None:
+                        checks.append(((None if column[1] else expert, column[0]), src))
+                    if role in src.tensors:
+                        dtypes.add(src.tensors[role].dtype)
+                sources[(expert, proj)] = made[column]
+        return sources, checks, dtypes
+
+    def _checked_refs(self, experts: tuple[int, ...]) -> dict[Column, dict[Role, dict[int | None, TensorRef]]] | None:
+        """The refs of every tensor of `experts` (and every stacked one), column by column and role by role,
+        when each has the header the config implies (one bulk pass over each column: `TensorRefs.uniform`);
+        None when any has not (then each source is checked alone, for that tensor's own error)."""
+        out: dict[Column, dict[Role, dict[int | None, TensorRef]]] = {}
+        quant, count = self.moe.quant, self.num_experts
+        for column, roles in self.columns.items():
+            (source, stacked), by_role = column, out.setdefault(column, {})
+            for role, names in roles.items():
+                at = [None] if stacked else [expert for expert in experts if expert in names]
+                if not at:
+                    continue
+                layout = quant.layout(role)
+                shape = storage_shape(layout, quant, *self._sizes[source], count if stacked else None)
+                refs = self._refs.uniform([names[a] for a in at], shape, layout.dtypes)
+                if refs is None:
+                    return None
+                by_role[role] = dict(zip(at, refs))
+        return out
+
+    def _source(self, column: Column, expert: int,
+                refs: dict[Column, dict[Role, dict[int | None, TensorRef]]] | None) -> SourceTensors:
+        (source, stacked), at = column, None if column[1] else expert
+        if refs is None:
+            tensors = {role: self._refs[names[at]] for role, names in self.columns[column].items() if at in names}
+        else:
+            tensors = {role: found[at] for role, found in refs[column].items() if at in found}
+        return SourceTensors(source, tensors, expert if stacked else None, *self._sizes[source])
+
+    def _expected(self, experts: tuple[int, ...]) -> tuple[tuple[BlockKey, tuple[int, ...]], ...]:
+        """(block, experts) of every required slot of the local experts."""
+        prefix = self.prefix
+        return tuple(((prefix, value, role), experts) for _, value, required, _ in self._projections
+                     for role in required)
+
+    def _records(self, experts: tuple[int, ...]) -> tuple[Block, ...]:
+        """The names of every source of the local experts, one `Block` per (projection, column, role),
+        in the order the columns are tried (a slot filled twice lists its names in that order)."""
+        blocks = []
+        for _, value, _, columns in self._projections:
+            for column in columns:
+                for role, names in self.columns[column].items():
+                    found = dict.fromkeys(experts, names[None]) if column[1] else \
+                        {expert: names[expert] for expert in experts if expert in names}
+                    if found:
+                        blocks.append(Block((self.prefix, value, role._value_), found))
+        return tuple(blocks)
+
+    def _scales(self, sources: dict[tuple[int, Proj], SourceTensors], dtypes: set[torch.dtype]) -> dict[torch.dtype, str]:
+        """Scale dtype -> the last scales tensor of that dtype (in expert, then projection order)."""
         role = self.moe.quant.dtype_role
-        scales = tuple((src.tensors[role].dtype, src.tensors[role].name) for _, _, src in sources if role in src.tensors)
-        return ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
+        if len(dtypes) <= 1:
+            last = next((src for src in reversed(sources.values()) if role in src.tensors), None)
+            return {} if last is None else {last.tensors[role].dtype: last.tensors[role].name}
+        return {src.tensors[role].dtype: src.tensors[role].name for src in sources.values() if role in src.tensors}
 
-    def check_headers(self, checks: list[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
+    def check_headers(self, checks: Iterable[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
         """`check_headers` of the sources whose entries have not passed it yet (in order)."""
         todo = [(entry, src) for entry, src in checks if entry not in self.passed]
         check_headers(self.moe, [src for _, src in todo], num_experts)
         self.passed.update(entry for entry, _ in todo)
-
-    def _source(self, entry: EntryKey, expert: int) -> SourceTensors:
-        refs = self._refs
-        tensors = {role: refs[name] for role, name in self.entries[entry].items()}
-        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], tensors,
-                                    expert if entry[0] is None else None)
 
 
 class LayerTables:
@@ -340,10 +402,13 @@ def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None =
 def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors: dict[Role, TensorRef],
                          expert_row: int | None) -> SourceTensors:
     """SourceTensors of one checkpoint source of a layer with sizes H = `hidden`, I = `intermediate`."""
+    return SourceTensors(source, tensors, expert_row, *source_sizes(hidden, intermediate, source))
+
+
+def source_sizes(hidden: int, intermediate: int, source: Source) -> tuple[int, int]:
+    """(N, K) of a whole `source` tensor of a layer with sizes H = `hidden`, I = `intermediate`."""
     n_one = hidden if source is Source.DOWN else intermediate
-    k_total = intermediate if source is Source.DOWN else hidden
-    return SourceTensors(source=source, tensors=tensors, expert_row=expert_row, n_total=n_one * len(source.projs),
-                         k_total=k_total)
+    return n_one * len(source.projs), intermediate if source is Source.DOWN else hidden
 
 
 def required_roles(moe: MoEConfig) -> list[Role]:
@@ -357,11 +422,6 @@ def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, 
 
 
 SOURCES_OF: dict[Proj, tuple[Source, ...]] = {proj: tuple(s for s in Source if proj in s.projs) for proj in Proj}
-
-
-def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[EntryKey]:
-    """Entries that hold `proj` of `expert`: its own per-expert sources, then stacked ones (O(1) lookups)."""
-    return [ek for source in SOURCES_OF[proj] for ek in ((expert, source), (None, source)) if ek in entries]
 
 
 def _scale_dtype(prefix: str, found: dict[torch.dtype, str]) -> torch.dtype:

@@ -62,6 +62,16 @@ class HeaderEntries(dict[str, HeaderEntry]):
         """The dtype names of the entries."""
         return {entry.dtype for entry in self.values()}
 
+    def uniform(self, names: Sequence[str], shape: tuple[int, ...]) -> str | None:
+        """The one dtype name of `names` when every one is an entry of this header with `shape` and that
+        dtype; None otherwise (a name of another file, another shape or a second dtype)."""
+        try:
+            dtype = self[names[0]].dtype
+            return dtype if all((entry := self[name]).shape == shape and entry.dtype == dtype for name in names) \
+                else None
+        except KeyError:
+            return None
+
 
 class CheckedEntries(Mapping[str, HeaderEntry]):
     """The entries of a header that safetensors itself has opened, and so checked (every span inside
@@ -102,6 +112,16 @@ class CheckedEntries(Mapping[str, HeaderEntry]):
     def dtype_names(self) -> set[str]:
         """The dtype names of the entries."""
         return {raw["dtype"] for raw in self._raw.values()}
+
+    def uniform(self, names: Sequence[str], shape: tuple[int, ...]) -> str | None:
+        """`HeaderEntries.uniform`, on the parsed JSON (one comparison of its shape list per name)."""
+        raw, listed = self._raw, list(shape)
+        try:
+            dtype = raw[names[0]]["dtype"]
+            return dtype if all((entry := raw[name])["shape"] == listed and entry["dtype"] == dtype
+                                for name in names) else None
+        except KeyError:
+            return None
 
 
 class MappedFile:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 from safetensors import safe_open
@@ -76,6 +76,23 @@ class TensorRefs(Mapping[str, TensorRef]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
+
+    def uniform(self, names: Sequence[str], shape: tuple[int, ...],
+                dtypes: Collection[torch.dtype]) -> list[TensorRef] | None:
+        """The refs of `names` (in order) when every one has `shape` and all one dtype among `dtypes`: one
+        pass over their header entries (file by file when they lie in several), one shape tuple shared by
+        every ref; None otherwise (the caller then takes each ref alone, for its own error)."""
+        files, file = self.files, self.files[names[0]]
+        dtype = self._maps[file].entries.uniform(names, shape)
+        if dtype is not None:
+            return [TensorRef(name, file, shape, DTYPES[dtype]) for name in names] if DTYPES[dtype] in dtypes else None
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(files[name], []).append(name)
+        found = {self._maps[file].entries.uniform(part, shape) for file, part in by_file.items()}
+        if len(found) != 1 or None in found or DTYPES[dtype := found.pop()] not in dtypes:
+            return None
+        return [TensorRef(name, files[name], shape, DTYPES[dtype]) for name in names]
 
     def __len__(self) -> int:
         return len(self.files)
