@@ -127,16 +127,18 @@ class CheckpointIndex:
             raise truncated_error(self.folder / file, f"{self.folder / file}: not a readable safetensors file "
                                                       f"({exc}).") from None
         mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES, checked=True)
-        files = self.refs.files
-        if not files.keys().isdisjoint(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
-            self._refuse(file, mapped)
+        files, before = self.refs.files, len(self.refs.files)
         files.update(dict.fromkeys(mapped.entries, file))
+        if len(files) != before + len(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
+            self._refuse(file, mapped)
 
     def _refuse(self, file: str, mapped: MappedFile) -> None:
-        """The error for the first entry of `file` that is stored in an earlier file too or has an unknown dtype."""
+        """The error for the first entry of `file` that an earlier file holds too or that has an unknown dtype."""
         for name, entry in mapped.entries.items():
-            if name in self.refs.files:
-                raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs.files[name]} and {file}; "
+            first = next((other for other, earlier in self._maps.items() if other != file and name in earlier.entries),
+                         None)
+            if first is not None:
+                raise CheckpointError(f"tensor {name!r} is stored twice, in {first} and {file}; "
                                       f"a checkpoint must hold each tensor once.")
             if entry.dtype not in DTYPES:
                 raise CheckpointError(f"{file}: tensor {name!r} has dtype {entry.dtype!r}, which this "
@@ -305,7 +307,11 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{index_path}: not valid JSON ({exc}).") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    try:
+        files = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+    except TypeError:  # an unhashable value (a list, an object)
+        files = {None}
+    if not all(isinstance(file, str) for file in files):  # the distinct values: one per file
         raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> file.")
     return weight_map
 
