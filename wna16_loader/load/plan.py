@@ -6,7 +6,6 @@ not local to the rank are dropped before any read, for every suffix.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Iterable, NamedTuple
 
@@ -61,16 +60,8 @@ class CheckpointScan:
     @classmethod
     def of(cls, index: CheckpointIndex) -> "CheckpointScan":
         """Parse every name once (the name regex once per name shape: `ExpertNameParser`)."""
-        layers: dict[str, list[ExpertTensorKey]] = defaultdict(list)
-        others = []
-        parse = ExpertNameParser()
         with gc_paused():  # one key per name: see bulk.py
-            for name in index.refs:
-                key = parse(name)
-                if key is None:
-                    others.append(name)
-                else:
-                    layers[key.experts_prefix].append(key)
+            layers, others = ExpertNameParser().split(index.refs)
         return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
 
     def mtp_prefixes(self, mtp: MTPLayers) -> tuple[str, ...]:
@@ -228,19 +219,14 @@ class LayerTable:
                  rules: KeyRules, spec: LayerSpec | None = None) -> None:
         self.moe, self.prefix = moe, prefix
         self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
-        self.rejects: list[tuple[str, str]] = []
         self.columns: dict[Column, dict[Role, dict[int | None, str]]] = {}
         self._refs = index.refs
         self.passed: set[EntryKey] = set()
         self._slots: dict[tuple[int, ...], LayerSlots] = {}
+        cells, self.rejects = rules.sort_out(keys)
         columns, roles = self.columns, rules.roles
-        for key in keys:
-            problem = rules.problem(key)
-            if problem is not None:
-                self.rejects.append((key.name, problem))
-            else:
-                column = columns.setdefault((key.source, key.expert is None), {})
-                column.setdefault(roles[key.suffix], {})[key.expert] = key.name
+        for (source, stacked, suffix), names in cells.items():
+            columns.setdefault((source, stacked), {}).setdefault(roles[suffix], {}).update(names)
         values = moe.layer(keys[0].layer)
         hidden, intermediate, self.num_experts = moe.hidden_size, values.intermediate_size, values.num_experts
         self._sizes = {source: source_sizes(hidden, intermediate, source) for source in Source}
