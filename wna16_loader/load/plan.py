@@ -7,7 +7,8 @@ not local to the rank are dropped before any read, for every suffix.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterable, NamedTuple
+from itertools import repeat
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -234,6 +235,7 @@ class LayerTable:
         required = tuple(role._value_ for role in required_roles(moe))
         self._projections = tuple((proj, proj._value_, required, self._columns_of(proj))
                                   for proj in layer_projections(moe.gated))
+        self._proj_order = {proj: order for order, (proj, *_) in enumerate(self._projections)}
 
     def _columns_of(self, proj: Proj) -> tuple[Column, ...]:
         """The columns that hold `proj`, in the order they are tried: per expert, then stacked, by source."""
@@ -251,24 +253,33 @@ class LayerTable:
     def _sources(self, experts: tuple[int, ...]) -> tuple[dict[tuple[int, Proj], SourceTensors],
                                                           list[tuple[EntryKey, SourceTensors]], set[torch.dtype]]:
         """The first source of every (expert, projection) that has one, the (entry, source) header checks
-        still to do (none when every header matched in bulk: `_checked_refs`) and the dtypes of its scales.
-        Gate and up of one gate_up source share it."""
-        sources, checks, dtypes, present = {}, [], set(), self._present
+        still to do, in expert order (none when every header matched in bulk: `_checked_refs`), and the
+        dtypes of its scales. Gate and up of one gate_up source share it."""
+        sources, checks, dtypes, made = {}, [], set(), {}
         refs, role = self._checked_refs(experts), self.moe.quant.dtype_role
-        for expert in experts:
-            made: dict[Column, SourceTensors] = {}
-            for proj, _, _, columns in self._projections:
-                column = next((c for c in columns if c[1] or expert in present[c]), None)
-                if column is None:
-                    continue
-                if column not in made:
-                    made[column] = src = self._source(column, expert, refs)
+        for order, (proj, _, _, columns) in enumerate(self._projections):
+            for expert, column in self._first_columns(experts, columns):
+                src = made.get((expert, column))
+                if src is None:
+                    src = made[(expert, column)] = self._source(column, expert, refs)
                     if refs is None:
-                        checks.append(((None if column[1] else expert, column[0]), src))
+                        checks.append((expert, order, (None if column[1] else expert, column[0]), src))
                     if role in src.tensors:
                         dtypes.add(src.tensors[role].dtype)
-                sources[(expert, proj)] = made[column]
-        return sources, checks, dtypes
+                sources[(expert, proj)] = src
+        return sources, [(entry, src) for *_, entry, src in sorted(checks, key=lambda c: c[:2])], dtypes
+
+    def _first_columns(self, experts: tuple[int, ...], columns: tuple[Column, ...]) -> Iterator[tuple[int, Column]]:
+        """(expert, the first of `columns` that holds it) for each of `experts` that one holds (a stacked
+        column holds every expert)."""
+        rest: Sequence[int] = experts
+        for column in columns:
+            have = self._present[column]
+            if column[1] or have.issuperset(rest):
+                yield from zip(rest, repeat(column))
+                return
+            yield from ((expert, column) for expert in rest if expert in have)
+            rest = [expert for expert in rest if expert not in have]
 
     def _checked_refs(self, experts: tuple[int, ...]) -> dict[Column, dict[Role, dict[int | None, TensorRef]]] | None:
         """The refs of every tensor of `experts` (and every stacked one), column by column and role by role,
@@ -324,7 +335,8 @@ class LayerTable:
         if len(dtypes) <= 1:
             last = next((src for src in reversed(sources.values()) if role in src.tensors), None)
             return {} if last is None else {last.tensors[role].dtype: last.tensors[role].name}
-        return {src.tensors[role].dtype: src.tensors[role].name for src in sources.values() if role in src.tensors}
+        ordered = sorted(sources.items(), key=lambda item: (item[0][0], self._proj_order[item[0][1]]))
+        return {src.tensors[role].dtype: src.tensors[role].name for _, src in ordered if role in src.tensors}
 
     def check_headers(self, checks: Iterable[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
         """`check_headers` of the sources whose entries have not passed it yet (in order)."""

@@ -22,6 +22,7 @@ import math
 import mmap
 import os
 import warnings
+from operator import itemgetter
 from pathlib import Path
 from typing import Iterator, Mapping, NamedTuple, Sequence
 
@@ -73,6 +74,9 @@ class HeaderEntries(dict[str, HeaderEntry]):
             return None
 
 
+_DTYPE, _SHAPE = itemgetter("dtype"), itemgetter("shape")
+
+
 class CheckedEntries(Mapping[str, HeaderEntry]):
     """The entries of a header that safetensors itself has opened, and so checked (every span inside
     the file, contiguous, dtype x shape long): kept as the parsed JSON, each made a `HeaderEntry`
@@ -115,13 +119,14 @@ class CheckedEntries(Mapping[str, HeaderEntry]):
 
     def uniform(self, names: Sequence[str], shape: tuple[int, ...]) -> str | None:
         """`HeaderEntries.uniform`, on the parsed JSON (one comparison of its shape list per name)."""
-        raw, listed = self._raw, list(shape)
         try:
-            dtype = raw[names[0]]["dtype"]
-            return dtype if all((entry := raw[name])["shape"] == listed and entry["dtype"] == dtype
-                                for name in names) else None
+            found = [self._raw[names[0]]] if len(names) == 1 else itemgetter(*names)(self._raw)
         except KeyError:
             return None
+        dtypes = list(map(_DTYPE, found))
+        if list(map(_SHAPE, found)).count(list(shape)) != len(found) or dtypes.count(dtypes[0]) != len(found):
+            return None
+        return dtypes[0]
 
 
 class MappedFile:

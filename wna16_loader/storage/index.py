@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from itertools import repeat
 from pathlib import Path
 from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
 
@@ -85,7 +86,8 @@ class TensorRefs(Mapping[str, TensorRef]):
         files, file = self.files, self.files[names[0]]
         dtype = self._maps[file].entries.uniform(names, shape)
         if dtype is not None:
-            return [TensorRef(name, file, shape, DTYPES[dtype]) for name in names] if DTYPES[dtype] in dtypes else None
+            return list(map(TensorRef._make, zip(names, repeat(file), repeat(shape), repeat(DTYPES[dtype])))) \
+                if DTYPES[dtype] in dtypes else None
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(files[name], []).append(name)
