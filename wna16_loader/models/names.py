@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import re
+from functools import partial
 from typing import Iterable, NamedTuple
 
 from .families import all_rows, mtp_roots
@@ -169,7 +170,8 @@ class ExpertNameParser:
 
 
 _UNSEEN = object()
-_make_key = ExpertTensorKey._make  # from a tuple of the fields, without the named tuple's Python-level __new__
+# A key from a tuple of its fields: the C-level tuple constructor (the named tuple's own __new__ and _make are Python).
+_make_key = partial(tuple.__new__, ExpertTensorKey)
 _DOTTED_ALIASES = any("." in alias for alias in PROJ_ALIASES)  # the shape rule needs dot-free aliases
 # Whether the shape rule of `ExpertNameParser` holds: every name `{stem}.{e}.{proj}.{suffix}` with a decimal `e`
 # parses as every other of its (stem, proj, suffix) shape does, with `e` as its expert id.

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
 from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
 
@@ -54,6 +56,10 @@ class TensorRef(NamedTuple):
         return nbytes_of(self.shape, self.dtype)
 
 
+# A ref from a tuple of its fields: the C-level tuple constructor (the named tuple's own __new__ and _make are Python).
+_make_ref = partial(tuple.__new__, TensorRef)
+
+
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a tensor of `shape` and `dtype`."""
     return math.prod(shape) * dtype.itemsize
@@ -86,7 +92,7 @@ class TensorRefs(Mapping[str, TensorRef]):
         files, file = self.files, self.files[names[0]]
         dtype = self._maps[file].entries.uniform(names, shape)
         if dtype is not None:
-            return list(map(TensorRef._make, zip(names, repeat(file), repeat(shape), repeat(DTYPES[dtype])))) \
+            return list(map(_make_ref, zip(names, repeat(file), repeat(shape), repeat(DTYPES[dtype])))) \
                 if DTYPES[dtype] in dtypes else None
         by_file: dict[str, list[str]] = {}
         for name in names:
@@ -248,10 +254,13 @@ def _one_file(refs: Sequence[TensorRef], indices: Sequence[Index]) -> bool:
     """Whether `refs` lie in one file with one shape and dtype, all read under one index that starts with
     no int (the tensors of one role of a run of experts)."""
     first, index = refs[0], indices[0]
-    if (index and isinstance(index[0], int)) or any(i != index for i in indices):
+    if (index and isinstance(index[0], int)) or indices.count(index) != len(indices):
         return False
-    file, shape, dtype = first.file, first.shape, first.dtype
-    return all(ref.file == file and ref.shape == shape and ref.dtype == dtype for ref in refs)
+    count = len(refs)  # each field compared over every ref in C
+    return all(list(map(field, refs)).count(getattr(first, name)) == count for name, field in _RUN_FIELDS)
+
+
+_RUN_FIELDS = tuple((name, attrgetter(name)) for name in ("file", "shape", "dtype"))
 
 
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:
