@@ -43,7 +43,8 @@ from ..load.keys import KeyRules
 from ..load.layer import LayerLoad
 from ..load.ledger import Ledger
 from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
-from ..load.plan import LayerPlan, sizes_source_tensors
+from ..load.plan import LayerPlan
+from ..load.tables import sizes_source_tensors
 from ..models.config import MoEConfig
 from ..models.names import (
     SHAPE_RULE,

@@ -1,8 +1,8 @@
 """Checkpoint IO: a name -> (file, shape, dtype) index and reads by validated header offsets.
 
-The index is built once from the shard headers: safetensors opens (and so validates: every byte
-span inside the file, contiguous, dtype x shape long) every file, `filemap.MappedFile` maps it
-once and keeps its parsed header entries (`CheckedEntries`); the index is then
+The index is built once from the shard headers: `filemap.MappedFile` maps every file once and
+checks its header whole, as safetensors' own open does (each byte span dtype x shape long, the spans
+tiling the data section), keeping the parsed entries (`header.CheckedEntries`); the index is then
 checked against model.safetensors.index.json when present. Reads are strided views over the
 mappings (`view`, `gather`); whole files are never loaded, nothing is copied until asked.
 
@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError, format_offenders
 from .bulk import gc_paused
-from .filemap import Index, MappedFile, gather, stacked_view, truncated_error
+from .filemap import Index, MappedFile, gather, stacked_view
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -128,13 +127,8 @@ class CheckpointIndex:
 
     def _index_file(self, file: str) -> None:
         """Map and check one file; its names join the index (every dtype known, no name in two files)."""
-        try:
-            with safe_open(str(self.folder / file), framework="pt") as handle:  # the format's own checks
-                self.metadata[file] = handle.metadata() or {}
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise truncated_error(self.folder / file, f"{self.folder / file}: not a readable safetensors file "
-                                                      f"({exc}).") from None
         mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES, checked=True)
+        self.metadata[file] = mapped.metadata
         files, before = self.refs.files, len(self.refs.files)
         files.update(dict.fromkeys(mapped.entries, file))
         if len(files) != before + len(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
