@@ -178,21 +178,21 @@ def read_checked_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str
 
 def _tiles(header: dict, data: int, itemsizes: dict[str, int]) -> bool:
     """Whether every entry is well formed (int offsets and dims, a known dtype) and dtype x shape long, and
-    the spans in offset order tile the `data` bytes of the data section: each a pass in C over the entries."""
+    the spans in offset order tile the `data` bytes of the data section: each a pass in C over the entries.
+    Spans of lengths >= 0 tile [0, data) exactly when, sorted apart, the begins are 0 then the ends but the
+    last, and the last end is `data` (every byte is then covered once: safetensors' own rule)."""
     entries = list(header.values())
     try:
         shapes, offsets = list(map(_SHAPE, entries)), list(map(_OFFSETS, entries))
-        dims, begins, ends = list(chain.from_iterable(shapes)), list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
-        if set(map(type, shapes + offsets)) - {list} or set(map(type, dims + begins + ends)) - {int} or \
+        begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
+        dims = list(chain.from_iterable(shapes))
+        if set(map(type, chain(shapes, offsets))) - {list} or set(map(type, chain(dims, begins, ends))) - {int} or \
                 set(map(len, offsets)) - {2} or min(dims, default=0) < 0:
             return False
         lengths = list(map(mul, map(prod, shapes), map(itemsizes.__getitem__, map(_DTYPE, entries))))
     except (TypeError, KeyError, IndexError):  # not a dict, a missing key, an unknown dtype
         return False
-    if list(map(sub, ends, begins)) != lengths:
-        return False
-    spans = sorted(zip(begins, ends))  # in offset order, each must start where the one before it ends
-    return [0, *map(_SECOND, spans)] == [*map(_FIRST, spans), data]
+    return list(map(sub, ends, begins)) == lengths and [0, *sorted(ends)] == [*sorted(begins), data]
 
 
 def _refuse_tiling(path: Path, entries: HeaderEntries, start: int, size: int, itemsizes: dict[str, int]) -> None:
