@@ -162,7 +162,8 @@ class LayerTable:
                         blocks.append(Block((self.prefix, value, role._value_), found))
         return tuple(blocks)
 
-    def _scales(self, sources: dict[tuple[int, Proj], SourceTensors], dtypes: set[torch.dtype]) -> dict[torch.dtype, str]:
+    def _scales(self, sources: dict[tuple[int, Proj], SourceTensors],
+                dtypes: set[torch.dtype]) -> dict[torch.dtype, str]:
         """Scale dtype -> the last scales tensor of that dtype (in expert, then projection order)."""
         role = self.moe.quant.dtype_role
         if len(dtypes) <= 1:
