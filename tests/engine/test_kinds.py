@@ -12,7 +12,8 @@ from wna16_loader import FormatError, ParallelConfig, read_moe_config
 from wna16_loader.engine.kinds import resolve, staged_kind
 from wna16_loader.formats import Role
 from wna16_loader.load.params import expected_shape
-from wna16_loader.load.plan import layer_geometry, sizes_source_tensors
+from wna16_loader.load.plan import layer_geometry
+from wna16_loader.load.tables import sizes_source_tensors
 from wna16_loader.models.names import Proj, Source
 from wna16_loader.storage.index import TensorRef
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from wna16_loader import CompletenessError
 from wna16_loader.formats import Role
-from wna16_loader.load.ledger import Ledger, Slot
+from wna16_loader.load.ledger import Block, Ledger, Slot
 from wna16_loader.models.names import Proj
 
 P = "model.layers.0.mlp.experts"
@@ -71,3 +71,27 @@ def test_bulk_calls_equal_one_at_a_time(expected: list, writes: list) -> None:
     bulk.record_slots((Slot.of(P, *cell), name) for cell, name in writes)
     assert (bulk.expected, bulk.written) == (one.expected, one.written)
     assert bulk.offenders() == one.offenders()
+
+
+@given(expected=st.lists(CELLS, max_size=12), writes=st.lists(st.tuples(CELLS, st.sampled_from("abc")), max_size=12))
+def test_blocks_equal_one_slot_at_a_time(expected: list, writes: list) -> None:
+    """`expect_block` / `record_block` (a planner's calls: one block of experts per (projection, role)) leave the
+    ledger as one call per slot does, duplicates and their order included."""
+    one, bulk = Ledger(), Ledger()
+    for expert, proj, role in expected:
+        one.expect(P, expert, proj, role)
+        bulk.expect_block((P, proj.value, role.value), [expert])
+    for (expert, proj, role), name in writes:
+        one.record(P, expert, proj, role, name)
+        bulk.record_block(Block((P, proj.value, role.value), {expert: name}))
+    assert (bulk.expected, bulk.written) == (one.expected, one.written)
+    assert bulk.offenders() == one.offenders() and bulk.expected_count() == len({*expected})
+
+
+def test_a_block_of_many_experts_at_once() -> None:
+    ledger = Ledger()
+    ledger.expect_block((P, "down", "qweight"), range(4))
+    ledger.record_block(Block((P, "down", "qweight"), {0: "a", 1: "b", 2: "c"}))
+    ledger.record_block(Block((P, "down", "qweight"), {2: "d"}))
+    assert [str(slot) for slot in ledger.missing()] == [f"{P}.3.down.qweight"]
+    assert ledger.offenders()[1] == f"written 2 times: {P}.2.down.qweight from ['c', 'd']"

@@ -14,10 +14,6 @@ import torch
 from conftest import assert_exact, reassemble, rewrite
 
 from wna16_loader import CompletenessError, FormatError, ParallelConfig, ShardingError, WNA16Error, load_experts
-from wna16_loader.load.ledger import Ledger
-from wna16_loader.load.plan import CheckpointScan, LayerTables, plan_layers
-from wna16_loader.models.config import read_config_files
-from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 TP1 = ParallelConfig(tp_size=1, tp_rank=0)
@@ -159,44 +155,6 @@ def test_every_offender_listed_once(tmp_path):
         load_experts(tmp_path, TP1)
     assert [line for line in str(info.value).splitlines()[1:]] == [
         f"  - missing: {P}.{e}.gate_proj.scales" for e in range(4)]
-
-
-# --- one LayerTables shared by the plans of every rank (wna16-shard) -------------------------------------
-
-def plan_every_rank(folder: Path, tp: int, ep: int, *, shared: bool) -> list:
-    """Each rank's plans and ledger (or its error text), planned with one shared LayerTables or fresh ones."""
-    moe, out = read_config_files(folder), []
-    with CheckpointIndex(folder) as index:
-        scan, tables = CheckpointScan.of(index), LayerTables(index, moe)
-        for parallel in ParallelConfig.all_ranks(tp_size=tp, ep_size=ep) * 2:  # twice: a table's second use
-            ledger = Ledger()
-            try:
-                plans = plan_layers(index, moe, parallel, ledger, scan, tables if shared else None)
-            except FormatError as exc:
-                out.append(str(exc))
-                continue
-            out.append(([(p.prefix, p.fused, p.sources) for p in plans], ledger.expected, ledger.written,
-                        ledger.offenders()))
-    return out
-
-
-@pytest.mark.parametrize("tp,ep,stacked", [(2, 1, False), (1, 4, False), (2, 2, True)])
-def test_shared_tables_plan_every_rank_as_fresh_plans_do(tmp_path, tp, ep, stacked):
-    good(tmp_path, act_order=True, stacked=stacked, num_layers=2)
-    extra = {f"{P}.3.down_proj.bias": torch.zeros(H, dtype=torch.float16),  # unexpected, on one rank's expert
-             f"{P}.5.up_proj.g_idx": torch.zeros(H, dtype=torch.int32)}  # expert id out of range
-    rewrite(model(tmp_path), lambda t: [t.update(extra), t.pop(f"{P}.1.up_proj.scales", None)])
-    assert plan_every_rank(tmp_path, tp, ep, shared=True) == plan_every_rank(tmp_path, tp, ep, shared=False)
-
-
-def test_shared_tables_raise_a_header_error_on_the_rank_that_reads_it(tmp_path):
-    good(tmp_path)
-    name = f"{P}.3.gate_proj.qweight"
-    rewrite(model(tmp_path), lambda t: t.update({name: t[name].to(torch.int64)}))
-    shared = plan_every_rank(tmp_path, 1, 2, shared=True)
-    assert shared == plan_every_rank(tmp_path, 1, 2, shared=False)
-    assert isinstance(shared[0], tuple) and shared[1] == shared[3]
-    assert shared[1].startswith(f"{name}: dtype torch.int64 but gptq qweight must be one of")
 
 
 # --- headers ---------------------------------------------------------------------------------------------
@@ -419,18 +377,3 @@ def test_ep_larger_than_expert_count(tmp_path):
 def test_errors_share_a_base():
     for cls in (CompletenessError, FormatError, ShardingError):
         assert issubclass(cls, WNA16Error) and issubclass(cls, ValueError)
-
-
-def test_scan_moves_mtp_layers_to_the_other_tensors(tmp_path):
-    """CheckpointScan.mtp_prefixes / without: the MTP layer's expert tensors become non-expert tensors, the
-    decoder's layers stay as they were."""
-    from sources import mtp_checkpoint
-    mtp_checkpoint(tmp_path, "qwen3_5_moe-mtp")
-    with CheckpointIndex(tmp_path) as index:
-        scan = CheckpointScan.of(index)
-    mtp = scan.mtp_prefixes(read_config_files(tmp_path).mtp)
-    assert mtp == ("mtp.layers.0.mlp.experts",)
-    left = scan.without(mtp)
-    assert list(left.layers) == [p for p in scan.layers if p not in mtp] and scan.without(()) is scan
-    moved = {key.name for key in scan.layers[mtp[0]]}
-    assert set(left.others) == set(scan.others) | moved and list(left.others) == sorted(left.others)

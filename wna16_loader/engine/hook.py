@@ -43,7 +43,8 @@ from ..load.keys import KeyRules
 from ..load.layer import LayerLoad
 from ..load.ledger import Ledger
 from ..load.params import SourceTensors, check_dropped_role, check_header, expected_shape
-from ..load.plan import LayerPlan, sizes_source_tensors
+from ..load.plan import LayerPlan
+from ..load.tables import sizes_source_tensors
 from ..models.config import MoEConfig
 from ..models.names import (
     SHAPE_RULE,
@@ -332,7 +333,7 @@ class ExpertLoadHook(LayerLoad):
         """`LayerLoad.load_plan`, with every slot recorded in this hook's ledger (a module that loads a
         plan and may later take tensors through `weight_loader` too)."""
         with gc_paused():  # a record per tensor: see storage/bulk.py
-            self.ledger.record_slots(plan.records)
+            self.ledger.record_blocks(plan.records)
             values: dict[tuple[Role, ...], tuple[str, ...]] = {}  # the role values of each set of roles, made once
             for proj in plan.fused.projections:
                 written = self.written[proj]

@@ -20,10 +20,12 @@ from .device import DevicePolicy
 from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
-from .plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
+from .plan import LayerPlan, plan_layers
 from .presharded import is_presharded, load_presharded, output_prefixes
 from .results import LoadedExperts, LoadReport
+from .scan import CheckpointScan
 from .specs import warn_reduced_groups_by_spec
+from .tables import LayerTables
 
 
 def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConfig:

@@ -4,7 +4,7 @@ and the name mapping (`expert_key_problem`), and its memoised form for the many 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from ..models.config import MoEConfig
 from ..models.names import ExpertTensorKey, Proj, Source
@@ -25,6 +25,28 @@ class KeyRules:
     def problem(self, key: ExpertTensorKey) -> str | None:
         """`expert_key_problem(self.moe, key)`."""
         return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer])
+
+    def sort_out(self, keys: Iterable[ExpertTensorKey]) -> tuple[dict[tuple[Source, bool, str], dict[int | None, str]],
+                                                                list[tuple[str, str]]]:
+        """The keys of one layer that feed a slot, as (source, stacked, suffix) -> {expert or None: name}, and
+        (name, why) of the others, both in order: `problem` of each key, with its lookups inlined."""
+        cells: dict[tuple[Source, bool, str], dict[int | None, str]] = {}
+        rejects: list[tuple[str, str]] = []
+        kinds, counts = self._kinds, self._counts
+        for key in keys:
+            kind = (key.source, key.expert is None, key.suffix)
+            cell = cells.get(kind)
+            if cell is None:
+                problem = kinds[key.suffix, key.source, kind[1]]
+                if problem is not None:
+                    rejects.append((key.name, problem))
+                    continue
+                cell = cells[kind] = {}
+            if key.expert is not None and key.expert >= counts[key.layer]:
+                rejects.append((key.name, _key_problem(key, None, counts[key.layer])))
+            else:
+                cell[key.expert] = key.name
+        return cells, rejects
 
 
 class _Memo(dict):

@@ -9,6 +9,7 @@ time, once they have all arrived.
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Iterator, Sequence
 
 import torch
@@ -90,13 +91,22 @@ class LayerLoad:
 
 def plan_runs(plan: LayerPlan, proj: Proj) -> Iterator[tuple[tuple[int, ...], tuple[SourceTensors, ...]]]:
     """Maximal runs of the plan's local experts (in slot order) whose `proj` comes from one source
-    kind with one set of roles: each run is read and written as one batch."""
+    kind with one set of roles: each run is read and written as one batch (one run, found in C, when
+    every expert's comes from one kind with one set of roles)."""
+    experts = plan.fused.experts
+    sources = [plan.sources[(expert, proj)] for expert in experts]
+    kinds, roles = list(map(_SOURCE, sources)), list(map(dict.keys, map(_TENSORS, sources)))
+    if sources and kinds.count(kinds[0]) == len(kinds) and roles.count(roles[0]) == len(roles):
+        yield tuple(experts), tuple(sources)
+        return
     run: list[tuple[int, SourceTensors]] = []
-    for expert in plan.fused.experts:
-        src = plan.sources[(expert, proj)]
+    for expert, src in zip(experts, sources):
         if run and (run[-1][1].source, run[-1][1].tensors.keys()) != (src.source, src.tensors.keys()):
             yield tuple(e for e, _ in run), tuple(s for _, s in run)
             run = []
         run.append((expert, src))
     if run:
         yield tuple(e for e, _ in run), tuple(s for _, s in run)
+
+
+_SOURCE, _TENSORS = attrgetter("source"), attrgetter("tensors")

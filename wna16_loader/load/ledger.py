@@ -2,12 +2,15 @@
 
 A load declares the slots it expects, records each tensor that fills one, and rejects tensors that have
 none; `check` raises one CompletenessError naming every missing, duplicated or unexpected entry.
+Slots are kept in blocks, one per (layer, projection, role), each a set of expected experts and a dict
+of expert -> the names that filled it: a planner declares and records a whole block of experts at once
+(`expect_block`, `record_block`), with no object per slot; one slot at a time works too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple, Protocol
+from typing import Iterable, Mapping, NamedTuple, Protocol
 
 from ..errors import CompletenessError, format_offenders
 from ..formats import Role
@@ -41,52 +44,76 @@ class SlotNames(Protocol):
     def summary(self, missing: list[Slot]) -> str | None: ...
 
 
-SlotKey = tuple[str, int, str, str]  # a `Slot` as the plain tuple the ledger keeps (prefix, expert, proj, role)
+BlockKey = tuple[str, str, str]  # (experts prefix, projection value, role value): one block of slots
 
 
-def slot_key(prefix: str, expert: int, proj: Proj, role: Role) -> SlotKey:
-    """The plain-tuple key of one slot (equal to, and hashed as, its `Slot`; untracked by the collector)."""
-    return (prefix, expert, proj._value_, role._value_)
+class Block(NamedTuple):
+    """Names recorded for one block of slots: (prefix, projection value, role value) and expert -> name,
+    in the order recorded (the plans' records of a layer: `Ledger.record_block` of each)."""
+
+    key: BlockKey
+    names: Mapping[int, str]
 
 
 @dataclass
 class Ledger:
     """Records every slot written; `check` raises one error naming every offender."""
 
-    # Slots are kept as plain tuples of strings and ints, names as tuples of strings: the garbage collector
-    # stops tracking those (not named tuples or lists), and a load records hundreds of thousands of them,
-    # which every full collection of a long-lived module's ledger would scan again. They compare and hash
-    # as the `Slot`s they were made from; `missing()` and `offenders()` give `Slot`s back.
-    expected: set[tuple[str, int, str, str]] = field(default_factory=set)
-    written: dict[tuple[str, int, str, str], tuple[str, ...]] = field(default_factory=dict)
+    # Plain sets and dicts of ints, strings and tuples of strings, per block: the garbage collector stops
+    # tracking tuples of those, and a load records hundreds of thousands of slots, which every full
+    # collection of a long-lived module's ledger would scan again. `missing()` and `offenders()` give
+    # `Slot`s back.
+    expected: dict[BlockKey, set[int]] = field(default_factory=dict)
+    written: dict[BlockKey, dict[int, tuple[str, ...]]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
     names: SlotNames | None = None  # the checkpoint's own tensor names for the offenders (set by the planner)
 
     def expect(self, prefix: str, expert: int, proj: Proj, role: Role) -> None:
         """Declare a slot that must be written exactly once."""
-        self.expected.add((prefix, expert, proj._value_, role._value_))
+        self.expected.setdefault((prefix, proj._value_, role._value_), set()).add(expert)
 
     def expect_slots(self, slots: Iterable[Slot]) -> None:
         """Declare many slots at once (as `expect` for each)."""
-        self.expected.update(map(tuple, slots))
+        expected = self.expected
+        for prefix, expert, proj, role in slots:
+            expected.setdefault((prefix, proj, role), set()).add(expert)
+
+    def expect_block(self, key: BlockKey, experts: Iterable[int]) -> None:
+        """Declare the slots of `experts` in one block (as `expect` for each)."""
+        self.expected.setdefault(key, set()).update(experts)
 
     def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
         """Note that tensor `name` fills a slot."""
-        slot = (prefix, expert, proj._value_, role._value_)
-        self.written[slot] = self.written.get(slot, ()) + (name,)
+        block = self.written.setdefault((prefix, proj._value_, role._value_), {})
+        block[expert] = block.get(expert, ()) + (name,)
 
     def record_slot(self, slot: Slot, name: str) -> None:
         """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
-        key = tuple(slot)
-        self.written[key] = self.written.get(key, ()) + (name,)
+        block = self.written.setdefault((slot.prefix, slot.proj, slot.role), {})
+        block[slot.expert] = block.get(slot.expert, ()) + (name,)
 
     def record_slots(self, records: Iterable[tuple[Slot, str]]) -> None:
         """Note many (slot, name) writes at once, in order (as `record_slot` for each)."""
         written = self.written
-        for slot, name in records:
-            key = tuple(slot)
-            written[key] = written.get(key, ()) + (name,)
+        for (prefix, expert, proj, role), name in records:
+            block = written.setdefault((prefix, proj, role), {})
+            block[expert] = block.get(expert, ()) + (name,)
+
+    def record_block(self, block: Block) -> None:
+        """Note that `block.names[e]` fills the slot of expert e in `block.key`, for every e (as `record` for
+        each; one dict update when none of them is written yet)."""
+        written = self.written.setdefault(block.key, {})
+        if written.keys().isdisjoint(block.names):
+            written.update(zip(block.names, zip(block.names.values())))
+            return
+        for expert, name in block.names.items():
+            written[expert] = written.get(expert, ()) + (name,)
+
+    def record_blocks(self, blocks: Iterable[Block]) -> None:
+        """`record_block` of each, in order."""
+        for block in blocks:
+            self.record_block(block)
 
     def clear_records(self) -> None:
         """Forget every write and rejection (the expected slots stay)."""
@@ -102,17 +129,24 @@ class Ledger:
         """Note a whole part the load needs and the checkpoint does not have (reported as missing)."""
         self.absent.append(f"{what} ({why})")
 
+    def expected_count(self) -> int:
+        """How many slots are expected."""
+        return sum(map(len, self.expected.values()))
+
     def missing(self) -> list[Slot]:
         """Expected slots not written yet, sorted."""
-        return [Slot._make(slot) for slot in sorted(self.expected.difference(self.written))]
+        written, empty = self.written, {}
+        return sorted(Slot(prefix, expert, proj, role) for (prefix, proj, role), experts in self.expected.items()
+                      for expert in experts.difference(written.get((prefix, proj, role), empty)))
 
     def offenders(self) -> list[str]:
         """Every missing, duplicated or unexpected entry, in a stable order."""
         name = str if self.names is None else self.names.name
         missing = [f"missing: {what}" for what in self.absent] + [f"missing: {name(slot)}" for slot in self.missing()]
-        dups = [f"written {len(names)} times: {Slot._make(slot)} from {list(names)}"
-                for slot, names in sorted(item for item in self.written.items() if len(item[1]) > 1)]
-        return missing + dups + [f"unexpected tensor: {u}" for u in self.unexpected]
+        dups = sorted((Slot(prefix, expert, proj, role), names) for (prefix, proj, role), block in self.written.items()
+                      for expert, names in block.items() if len(names) > 1)
+        return missing + [f"written {len(names)} times: {slot} from {list(names)}" for slot, names in dups] + \
+            [f"unexpected tensor: {u}" for u in self.unexpected]
 
     def check(self) -> None:
         """Raise CompletenessError listing the first 20 offenders and a count."""

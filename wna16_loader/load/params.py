@@ -83,9 +83,16 @@ def group_count(spec: QuantSpec, k_total: int) -> int:
 
 def expected_shape(layout: TensorLayout, spec: QuantSpec, src: SourceTensors, num_experts: int) -> tuple[int, ...]:
     """The storage shape the config implies for `layout` in `src` (leading E when stacked)."""
-    sizes = {Dim.N: src.n_total, Dim.K: src.k_total, Dim.GROUP: group_count(spec, src.k_total), Dim.PAIR: 2}
+    return storage_shape(layout, spec, src.n_total, src.k_total, num_experts if src.expert_row is not None else None)
+
+
+def storage_shape(layout: TensorLayout, spec: QuantSpec, n_total: int, k_total: int,
+                  stacked: int | None) -> tuple[int, ...]:
+    """The storage shape of `layout` for a source of N = `n_total`, K = `k_total` (leading E = `stacked` when
+    stacked over experts)."""
+    sizes = {Dim.N: n_total, Dim.K: k_total, Dim.GROUP: group_count(spec, k_total), Dim.PAIR: 2}
     shape = tuple(ceil_div(sizes[d], spec.pack_factor) if d is layout.packed else sizes[d] for d in layout.dims)
-    return shape if src.expert_row is None else (num_experts, *shape)
+    return shape if stacked is None else (stacked, *shape)
 
 
 def check_header(ref: TensorRef, layout: TensorLayout, spec: QuantSpec, src: SourceTensors,

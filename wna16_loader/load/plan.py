@@ -6,9 +6,7 @@ not local to the rank are dropped before any read, for every suffix.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import Iterable, NamedTuple
 
 import torch
 
@@ -16,17 +14,16 @@ from ..errors import CheckpointError, FormatError, format_ranges
 from ..formats import Role
 from ..models.config import MoEConfig
 from ..models.layer_specs import LayerSpec
-from ..models.mtp import MTPLayers
-from ..models.names import ExpertNameParser, ExpertTensorKey, Proj, Source, prefix_at_layer
+from ..models.names import ExpertTensorKey, Proj, prefix_at_layer
 from ..parallel.config import ParallelConfig
 from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
-from ..storage.index import CheckpointIndex, TensorRef
-from .fused import FusedSpec, layer_projections
-from .keys import KeyRules
-from .ledger import Ledger, Slot, SlotKey
-from .params import SourceTensors, check_header, expected_shape
-from .specs import checked_layer_spec
+from ..storage.index import CheckpointIndex
+from .fused import FusedSpec
+from .ledger import Block, Ledger, Slot
+from .params import SourceTensors
+from .scan import CheckpointScan
+from .tables import LayerTables, required_roles
 
 
 @dataclass(frozen=True)
@@ -42,48 +39,7 @@ class LayerPlan:
     moe: MoEConfig
     spec: LayerSpec
     mtp: bool = False  # an MTP (multi-token-prediction) layer
-    records: tuple[tuple[SlotKey, str], ...] = ()  # (slot, tensor name) of every source of the local experts
-
-
-@dataclass(frozen=True)
-class CheckpointScan:
-    """A checkpoint's tensor names split into routed-expert layers and the rest."""
-
-    layers: dict[str, list[ExpertTensorKey]]
-    others: tuple[str, ...]
-
-    @property
-    def module_names(self) -> frozenset[str]:
-        """Every module name of the checkpoint (its tensor names without the last component)."""
-        return frozenset([name.rpartition(".")[0] for name in self.others] +
-                         [key.module_name for keys in self.layers.values() for key in keys])
-
-    @classmethod
-    def of(cls, index: CheckpointIndex) -> "CheckpointScan":
-        """Parse every name once (the name regex once per name shape: `ExpertNameParser`)."""
-        layers: dict[str, list[ExpertTensorKey]] = defaultdict(list)
-        others = []
-        parse = ExpertNameParser()
-        with gc_paused():  # one key per name: see bulk.py
-            for name in index.refs:
-                key = parse(name)
-                if key is None:
-                    others.append(name)
-                else:
-                    layers[key.experts_prefix].append(key)
-        return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
-
-    def mtp_prefixes(self, mtp: MTPLayers) -> tuple[str, ...]:
-        """The experts prefixes of the scan that belong to MTP layers (declared by the config or not)."""
-        return tuple(prefix for prefix in self.layers if mtp.index(prefix) is not None)
-
-    def without(self, prefixes: tuple[str, ...]) -> "CheckpointScan":
-        """This scan with the expert tensors of `prefixes` counted as non-expert tensors (`others`)."""
-        if not prefixes:
-            return self
-        moved = [key.name for prefix in prefixes for key in self.layers[prefix]]
-        return CheckpointScan({p: keys for p, keys in self.layers.items() if p not in prefixes},
-                              tuple(sorted((*self.others, *moved))))
+    records: tuple[Block, ...] = ()  # the names of every source of the local experts, by block of slots
 
 
 def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, ledger: Ledger,
@@ -190,143 +146,15 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     geometry = layer_geometry(moe, parallel, keys[0].layer)
     for name, why in table.rejects:
         ledger.reject(name, why)
-    sources: dict[tuple[int, Proj], SourceTensors] = {}
-    checks: list[tuple[EntryKey, SourceTensors]] = []
-    records: list[tuple[SlotKey, str]] = []
-    scales: dict[torch.dtype, str] = {}  # scale dtype -> the last tensor of that dtype
-    for expert in sorted(set(geometry.experts)):
-        slots = table.expert(expert)
-        ledger.expect_slots(slots.expected)
-        ledger.record_slots(slots.records)
-        records += slots.records
-        for proj, entry, src in slots.sources:
-            sources[(expert, proj)] = src
-            checks.append((entry, src))
-        scales.update(slots.scales)
-    table.check_headers(checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
-    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, scales), gated=moe.gated,
+    slots = table.slots(tuple(sorted(set(geometry.experts))))
+    for key, experts in slots.expected:
+        ledger.expect_block(key, experts)
+    ledger.record_blocks(slots.records)
+    table.check_headers(slots.checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
+    fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, slots.scales), gated=moe.gated,
                          activation=moe.activation)
-    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=sources, moe=moe,
-                     spec=table.spec, records=tuple(records))
-
-
-EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
-
-
-class ExpertSlots(NamedTuple):
-    """One expert of one layer, for any rank that holds it: the first source of each projection (with
-    its entry), the slots it must fill and the (slot, tensor name) writes of every source found (slots as
-    the plain tuples the ledger keeps: `slot_key`)."""
-
-    sources: tuple[tuple[Proj, EntryKey, SourceTensors], ...]
-    expected: tuple[SlotKey, ...]
-    records: tuple[tuple[SlotKey, str], ...]
-    scales: tuple[tuple[torch.dtype, str], ...]  # (dtype, name) of the scales of each source that has them
-
-
-class LayerTable:
-    """One layer's routed-expert tensors under one config, rank by rank the same: the tensors that feed no
-    slot (name, why), the entries (expert or None, source) -> {role: tensor name} of the others (their refs
-    made only for the experts asked: an EP rank's own), each expert's `ExpertSlots` (made when first asked)
-    and the entries whose headers passed `check_headers`."""
-
-    def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
-                 rules: KeyRules, spec: LayerSpec | None = None) -> None:
-        self.moe, self.prefix = moe, prefix
-        self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
-        self.hidden, self.intermediate = moe.hidden_size, moe.layer(keys[0].layer).intermediate_size
-        self.rejects: list[tuple[str, str]] = []
-        self.entries: dict[EntryKey, dict[Role, str]] = {}
-        self._refs = index.refs
-        self.passed: set[EntryKey] = set()
-        self._experts: dict[int, ExpertSlots] = {}
-        required = tuple(role._value_ for role in required_roles(moe))
-        self._projections = tuple((proj, proj._value_, required) for proj in layer_projections(moe.gated))
-        entries, roles = self.entries, rules.roles
-        for key in keys:
-            problem = rules.problem(key)
-            if problem is not None:
-                self.rejects.append((key.name, problem))
-            else:
-                entries.setdefault((key.expert, key.source), {})[roles[key.suffix]] = key.name
-
-    def expert(self, expert: int) -> ExpertSlots:
-        """The slots, writes and sources of `expert` (candidates: its own sources, then stacked ones)."""
-        if expert not in self._experts:
-            self._experts[expert] = self._expert_slots(expert)
-        return self._experts[expert]
-
-    def _expert_slots(self, expert: int) -> ExpertSlots:
-        sources, expected, records = [], [], []
-        prefix, entries, made = self.prefix, self.entries, {}
-        for proj, value, required in self._projections:
-            candidates = _candidates(entries, expert, proj)
-            expected += [(prefix, expert, value, role) for role in required]
-            records += [((prefix, expert, value, role._value_), name) for entry in candidates
-                        for role, name in entries[entry].items()]
-            if candidates:
-                if candidates[0] not in made:  # gate and up of one stacked gate_up source share it
-                    made[candidates[0]] = self._source(candidates[0], expert)
-                sources.append((proj, candidates[0], made[candidates[0]]))
-        role = self.moe.quant.dtype_role
-        scales = tuple((src.tensors[role].dtype, src.tensors[role].name) for _, _, src in sources if role in src.tensors)
-        return ExpertSlots(tuple(sources), tuple(expected), tuple(records), scales)
-
-    def check_headers(self, checks: list[tuple[EntryKey, SourceTensors]], num_experts: int) -> None:
-        """`check_headers` of the sources whose entries have not passed it yet (in order)."""
-        todo = [(entry, src) for entry, src in checks if entry not in self.passed]
-        check_headers(self.moe, [src for _, src in todo], num_experts)
-        self.passed.update(entry for entry, _ in todo)
-
-    def _source(self, entry: EntryKey, expert: int) -> SourceTensors:
-        refs = self._refs
-        tensors = {role: refs[name] for role, name in self.entries[entry].items()}
-        return sizes_source_tensors(self.hidden, self.intermediate, entry[1], tensors,
-                                    expert if entry[0] is None else None)
-
-
-class LayerTables:
-    """Every layer's `LayerTable` of one checkpoint (`index`) under one config (`moe`), made when first
-    planned: the plans of all ranks (`wna16-shard`) share one, so 8 ranks cost little more than 1. Each
-    layer's spec is resolved here, once (`specs.checked_layer_spec`); layers of one spec share KeyRules."""
-
-    def __init__(self, index: CheckpointIndex, moe: MoEConfig, modules: frozenset[str] | None = None) -> None:
-        self.index, self.moe, self.rules = index, moe, KeyRules(moe)
-        self._layers: dict[str, LayerTable] = {}
-        self._rules = {moe.quant: self.rules}
-        self._modules = modules
-
-    def layer(self, prefix: str, keys: list[ExpertTensorKey]) -> LayerTable:
-        """The table of the layer whose keys (all of them, from the scan) are `keys`."""
-        if prefix not in self._layers:
-            spec = checked_layer_spec(self.moe, prefix, keys, self.index.refs, self._known())
-            moe = self.moe if spec.spec == self.moe.quant else replace(self.moe, quant=spec.spec)
-            rules = self._rules.setdefault(spec.spec, KeyRules(moe))
-            self._layers[prefix] = LayerTable(self.index, moe, prefix, keys, rules, spec)
-        return self._layers[prefix]
-
-    def _known(self) -> frozenset[str]:
-        """The checkpoint's module names, worked out only for rules that need them."""
-        if self._modules is None:
-            needed = self.moe.rules is not None and self.moe.rules.needs_modules
-            self._modules = CheckpointScan.of(self.index).module_names if needed else frozenset()
-        return self._modules
-
-
-def check_headers(moe: MoEConfig, sources: Iterable[SourceTensors], num_experts: int) -> None:
-    """dtype and shape of every tensor of `sources` against the layout and config: the expected shape of
-    each (source kind, stacked or not, role) is computed once for the batch and compared with the
-    header table; a mismatch raises `check_header`'s own error for that tensor."""
-    wanted: dict[tuple[Source, bool, Role], tuple[tuple[torch.dtype, ...], tuple[int, ...]]] = {}
-    for src in sources:
-        for role, ref in src.tensors.items():
-            key = (src.source, src.expert_row is None, role)
-            if key not in wanted:
-                layout = moe.quant.layout(role)
-                wanted[key] = (layout.dtypes, expected_shape(layout, moe.quant, src, num_experts))
-            dtypes, shape = wanted[key]
-            if ref.shape != shape or ref.dtype not in dtypes:
-                check_header(ref, moe.quant.layout(role), moe.quant, src, num_experts)
+    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=slots.sources,
+                     moe=moe, spec=table.spec, records=slots.records)
 
 
 def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None = None) -> LayerGeometry:
@@ -337,31 +165,9 @@ def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None =
                          parallel=parallel)
 
 
-def sizes_source_tensors(hidden: int, intermediate: int, source: Source, tensors: dict[Role, TensorRef],
-                         expert_row: int | None) -> SourceTensors:
-    """SourceTensors of one checkpoint source of a layer with sizes H = `hidden`, I = `intermediate`."""
-    n_one = hidden if source is Source.DOWN else intermediate
-    k_total = intermediate if source is Source.DOWN else hidden
-    return SourceTensors(source=source, tensors=tensors, expert_row=expert_row, n_total=n_one * len(source.projs),
-                         k_total=k_total)
-
-
-def required_roles(moe: MoEConfig) -> list[Role]:
-    """The roles the format requires of every projection (e.g. qweight, scales; qzeros when asymmetric)."""
-    return list(dict.fromkeys(layout.role for layout in moe.quant.layouts if moe.quant.required(layout)))
-
-
 def expect_projection(ledger: Ledger, moe: MoEConfig, prefix: str, expert: int, proj: Proj) -> None:
     """Declare every role the format requires for one projection of one local expert."""
     ledger.expect_slots(Slot.of(prefix, expert, proj, role) for role in required_roles(moe))
-
-
-SOURCES_OF: dict[Proj, tuple[Source, ...]] = {proj: tuple(s for s in Source if proj in s.projs) for proj in Proj}
-
-
-def _candidates(entries: dict[EntryKey, dict], expert: int, proj: Proj) -> list[EntryKey]:
-    """Entries that hold `proj` of `expert`: its own per-expert sources, then stacked ones (O(1) lookups)."""
-    return [ek for source in SOURCES_OF[proj] for ek in ((expert, source), (None, source)) if ek in entries]
 
 
 def _scale_dtype(prefix: str, found: dict[torch.dtype, str]) -> torch.dtype:

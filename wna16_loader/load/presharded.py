@@ -32,7 +32,8 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, LayoutMismatchError
 from ..parallel.config import MANIFEST_NAME, ParallelConfig
-from ..storage.filemap import HeaderEntry, read_header, read_into
+from ..storage.filemap import read_into
+from ..storage.header import HeaderEntry, read_header
 from ..storage.index import DTYPES, ITEMSIZES
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedSpec, FusedWriter

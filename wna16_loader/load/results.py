@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from ..errors import ExpertsPrefixError
 from .fused import FusedExperts
-from .plan import CheckpointScan, LayerPlan
+from .plan import LayerPlan
+from .scan import CheckpointScan
 
 
 @dataclass(frozen=True)

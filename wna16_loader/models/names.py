@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import NamedTuple
+from functools import partial
+from typing import Iterable, NamedTuple
 
 from .families import all_rows, mtp_roots
 
@@ -132,19 +133,45 @@ class ExpertNameParser:
         stem, expert, proj, suffix = name_shape(name)
         if not SHAPE_RULE or not (stem and expert.isdecimal()):
             return parse_expert_name(name)
-        shape = (stem, proj, suffix)
-        found = self._shapes.get(shape, _UNSEEN)
+        found = self._shapes.get((stem, proj, suffix), _UNSEEN)
         if found is _UNSEEN:
-            key = parse_expert_name(f"{stem}.0.{proj}.{suffix}")
-            found = None if key is None else (key.experts_prefix, key.layer, key.source, key.suffix)
-            self._shapes[shape] = found
-        if found is None:
-            return None
-        experts_prefix, layer, source, parsed_suffix = found
-        return ExpertTensorKey(name, experts_prefix, layer, int(expert), source, parsed_suffix)
+            found = self._shape(stem, proj, suffix)
+        return None if found is None else _make_key((name, found[0], found[1], int(expert), found[2], found[3]))
+
+    def split(self, names: Iterable[str]) -> tuple[dict[str, list[ExpertTensorKey]], list[str]]:
+        """(experts prefix -> the keys of its names, in order; every other name, in order): `self(name)` of
+        each of `names`, its lookups inlined (a checkpoint has hundreds of thousands)."""
+        layers: dict[str, list[ExpertTensorKey]] = {}
+        others, shapes = [], self._shapes
+        for name in names:
+            stem, expert, proj, suffix = name_shape(name)
+            if SHAPE_RULE and stem and expert.isdecimal():
+                found = shapes.get((stem, proj, suffix), _UNSEEN)
+                if found is _UNSEEN:
+                    found = self._shape(stem, proj, suffix)
+                key = None if found is None else _make_key((name, found[0], found[1], int(expert), found[2], found[3]))
+            else:
+                key = parse_expert_name(name)
+            if key is None:
+                others.append(name)
+            elif key.experts_prefix in layers:
+                layers[key.experts_prefix].append(key)
+            else:
+                layers[key.experts_prefix] = [key]
+        return layers, others
+
+    def _shape(self, stem: str, proj: str, suffix: str) -> tuple[str, int, Source, str] | None:
+        """(experts prefix, layer, source, suffix) of every name of one shape (None: not expert tensors), from
+        one match of the shape with expert 0; kept."""
+        key = parse_expert_name(f"{stem}.0.{proj}.{suffix}")
+        found = None if key is None else (key.experts_prefix, key.layer, key.source, key.suffix)
+        self._shapes[(stem, proj, suffix)] = found
+        return found
 
 
 _UNSEEN = object()
+# A key from a tuple of its fields: the C-level tuple constructor (the named tuple's own __new__ and _make are Python).
+_make_key = partial(tuple.__new__, ExpertTensorKey)
 _DOTTED_ALIASES = any("." in alias for alias in PROJ_ALIASES)  # the shape rule needs dot-free aliases
 # Whether the shape rule of `ExpertNameParser` holds: every name `{stem}.{e}.{proj}.{suffix}` with a decimal `e`
 # parses as every other of its (stem, proj, suffix) shape does, with `e` as its expert id.

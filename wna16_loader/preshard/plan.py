@@ -11,9 +11,11 @@ from typing import Any
 from ..errors import CheckpointError, CompletenessError, PreshardError, format_offenders, format_ranges
 from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
-from ..load.plan import CheckpointScan, LayerPlan, LayerTables, plan_layers
+from ..load.plan import LayerPlan, plan_layers
 from ..load.presharded import SCHEMA_VERSION
+from ..load.scan import CheckpointScan
 from ..load.specs import warn_reduced_groups_by_spec
+from ..load.tables import LayerTables
 from ..logs import log
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig

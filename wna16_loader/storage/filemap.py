@@ -1,10 +1,8 @@
 """Checkpoint IO by header offsets: each safetensors file mapped once, tensors located from its header.
 
-`MappedFile` maps a file read-only and parses its header (8-byte little-endian length, JSON, data);
-every entry's byte span is checked against its dtype and shape and against the file size before
-anything is located, here (`HeaderEntries`) or, for a file safetensors has opened, by safetensors
-(`CheckedEntries`: the parsed JSON kept as it is). Reads are strided views over the one mapping of a file: no per-tensor call into
-safetensors.
+`MappedFile` maps a file read-only and parses its header (`header.py`: every entry's byte span checked
+against its dtype and shape before anything is located). Reads are strided views over the one mapping of
+a file: no per-tensor call into safetensors.
 
 | MappedFile.view(begin, shape, dtype, index) | `index` of one tensor: a VIEW of the file pages        |
 | gather(file, begins, shape, dtype, index)   | [E, *index shape]: `index` of E tensors, one COPY into |
@@ -17,103 +15,30 @@ A view keeps the mapping alive (it holds a reference) but is file memory: copy i
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
 import os
 import warnings
 from pathlib import Path
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from ..errors import CheckpointError
+from .header import read_checked_header, read_header
 
 Index = tuple[slice | int, ...]
 
 
-class HeaderEntry(NamedTuple):
-    """One tensor of a file header: safetensors dtype name, shape and absolute byte span in the file
-    (a named tuple: a header holds thousands)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-class HeaderEntries(dict[str, HeaderEntry]):
-    """The entries of a header checked here, one `HeaderEntry` each (name -> entry)."""
-
-    def begin(self, name: str) -> int:
-        """The first byte of tensor `name` in the file."""
-        return self[name].begin
-
-    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
-        """(shape, dtype name) of tensor `name`."""
-        entry = self[name]
-        return entry.shape, entry.dtype
-
-    def begins(self, names: Sequence[str]) -> list[int]:
-        """The first byte of each of `names`."""
-        return [self[name].begin for name in names]
-
-    def dtype_names(self) -> set[str]:
-        """The dtype names of the entries."""
-        return {entry.dtype for entry in self.values()}
-
-
-class CheckedEntries(Mapping[str, HeaderEntry]):
-    """The entries of a header that safetensors itself has opened, and so checked (every span inside
-    the file, contiguous, dtype x shape long): kept as the parsed JSON, each made a `HeaderEntry`
-    when asked, so a header of thousands of tensors costs one `json.loads`."""
-
-    def __init__(self, raw: dict[str, dict], start: int) -> None:
-        self._raw, self._start = raw, start
-
-    def __getitem__(self, name: str) -> HeaderEntry:
-        raw = self._raw[name]
-        begin, end = raw["data_offsets"]
-        return HeaderEntry(raw["dtype"], tuple(raw["shape"]), self._start + begin, self._start + end)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._raw
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._raw)
-
-    def __len__(self) -> int:
-        return len(self._raw)
-
-    def begin(self, name: str) -> int:
-        """The first byte of tensor `name` in the file."""
-        return self._start + self._raw[name]["data_offsets"][0]
-
-    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
-        """(shape, dtype name) of tensor `name` (no entry made)."""
-        raw = self._raw[name]
-        return tuple(raw["shape"]), raw["dtype"]
-
-    def begins(self, names: Sequence[str]) -> list[int]:
-        """The first byte of each of `names` (one pass, no entry made)."""
-        raw, start = self._raw, self._start
-        return [start + raw[name]["data_offsets"][0] for name in names]
-
-    def dtype_names(self) -> set[str]:
-        """The dtype names of the entries."""
-        return {raw["dtype"] for raw in self._raw.values()}
-
-
 class MappedFile:
-    """One safetensors file, mapped read-only once; its header parsed (and checked, unless safetensors
-    already has: `checked`)."""
+    """One safetensors file, mapped read-only once; its header parsed and checked (`header.py`)."""
 
     def __init__(self, path: Path, itemsizes: dict[str, int], *, checked: bool = False) -> None:
         """`itemsizes`: bytes per element of every known dtype name (entries of other dtypes are kept
-        unchecked, for the caller to refuse by name). `checked`: safetensors has opened the file (and
-        so checked every span): the entries are taken as they are (`CheckedEntries`)."""
+        unchecked, for the caller to refuse by name). `checked`: the header is checked whole, as
+        safetensors' own open checks it, and kept as parsed (`read_checked_header`: an index of thousands
+        of tensors); else entry by entry (`read_header`)."""
         self.path = path
-        self.metadata, self.entries = read_checked_header(path) if checked else read_header(path, itemsizes)
+        self.metadata, self.entries = read_checked_header(path, itemsizes) if checked else read_header(path, itemsizes)
         with open(path, "rb") as handle:
             self.size = os.fstat(handle.fileno()).st_size
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
@@ -195,43 +120,6 @@ def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...]
                                first.storage_offset())
     return stacked[(slice(None), *index)] if index else stacked
 
-
-MAX_HEADER = 100 * 2**20  # a longer length prefix is garbage, not the header of a truncated file
-
-
-def truncation(path: Path) -> str | None:
-    """`truncated: N of M bytes; ...` when the file at `path` is shorter than its own header says (an interrupted
-    download or copy): M from the length prefix and the last data offset; None when it is not (or the header
-    is garbage: the caller's own error applies)."""
-    try:
-        with open(path, "rb") as handle:
-            size, prefix = os.fstat(handle.fileno()).st_size, handle.read(8)
-            length = int.from_bytes(prefix, "little")
-            if len(prefix) < 8 or length > MAX_HEADER:
-                return None
-            if 8 + length > size:
-                return f"truncated: {size} of more than {8 + length} bytes (its header alone is {length} bytes)"
-            header = json.loads(handle.read(length))
-            end = 8 + length + max((rec["data_offsets"][1] for name, rec in header.items() if name != "__metadata__"),
-                                   default=0)
-    except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError):
-        return None
-    return f"truncated: {size} of {end} bytes (the size its header implies)" if size < end else None
-
-
-def truncated_error(path: Path, otherwise: str) -> CheckpointError:
-    """The error for an unreadable file: `truncated: N of M bytes ...; re-download it` when it is, else `otherwise`."""
-    cut = truncation(path)
-    return CheckpointError(f"{path}: {cut}; re-download it (an interrupted download or copy)." if cut else otherwise)
-
-
-def read_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str, str], HeaderEntries]:
-    """A safetensors file's metadata and header entries (absolute spans, each checked), without mapping it."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        return _parse_header(path, handle.read(8), handle, size, itemsizes)
-
-
 def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor `out` with the bytes of `path` from byte `begin` (pread: the kernel
     copies from the page cache into `out`'s memory, e.g. a pinned staging buffer; no mapping)."""
@@ -246,67 +134,3 @@ def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
                 raise CheckpointError(f"{path}: ended at byte {begin + done} inside a tensor of {len(buffer)} bytes "
                                       f"starting at {begin}; the file is truncated.")
             done += got
-
-
-def _parse_header(path: Path, prefix: bytes, handle, size: int,  # noqa: ANN001 (an open binary file)
-                  itemsizes: dict[str, int]) -> tuple[dict[str, str], HeaderEntries]:
-    """The header's metadata and entries, every byte span checked (safetensors also checks on open)."""
-    metadata, header, start = _header_json(path, prefix, handle, size)
-    return metadata, _entries(path, header, start, size, itemsizes)
-
-
-def read_checked_header(path: Path) -> tuple[dict[str, str], CheckedEntries]:
-    """`read_header` of a file safetensors has opened (so every span is already checked): the entries are
-    kept as parsed (`CheckedEntries`)."""
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        metadata, header, start = _header_json(path, handle.read(8), handle, size)
-    return metadata, CheckedEntries(header, start)
-
-
-def _header_json(path: Path, prefix: bytes, handle, size: int) -> tuple[dict[str, str], dict, int]:  # noqa: ANN001
-    """(metadata, the other entries as parsed JSON, first byte of the data section) of an open file."""
-    if len(prefix) < 8 or int.from_bytes(prefix, "little") > size - 8:
-        raise truncated_error(path, f"{path}: not a readable safetensors file (header length past the end of the "
-                                    f"{size}-byte file).")
-    length = int.from_bytes(prefix, "little")
-    try:
-        header = json.loads(handle.read(length))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not a readable safetensors file (header is not JSON: {exc}).") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a readable safetensors file (header is not a JSON object).")
-    metadata = header.pop("__metadata__", None) or {}
-    return metadata, header, 8 + length
-
-
-def _entries(path: Path, header: dict, start: int, size: int, itemsizes: dict[str, int]) -> HeaderEntries:
-    """Every entry of a parsed header: `_entry`'s checks inlined for well-formed entries (a header holds
-    thousands); any entry they do not pass goes through `_entry` itself, for its exact error."""
-    entries = HeaderEntries()
-    prod = math.prod
-    for name, raw in header.items():
-        try:
-            dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]
-            ok = start <= start + begin <= start + end <= size and end - begin == prod(shape) * itemsizes[dtype]
-        except Exception:  # noqa: BLE001 (malformed or unknown: `_entry` decides)
-            ok = False
-        entries[name] = HeaderEntry(dtype, shape, start + begin, start + end) if ok else \
-            _entry(path, name, raw, start, size, itemsizes)
-    return entries
-
-
-def _entry(path: Path, name: str, raw: object, start: int, size: int, itemsizes: dict[str, int]) -> HeaderEntry:
-    """One header entry with absolute offsets; its span must fit the file and match dtype x shape."""
-    try:
-        dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]
-        entry = HeaderEntry(dtype, shape, start + begin, start + end)
-        want = math.prod(shape) * itemsizes[dtype] if dtype in itemsizes else end - begin
-    except (TypeError, KeyError, ValueError) as exc:
-        raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {raw!r} ({exc}); expected "
-                              f"dtype, shape and data_offsets.") from None
-    if not start <= entry.begin <= entry.end <= size or end - begin != want:
-        raise CheckpointError(f"{path}: tensor {name!r} spans bytes [{begin}, {end}) of the data section, but "
-                              f"{dtype} {list(shape)} needs {want} bytes and the data section holds "
-                              f"{size - start}; the file is corrupt or truncated.")
-    return entry

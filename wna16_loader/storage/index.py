@@ -1,8 +1,8 @@
 """Checkpoint IO: a name -> (file, shape, dtype) index and reads by validated header offsets.
 
-The index is built once from the shard headers: safetensors opens (and so validates: every byte
-span inside the file, contiguous, dtype x shape long) every file, `filemap.MappedFile` maps it
-once and keeps its parsed header entries (`CheckedEntries`); the index is then
+The index is built once from the shard headers: `filemap.MappedFile` maps every file once and
+checks its header whole, as safetensors' own open does (each byte span dtype x shape long, the spans
+tiling the data section), keeping the parsed entries (`header.CheckedEntries`); the index is then
 checked against model.safetensors.index.json when present. Reads are strided views over the
 mappings (`view`, `gather`); whole files are never loaded, nothing is copied until asked.
 
@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import json
 import math
+from functools import partial
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Collection, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError, format_offenders
 from .bulk import gc_paused
-from .filemap import Index, MappedFile, gather, stacked_view, truncated_error
+from .filemap import Index, MappedFile, gather, stacked_view
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -53,6 +55,10 @@ class TensorRef(NamedTuple):
         return nbytes_of(self.shape, self.dtype)
 
 
+# A ref from a tuple of its fields: the C-level tuple constructor (the named tuple's own __new__ and _make are Python).
+_make_ref = partial(tuple.__new__, TensorRef)
+
+
 def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a tensor of `shape` and `dtype`."""
     return math.prod(shape) * dtype.itemsize
@@ -76,6 +82,24 @@ class TensorRefs(Mapping[str, TensorRef]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.files)
+
+    def uniform(self, names: Sequence[str], shape: tuple[int, ...],
+                dtypes: Collection[torch.dtype]) -> list[TensorRef] | None:
+        """The refs of `names` (in order) when every one has `shape` and all one dtype among `dtypes`: one
+        pass over their header entries (file by file when they lie in several), one shape tuple shared by
+        every ref; None otherwise (the caller then takes each ref alone, for its own error)."""
+        files, file = self.files, self.files[names[0]]
+        dtype = self._maps[file].entries.uniform(names, shape)
+        if dtype is not None:
+            return list(map(_make_ref, zip(names, repeat(file), repeat(shape), repeat(DTYPES[dtype])))) \
+                if DTYPES[dtype] in dtypes else None
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            by_file.setdefault(files[name], []).append(name)
+        found = {self._maps[file].entries.uniform(part, shape) for file, part in by_file.items()}
+        if len(found) != 1 or None in found or DTYPES[dtype := found.pop()] not in dtypes:
+            return None
+        return [TensorRef(name, files[name], shape, DTYPES[dtype]) for name in names]
 
     def __len__(self) -> int:
         return len(self.files)
@@ -103,23 +127,20 @@ class CheckpointIndex:
 
     def _index_file(self, file: str) -> None:
         """Map and check one file; its names join the index (every dtype known, no name in two files)."""
-        try:
-            with safe_open(str(self.folder / file), framework="pt") as handle:  # the format's own checks
-                self.metadata[file] = handle.metadata() or {}
-        except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise truncated_error(self.folder / file, f"{self.folder / file}: not a readable safetensors file "
-                                                      f"({exc}).") from None
         mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES, checked=True)
-        files = self.refs.files
-        if not files.keys().isdisjoint(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
-            self._refuse(file, mapped)
+        self.metadata[file] = mapped.metadata
+        files, before = self.refs.files, len(self.refs.files)
         files.update(dict.fromkeys(mapped.entries, file))
+        if len(files) != before + len(mapped.entries) or not mapped.dtype_names() <= DTYPES.keys():
+            self._refuse(file, mapped)
 
     def _refuse(self, file: str, mapped: MappedFile) -> None:
-        """The error for the first entry of `file` that is stored in an earlier file too or has an unknown dtype."""
+        """The error for the first entry of `file` that an earlier file holds too or that has an unknown dtype."""
         for name, entry in mapped.entries.items():
-            if name in self.refs.files:
-                raise CheckpointError(f"tensor {name!r} is stored twice, in {self.refs.files[name]} and {file}; "
+            first = next((other for other, earlier in self._maps.items() if other != file and name in earlier.entries),
+                         None)
+            if first is not None:
+                raise CheckpointError(f"tensor {name!r} is stored twice, in {first} and {file}; "
                                       f"a checkpoint must hold each tensor once.")
             if entry.dtype not in DTYPES:
                 raise CheckpointError(f"{file}: tensor {name!r} has dtype {entry.dtype!r}, which this "
@@ -227,10 +248,13 @@ def _one_file(refs: Sequence[TensorRef], indices: Sequence[Index]) -> bool:
     """Whether `refs` lie in one file with one shape and dtype, all read under one index that starts with
     no int (the tensors of one role of a run of experts)."""
     first, index = refs[0], indices[0]
-    if (index and isinstance(index[0], int)) or any(i != index for i in indices):
+    if (index and isinstance(index[0], int)) or indices.count(index) != len(indices):
         return False
-    file, shape, dtype = first.file, first.shape, first.dtype
-    return all(ref.file == file and ref.shape == shape and ref.dtype == dtype for ref in refs)
+    count = len(refs)  # each field compared over every ref in C
+    return all(list(map(field, refs)).count(getattr(first, name)) == count for name, field in _RUN_FIELDS)
+
+
+_RUN_FIELDS = tuple((name, attrgetter(name)) for name in ("file", "shape", "dtype"))
 
 
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:
@@ -288,7 +312,11 @@ def _weight_map(index_path: Path) -> dict[str, str]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{index_path}: not valid JSON ({exc}).") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    try:
+        files = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+    except TypeError:  # an unhashable value (a list, an object)
+        files = {None}
+    if not all(isinstance(file, str) for file in files):  # the distinct values: one per file
         raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> file.")
     return weight_map
 
