@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.formats import Role
 from wna16_loader.formats.packing import add_word_bias, pack_bytes, unpack_words
-from wna16_loader.load.fused import copy_transposing
+from wna16_loader.load.copies import copy_transposing
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.params import CANONICAL
 from wna16_loader.load.plan import LayerPlan, plan_layers
@@ -327,7 +327,7 @@ def conversion_cases(shape: tuple[int, int, int] = CONVERSION_SHAPE) -> dict[str
         "GPTQ qweight transpose [K/8, N] -> [N, K/8]": (
             each(lambda c: copy_transposing(out[c], gptq[c].transpose(1, 2))), nbytes),
         "AWQ nibble transpose [K, N/8] -> [N, K/8]": (
-            each(lambda c: copy_transposing(out[c], transpose_nibble_words(awq[c], slot_order=order))), nbytes),
+            each(lambda c: transpose_nibble_words(awq[c], slot_order=order, out=out[c])), nbytes),
         "sha256 (wna16-shard hashes every byte twice)": (lambda: hashlib.sha256(data).digest(), nbytes),
     }
 

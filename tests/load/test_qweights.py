@@ -12,7 +12,7 @@ from typing import Sequence
 
 import pytest
 import torch
-from layer_helpers import batch, model, planned, write
+from layer_helpers import batch, dense, model, planned, write
 from safetensors.torch import load_file
 
 from wna16_loader.engine.hook import MEMORY_FILE, TensorStore
@@ -64,13 +64,14 @@ def expected_qweight(folder: Path, spec: QuantSpec, plan: LayerPlan, proj: Proj)
 
 def as_bytes(pieces: list[QweightPiece]) -> torch.Tensor:
     """The pieces placed at their experts and N rows, as uint8 [E, N_l, K_l*b/8] (int32 words read as
-    their little-endian bytes); every row must be covered exactly once."""
+    their little-endian bytes); every row must be covered exactly once. Call it while the reader is open
+    (`NibbleWords` read the file mapping when written)."""
     experts, rows = max(p.experts.stop for p in pieces), max(p.n.stop for p in pieces)
-    k_bytes = pieces[0].tensor.shape[2] * pieces[0].tensor.element_size()
+    k_bytes = pieces[0].tensor.shape[2] * pieces[0].tensor.dtype.itemsize
     out = torch.zeros(experts, rows, k_bytes, dtype=torch.uint8)
     covered = torch.zeros(experts, rows, dtype=torch.int32)
     for p in pieces:
-        out[p.experts, p.n.start:p.n.stop] = p.tensor.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+        out[p.experts, p.n.start:p.n.stop] = dense(p.tensor).view(torch.uint8)
         covered[p.experts, p.n.start:p.n.stop] += 1
     assert bool((covered == 1).all()), "pieces overlap or leave gaps"
     return out
@@ -78,9 +79,9 @@ def as_bytes(pieces: list[QweightPiece]) -> torch.Tensor:
 
 @pytest.fixture
 def conversions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the conversions read_qweights calls (nibble transpose, byte packing)."""
+    """Names of the conversions read_qweights calls (nibble transpose, as `NibbleWords`; byte packing)."""
     calls: list[str] = []
-    for name in ("transpose_nibble_words", "pack_bytes"):
+    for name in ("NibbleWords", "pack_bytes"):
         original = getattr(qweights, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
@@ -108,7 +109,7 @@ QWEIGHT_CASES = [  # id, fmt, bits, group, hidden, inter, tp, rank, stacked, {pr
     ("gptq-4b-K-span-4-mod-8-rank0", "gptq", 4, -1, 64, 24, 2, 0, False,
      {Proj.GATE: "view", Proj.UP: "view", Proj.DOWN: "generic"}),
 ]
-PATH_CALLS = {"view": [], "nibble": ["transpose_nibble_words"], "generic": ["pack_bytes"]}
+PATH_CALLS = {"view": [], "nibble": ["NibbleWords"], "generic": ["pack_bytes"]}
 
 
 @pytest.mark.parametrize("fmt,bits,group,hidden,inter,tp,rank,stacked,paths", [c[1:] for c in QWEIGHT_CASES],
@@ -172,14 +173,15 @@ def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         whole = list(read_qweights(index, spec, sources, spans))
         monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", small)
         chunks = list(read_qweights(index, spec, sources, spans))
+        got, once = as_bytes(chunks), as_bytes(whole)  # while the index is open: NibbleWords read it
     assert len(whole) == 1 and len(sources) == 7
     assert len(chunks) == -(-7 // experts_per_chunk) > 1
     assert [e for c in chunks for e in range(7)[c.experts]] == list(range(7))
     assert all(c.experts.step in (None, 1) and 1 <= c.experts.stop - c.experts.start <= max(1, small // per_expert)
                for c in chunks)
     assert all(c.tensor.shape[0] == c.experts.stop - c.experts.start for c in chunks)
-    assert torch.equal(as_bytes(chunks), as_bytes(whole))
-    assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, proj))
+    assert torch.equal(got, once)
+    assert torch.equal(got, expected_qweight(tmp_path, spec, plan, proj))
 
 
 def test_read_qweights_chunk_smaller_than_one_expert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
