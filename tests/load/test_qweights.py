@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from wna16_loader.engine.hook import MEMORY_FILE, TensorStore
 from wna16_loader.formats import Dim, QuantSpec, Role, TensorLayout
+from wna16_loader.formats.packing import NibbleWords
 from wna16_loader.formats.spec import FLOAT_DTYPES
 from wna16_loader.load import qweights
 from wna16_loader.load.params import SourceTensors, rank_spans
@@ -164,7 +165,8 @@ CHUNK_CASES = [  # fmt, group, hidden, inter, proj, tp, rank, bytes of words per
 def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, group: int, hidden: int,
                                 inter: int, proj: Proj, tp: int, rank: int, per_expert: int,
                                 experts_per_chunk: int) -> None:
-    """A small QWEIGHT_CHUNK_BYTES splits the batch into several in-order chunks; the bytes do not change."""
+    """A small QWEIGHT_CHUNK_BYTES (NIBBLE_CHUNK_BYTES for the nibble path) splits the batch into several
+    in-order chunks; the bytes do not change."""
     write(tmp_path, fmt, group=group, hidden=hidden, inter=inter, num_experts=7)
     small = experts_per_chunk * per_expert + per_expert // 2
     with planned(tmp_path, tp, rank) as (index, spec, plan):
@@ -172,6 +174,7 @@ def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         spans = rank_spans(sources[0], plan.geometry.slice(proj))[0]
         whole = list(read_qweights(index, spec, sources, spans))
         monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", small)
+        monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", small)
         chunks = list(read_qweights(index, spec, sources, spans))
         got, once = as_bytes(chunks), as_bytes(whole)  # while the index is open: NibbleWords read it
     assert len(whole) == 1 and len(sources) == 7
@@ -184,10 +187,23 @@ def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert torch.equal(got, expected_qweight(tmp_path, spec, plan, proj))
 
 
+def test_nibble_chunks_follow_their_own_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nibble path converts NIBBLE_CHUNK_BYTES of experts at a time, whatever QWEIGHT_CHUNK_BYTES is."""
+    write(tmp_path, "awq", hidden=64, inter=64, num_experts=7)
+    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", 3 * 64 * 8 * 4)  # K 64 rows x 8 words: 3 experts
+    with planned(tmp_path) as (index, spec, plan):
+        sources = batch(plan, Proj.GATE)
+        chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))
+        assert [c.experts for c in chunks] == [slice(0, 3), slice(3, 6), slice(6, 7)]
+        assert all(isinstance(c.tensor, NibbleWords) for c in chunks)
+        assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, Proj.GATE))
+
+
 def test_read_qweights_chunk_smaller_than_one_expert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget below one expert: the nibble path converts each expert in slabs of one N word (8 rows)."""
     write(tmp_path, "awq", hidden=64, inter=64, num_experts=3)
-    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", 1)
     with planned(tmp_path) as (index, spec, plan):
         sources = batch(plan, Proj.DOWN)
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.DOWN))[0]))
@@ -200,10 +216,10 @@ def test_read_qweights_chunk_smaller_than_one_expert(tmp_path: Path, monkeypatch
                                            (2, 1, [(0, 12), (12, 28), (28, 36)])])
 def test_read_qweights_large_expert_slabs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int,
                                           slabs: list[tuple[int, int]]) -> None:
-    """Slabs hold whole words of about QWEIGHT_CHUNK_BYTES; an N span starting inside a word (I = 72,
+    """Slabs hold whole words of about NIBBLE_CHUNK_BYTES; an N span starting inside a word (I = 72,
     tp 2: gate rows [36, 72)) gets a short first slab, then word-aligned ones."""
     write(tmp_path, "awq", hidden=64, inter=64 if tp == 1 else 72, group=-1 if tp == 2 else 32, num_experts=2)
-    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 64 * 4 * 2 + 100)  # K = H = 64 rows: 2 words per slab
+    monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", 64 * 4 * 2 + 100)  # K = H = 64 rows: 2 words per slab
     with planned(tmp_path, tp, rank) as (index, spec, plan):
         sources = batch(plan, Proj.GATE)
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))

@@ -28,6 +28,8 @@ from .device import DevicePolicy
 from .params import SourceTensors, TensorReader, storage_index, storage_indices, unpacked
 
 QWEIGHT_CHUNK_BYTES = 2 << 20  # words converted at once on the host: amortises per-op cost, stays in cache
+NIBBLE_CHUNK_BYTES = 6 << 20  # words nibble-transposed at once: its ops split well over torch's threads (2 threads:
+#                               1.44 MB experts 1.6 GB/s one at a time, 3.5 four at a time, measured), still in L3
 UPLOAD_CHUNK_BYTES = 64 << 20  # words staged and sent to a device at once
 
 
@@ -52,8 +54,9 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     |                                              | nibble-transposes them straight into its rows      |
     | anything else                                | unpacked, trimmed and repacked                     |
 
-    On the host, views and conversions cover about QWEIGHT_CHUNK_BYTES of words (several experts, or
-    slabs of N words of one large expert); no word is copied out of the file first. With `upload` (the policy of a GPU
+    On the host, views and conversions cover about QWEIGHT_CHUNK_BYTES of words (NIBBLE_CHUNK_BYTES for
+    the nibble transpose): several experts, or slabs of N words of one large expert; no word is copied out
+    of the file first unless small slices lie scattered. With `upload` (the policy of a GPU
     that converts weights), the raw words of UPLOAD_CHUNK_BYTES of experts are copied out of the file
     mapping into one pinned host buffer, sent in one non-blocking copy, and converted on the device by
     the same tensor operations.
@@ -63,12 +66,16 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
     layout = spec.layout(Role.QWEIGHT)
     fused, whole = _words_are_fused(layout, spec, spans), Span(0, len(spans[Dim.N]))
     nibble, words = not fused and _nibble_path(layout, spec, spans), _words_per_expert(layout, spec, spans)
-    if upload is None and nibble and 4 * words > QWEIGHT_CHUNK_BYTES:
+    if upload is None and nibble and 4 * words > NIBBLE_CHUNK_BYTES:
         yield from _nibble_slabs(reader, spec, layout, sources, spans)
         return
-    if upload is None and (fused or nibble):
-        convert = (lambda w: _as_fused(w, layout)) if fused else (lambda w: _converted_qweight(w, spec, layout, spans))
-        yield from _viewed_chunks(reader, spec, layout, sources, spans, convert)
+    if upload is None and fused:
+        yield from _viewed_chunks(reader, spec, layout, sources, spans, lambda w: _as_fused(w, layout),
+                                  QWEIGHT_CHUNK_BYTES)
+        return
+    if upload is None and nibble:
+        yield from _viewed_chunks(reader, spec, layout, sources, spans,
+                                  lambda w: _converted_qweight(w, spec, layout, spans), NIBBLE_CHUNK_BYTES)
         return
     step = max(1, (QWEIGHT_CHUNK_BYTES if upload is None else UPLOAD_CHUNK_BYTES) // (4 * words))
     for start in range(0, len(sources), step):
@@ -83,13 +90,13 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
 
 def _viewed_chunks(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
                    spans: dict[Dim, Span], convert: Callable[[torch.Tensor], torch.Tensor | NibbleWords],
-                   ) -> Iterator[QweightPiece]:
-    """Words the writer takes as they are (`convert`: a view, or `NibbleWords`), about QWEIGHT_CHUNK_BYTES
-    of experts at a time: one strided view of the chunk when its slices are evenly spaced in one file (no
-    copy here); else one view per expert when a slice fills half a chunk, and small slices gathered into
-    one buffer (one copy, in cache: per-expert Python work would cost more than the bytes)."""
+                   budget: int) -> Iterator[QweightPiece]:
+    """Words the writer takes as they are (`convert`: a view, or `NibbleWords`), about `budget` bytes of
+    experts at a time: one strided view of the chunk when its slices are evenly spaced in one file (no
+    copy here); else one view per expert when a slice fills a third of the budget, and smaller slices
+    gathered into one buffer (one copy, in cache: per-expert Python work would cost more than the bytes)."""
     whole = Span(0, len(spans[Dim.N]))
-    step = max(1, QWEIGHT_CHUNK_BYTES // (4 * _words_per_expert(layout, spec, spans)))
+    step = max(1, budget // (4 * _words_per_expert(layout, spec, spans)))
     for start in range(0, len(sources), step):
         chunk = slice(start, min(start + step, len(sources)))
         refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
@@ -111,10 +118,10 @@ def _words_per_expert(layout: TensorLayout, spec: QuantSpec, spans: dict[Dim, Sp
 
 def _nibble_slabs(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, sources: Sequence[SourceTensors],
                   spans: dict[Dim, Span]) -> Iterator[QweightPiece]:
-    """The nibble path for experts larger than a chunk: one expert at a time, in slabs of N words
-    (all K rows) holding about QWEIGHT_CHUNK_BYTES each, viewed in the file; a slab fills a block of output rows."""
+    """The nibble path for experts larger than NIBBLE_CHUNK_BYTES: one expert at a time, in slabs of N words
+    (all K rows) holding about that many bytes each, viewed in the file; a slab fills a block of output rows."""
     n, per_word = spans[Dim.N], spec.pack_factor
-    words = max(1, QWEIGHT_CHUNK_BYTES // (4 * len(spans[Dim.K])))
+    words = max(1, NIBBLE_CHUNK_BYTES // (4 * len(spans[Dim.K])))
     words -= words > 1 and 4 * per_word * words % PAGE_BYTES == 0  # converted rows must not alias
     width = per_word * words  # N values per slab
     cuts = [n.start] + list(range(n.start // per_word * per_word + width, n.stop, width)) + [n.stop]
