@@ -171,7 +171,7 @@ class NibbleWords:
 
 
 _SCRATCH = threading.local()  # per thread: host buffers reused from call to call
-SCRATCH_MAX_BYTES = 16 << 20  # larger requests get fresh memory (the loader converts chunks of 2 MiB)
+SCRATCH_MAX_BYTES = 16 << 20  # larger requests get fresh memory (the loader converts chunks of 2-6 MiB)
 
 
 def _scratch(slot: int, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
