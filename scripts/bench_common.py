@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.formats import Role
 from wna16_loader.formats.packing import add_word_bias, pack_bytes, unpack_words
-from wna16_loader.load.fused import copy_transposing
+from wna16_loader.load.copies import copy_transposing
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.params import CANONICAL
 from wna16_loader.load.plan import LayerPlan, plan_layers
@@ -302,12 +302,13 @@ def _time_once(fn: Any) -> float:
 
 def conversion_cases(shape: tuple[int, int, int] = CONVERSION_SHAPE) -> dict[str, tuple[Any, int]]:
     """label -> (zero-argument conversion, bytes it moves) on 4-bit words of `shape` (E, K, N), a chunk of
-    experts at a time as the loader converts them (about QWEIGHT_CHUNK_BYTES of words), outputs allocated
-    once (what is measured is the conversion, not page faults)."""
+    experts at a time as the loader converts them (about QWEIGHT_CHUNK_BYTES of words; NIBBLE_CHUNK_BYTES for
+    the nibble transpose, written straight into the output as the writer does), outputs allocated once (what is
+    measured is the conversion, not page faults)."""
     import hashlib
 
     from wna16_loader.formats.packing import transpose_nibble_words
-    from wna16_loader.load.qweights import QWEIGHT_CHUNK_BYTES
+    from wna16_loader.load.qweights import NIBBLE_CHUNK_BYTES, QWEIGHT_CHUNK_BYTES
 
     e, k, n = shape
     gptq = torch.randint(-2**31, 2**31 - 1, (e, k // 8, n), dtype=torch.int32)  # qweight [K/8, N]
@@ -316,6 +317,8 @@ def conversion_cases(shape: tuple[int, int, int] = CONVERSION_SHAPE) -> dict[str
     plain = torch.empty_like(gptq)
     nbytes, step = gptq.numel() * 4, max(1, QWEIGHT_CHUNK_BYTES // (gptq[0].numel() * 4))
     chunks = [slice(i, min(i + step, e)) for i in range(0, e, step)]
+    nibble_step = max(1, NIBBLE_CHUNK_BYTES // (awq[0].numel() * 4))
+    nibble_chunks = [slice(i, min(i + nibble_step, e)) for i in range(0, e, nibble_step)]
     data = memoryview(gptq.reshape(-1).view(torch.uint8).numpy())
     order = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ's slot order
 
@@ -327,7 +330,7 @@ def conversion_cases(shape: tuple[int, int, int] = CONVERSION_SHAPE) -> dict[str
         "GPTQ qweight transpose [K/8, N] -> [N, K/8]": (
             each(lambda c: copy_transposing(out[c], gptq[c].transpose(1, 2))), nbytes),
         "AWQ nibble transpose [K, N/8] -> [N, K/8]": (
-            each(lambda c: copy_transposing(out[c], transpose_nibble_words(awq[c], slot_order=order))), nbytes),
+            lambda: [transpose_nibble_words(awq[c], slot_order=order, out=out[c]) for c in nibble_chunks], nbytes),
         "sha256 (wna16-shard hashes every byte twice)": (lambda: hashlib.sha256(data).digest(), nbytes),
     }
 

@@ -29,6 +29,14 @@ Weights = dict[tuple[str, int, str], torch.Tensor]
 Owners = dict[tuple[str, int], dict[int, list[int]]]
 
 
+def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Seeded values of `dtype`: normal floats, or integers in [0, 200)."""
+    gen = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 200, shape, generator=gen, dtype=torch.int64).to(dtype)
+
+
 def expected_experts(num_experts: int, ep: int, ep_rank: int, placement: str = "linear") -> list[int]:
     """Global expert ids of `ep_rank`, from the spec: linear = E//ep consecutive ids with the first E%ep
     ranks holding one more; round_robin = ep_rank, ep_rank + ep, ..."""

@@ -1,5 +1,5 @@
-"""Shared by tests/load/test_params.py and tests/load/test_qweights.py: a tiny one-layer checkpoint written in
-`tmp_path`, planned for one TP rank."""
+"""Shared by tests/load/test_params.py, test_qweights.py and test_device.py: a tiny one-layer checkpoint
+written in `tmp_path`, planned for one TP rank; a weight piece as a plain tensor."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import torch
+
 from wna16_loader import ParallelConfig
 from wna16_loader.formats import QuantSpec
+from wna16_loader.formats.packing import NibbleWords
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.params import SourceTensors
 from wna16_loader.load.plan import LayerPlan, plan_layers
@@ -45,3 +48,13 @@ def batch(plan: LayerPlan, proj: Proj) -> list[SourceTensors]:
 def model(folder: Path) -> Path:
     """The one safetensors file `write` makes."""
     return folder / "model.safetensors"
+
+
+def dense(tensor: torch.Tensor | NibbleWords) -> torch.Tensor:
+    """A weight piece's tensor as a row-major tensor on its device (`NibbleWords` written into a fresh one,
+    while their reader is open)."""
+    if isinstance(tensor, NibbleWords):
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+        tensor.write(out)
+        return out
+    return tensor.clone(memory_format=torch.contiguous_format)

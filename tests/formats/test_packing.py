@@ -16,6 +16,7 @@ from wna16_loader.formats.packing import (
     add_word_bias,
     pack_bytes,
     pack_words,
+    NibbleWords,
     transpose_nibble_words,
     unpack_bytes,
     unpack_words,
@@ -338,6 +339,36 @@ def test_transpose_nibbles_equals_unpack_then_pack_along_k(blocks: int, width: i
     expected = pack_bytes(q.narrow(-1, 8 * extra, 8 * width).transpose(-1, -2), bits=4, dim=-1)
     assert torch.equal(dense(out).view(torch.uint8), expected)
     assert torch.equal(words, before)
+
+
+def test_transpose_nibbles_into_out_rows_of_a_larger_tensor() -> None:
+    """`out` a strided view (rows of some slots of a wider int32 tensor): the same words as a fresh
+    result, written there and nowhere else, and `out` returned."""
+    gen = torch.Generator().manual_seed(11)
+    words = torch.randint(-2**31, 2**31 - 1, (2, 24, 5), generator=gen, dtype=torch.int32)
+    base = torch.full((4, 50, 6), 7, dtype=torch.int32)
+    out = base[1:3, 4:44, 1:4]  # [2, W*8 = 40, K/8 = 3], rows 6 words apart
+    assert transpose_nibble_words(words, slot_order=AWQ_ORDER, out=out) is out
+    assert torch.equal(out, transpose_nibble_words(words, slot_order=AWQ_ORDER))
+    untouched = torch.ones_like(base, dtype=torch.bool)
+    untouched[1:3, 4:44, 1:4] = False
+    assert bool((base[untouched] == 7).all())
+
+
+def test_transpose_nibbles_out_of_another_shape_is_refused() -> None:
+    with pytest.raises(AssertionError, match=r"out \[2, 8, 2\] for words \[2, 16, 2\]"):
+        transpose_nibble_words(torch.zeros(2, 16, 2, dtype=torch.int32), out=torch.zeros(2, 8, 2, dtype=torch.int32))
+
+
+def test_nibble_words_shape_and_rows() -> None:
+    """NibbleWords stand for rows [start, start + count) of the transpose: their shape, dtype and bytes."""
+    q = torch.arange(16 * 24).reshape(16, 24) % 16  # [K 16, N 24]
+    words = pack_words(q, bits=4, dim=1, slot_order=AWQ_ORDER)[None]  # [1, K, N/8]
+    lazy = NibbleWords(words, AWQ_ORDER, 5, 11)
+    assert lazy.shape == (1, 11, 2) and lazy.dtype == torch.int32 and lazy.device == words.device
+    out = torch.zeros(lazy.shape, dtype=torch.int32)
+    lazy.write(out)
+    assert torch.equal(out.view(torch.uint8)[0], pack_bytes(q[:, 5:16].t(), bits=4, dim=1))
 
 
 # ---------------------------------------------------------------- properties

@@ -1,4 +1,4 @@
-"""fused: tiled transposing copies, the writer's slots and rows, the layout table, dequantisation.
+"""fused: the writer's slots and rows (tensors and `NibbleWords`), the layout table, dequantisation.
 
 Expected values are written by hand or come from plain torch (`Tensor.copy_`), never from the
 function under test.
@@ -7,16 +7,16 @@ function under test.
 from __future__ import annotations
 
 import re
-from typing import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from conftest import random_tensor
 
 from wna16_loader import FormatError, ParallelConfig
 from wna16_loader.formats import resolve_quant_spec
-from wna16_loader.load.fused import FusedExperts, FusedSpec, FusedWriter, copy_transposing, dequantize
+from wna16_loader.formats.awq import AWQ_ORDER
+from wna16_loader.formats.packing import NibbleWords, transpose_nibble_words
+from wna16_loader.load.fused import FusedExperts, FusedSpec, FusedWriter, dequantize
 from wna16_loader.load.padfill import real_groups
 from wna16_loader.load.params import ProjectionParams
 from wna16_loader.models.names import Proj
@@ -24,96 +24,6 @@ from wna16_loader.parallel.partition import LayerGeometry, Span
 from wna16_loader.testing.synthetic import quant_config
 
 P = "model.layers.0.mlp.experts"
-
-
-# --- copy_transposing ----------------------------------------------------------------------------------------
-
-def random(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=gen).to(dtype)
-    return torch.randint(0, 200, shape, generator=gen, dtype=torch.int64).to(dtype)
-
-
-def assert_copies_like_torch(base: torch.Tensor, view: Callable[[torch.Tensor], torch.Tensor],
-                             value: torch.Tensor) -> None:
-    """copy_transposing into view(base) leaves base exactly as Tensor.copy_ does (inside and outside the view)."""
-    ours, theirs = base.clone(), base.clone()
-    copy_transposing(view(ours), value)
-    view(theirs).copy_(value)
-    assert torch.equal(ours, theirs)
-    assert not torch.equal(ours, base) or torch.equal(view(base), value)  # the copy did something
-
-
-DTYPES = [torch.int32, torch.uint8, torch.float16]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_transposed_contiguous_2d(dtype: torch.dtype) -> None:
-    value = random((32, 48), dtype).t()  # [48, 32], unit stride along dim -2
-    assert value.stride() == (1, 48)
-    assert_copies_like_torch(torch.zeros(48, 32, dtype=dtype), lambda t: t, value)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_transposed_column_slice(dtype: torch.dtype) -> None:
-    """A column slice of a wider stored tensor, transposed: strided source rows."""
-    value = random((40, 100), dtype)[:, 12:36].t()  # [24, 40], strides (1, 100)
-    assert value.stride() == (1, 100)
-    assert_copies_like_torch(torch.zeros(24, 40, dtype=dtype), lambda t: t, value)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_batch_of_transposes(dtype: torch.dtype) -> None:
-    value = random((3, 16, 40), dtype).transpose(1, 2)  # [3, 40, 16]
-    assert_copies_like_torch(torch.zeros(3, 40, 16, dtype=dtype), lambda t: t, value)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_into_row_range_of_larger_target(dtype: torch.dtype) -> None:
-    """The target is rows [20, 44) of every slot of a larger tensor (like w13 gate/up rows of some experts)."""
-    value = random((2, 8, 200), dtype)[:, :, 50:74].transpose(1, 2)  # [2, 24, 8], strided rows
-    assert_copies_like_torch(torch.full((4, 64, 8), 7, dtype=dtype), lambda t: t[1:3, 20:44], value)
-
-
-@pytest.mark.parametrize("shape", [(6, 10), (10, 6), (3, 4), (1, 32), (32, 1), (18, 12)])
-def test_copy_transposed_odd_shapes(shape: tuple[int, int]) -> None:
-    """Sizes with no common block of 16/8/4 (or a size-1 dim) take the plain copy; the result is the same."""
-    value = random(shape[::-1], torch.int32).t()
-    assert_copies_like_torch(torch.zeros(shape, dtype=torch.int32), lambda t: t, value)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_copy_not_transposed(dtype: torch.dtype) -> None:
-    value = random((3, 32, 64), dtype)[:, :, 8:40]  # row-major rows, a column slice
-    assert_copies_like_torch(torch.zeros(3, 40, 32, dtype=dtype), lambda t: t[:, 4:36], value)
-
-
-def test_copy_int32_words_into_byte_view() -> None:
-    """Transposed int32 words into an int32 view of uint8 rows (the writer's as_bytes copy)."""
-    words = random((4, 24), torch.int32).t()  # [24, 4] words = [24, 16] bytes
-    target = torch.zeros(3, 24, 16, dtype=torch.uint8)
-    copy_transposing(target[1].view(torch.int32), words)
-    assert torch.equal(target[1], words.contiguous().view(torch.uint8))
-    assert not target[0].any() and not target[2].any()
-
-
-SIZES = st.one_of(st.integers(1, 10).map(lambda x: 4 * x), st.integers(1, 40))  # often a tiled shape
-
-
-@settings(max_examples=60, deadline=None)
-@given(lead=st.sampled_from([(), (1,), (3,)]), n=SIZES, w=SIZES,
-       col=st.integers(0, 9), extra=st.integers(0, 9), row=st.integers(0, 5), transposed=st.booleans(),
-       dtype=st.sampled_from(DTYPES))
-def test_copy_transposing_matches_copy(lead: tuple[int, ...], n: int, w: int, col: int, extra: int, row: int,
-                                       transposed: bool, dtype: torch.dtype) -> None:
-    """Any shape, column offset, source row stride and target row offset: the same as Tensor.copy_."""
-    if transposed:  # stored [..., W, col + N + extra], read as the transpose of a column slice
-        value = random((*lead, w, col + n + extra), dtype, seed=n * 41 + w)[..., col:col + n].transpose(-1, -2)
-    else:
-        value = random((*lead, n, col + w + extra), dtype, seed=n * 41 + w)[..., col:col + w]
-    assert_copies_like_torch(torch.zeros((*lead, row + n + 3, w), dtype=dtype),
-                             lambda t: t[..., row:row + n, :], value)
 
 
 # --- FusedWriter ------------------------------------------------------------------------------------------------
@@ -199,8 +109,8 @@ def test_write_qweight_lands_in_its_slots_and_rows() -> None:
     writer, run = sentinel_writer(spec()), (6, 7)
     gate = (torch.tensor(run, dtype=torch.uint8).view(2, 1, 1) * 16 + torch.zeros(2, PART, HID // 2,
                                                                                    dtype=torch.uint8))
-    up_words = random((2, HID // 8, PART), torch.int32, seed=9).transpose(1, 2)  # [2, I_p, H/8] words
-    down = random((2, HID, PART // 2), torch.uint8, seed=10)
+    up_words = random_tensor((2, HID // 8, PART), torch.int32, seed=9).transpose(1, 2)  # [2, I_p, H/8] words
+    down = random_tensor((2, HID, PART // 2), torch.uint8, seed=10)
     writer.write_qweight(run, Proj.GATE, gate)
     writer.write_qweight(run, Proj.UP, up_words)
     writer.write_qweight(run, Proj.DOWN, down)
@@ -211,12 +121,27 @@ def test_write_qweight_lands_in_its_slots_and_rows() -> None:
     assert (s["w13_qweight"][:2] == 0xEE).all() and (s["w2_qweight"][:2] == 0xEE).all()
 
 
+@pytest.mark.parametrize("proj", [Proj.GATE, Proj.UP, Proj.DOWN])
+def test_write_qweight_nibble_words_land_like_their_transpose(proj: Proj) -> None:
+    """`NibbleWords` (4-bit words packed along N, AWQ slot order) are transposed straight into their rows:
+    the same bytes as writing their fresh transpose, the bytes counted, nothing else touched."""
+    rows, k = (HID, PART) if proj is Proj.DOWN else (PART, HID)
+    words = random_tensor((2, k, rows // 8), torch.int32, seed=12) * 21474837  # [E, K, N/8]
+    lazy, fresh = sentinel_writer(spec()), sentinel_writer(spec())
+    lazy.write_qweight((6, 7), proj, NibbleWords(words, AWQ_ORDER, 0, rows))
+    fresh.write_qweight((6, 7), proj, transpose_nibble_words(words, slot_order=AWQ_ORDER))
+    name = "w2_qweight" if proj is Proj.DOWN else "w13_qweight"
+    assert torch.equal(lazy.staging[name], fresh.staging[name])
+    assert lazy.bytes_written == fresh.bytes_written == 2 * rows * k // 2
+    assert (lazy.staging[name][:2] == 0xEE).all() and (lazy.staging[name][2:4] != 0xEE).any()
+
+
 @pytest.mark.parametrize("proj", [Proj.UP, Proj.DOWN])
 def test_write_qweight_n_slabs_land_at_their_rows(proj: Proj) -> None:
     """Two slabs of rows ([0, 8) as int32 words, then [8, N_l)) fill the same bytes as one write."""
     rows = HID if proj is Proj.DOWN else PART
     cols = (PART if proj is Proj.DOWN else HID) // 2
-    whole = random((2, rows, cols), torch.uint8, seed=11)
+    whole = random_tensor((2, rows, cols), torch.uint8, seed=11)
     sliced, once = sentinel_writer(spec()), sentinel_writer(spec())
     once.write_qweight((6, 7), proj, whole)
     sliced.write_qweight((6, 7), proj, whole[:, 8:], n=Span(8, rows))

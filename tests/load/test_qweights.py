@@ -12,11 +12,12 @@ from typing import Sequence
 
 import pytest
 import torch
-from layer_helpers import batch, model, planned, write
+from layer_helpers import batch, dense, model, planned, write
 from safetensors.torch import load_file
 
 from wna16_loader.engine.hook import MEMORY_FILE, TensorStore
 from wna16_loader.formats import Dim, QuantSpec, Role, TensorLayout
+from wna16_loader.formats.packing import NibbleWords
 from wna16_loader.formats.spec import FLOAT_DTYPES
 from wna16_loader.load import qweights
 from wna16_loader.load.params import SourceTensors, rank_spans
@@ -64,13 +65,14 @@ def expected_qweight(folder: Path, spec: QuantSpec, plan: LayerPlan, proj: Proj)
 
 def as_bytes(pieces: list[QweightPiece]) -> torch.Tensor:
     """The pieces placed at their experts and N rows, as uint8 [E, N_l, K_l*b/8] (int32 words read as
-    their little-endian bytes); every row must be covered exactly once."""
+    their little-endian bytes); every row must be covered exactly once. Call it while the reader is open
+    (`NibbleWords` read the file mapping when written)."""
     experts, rows = max(p.experts.stop for p in pieces), max(p.n.stop for p in pieces)
-    k_bytes = pieces[0].tensor.shape[2] * pieces[0].tensor.element_size()
+    k_bytes = pieces[0].tensor.shape[2] * pieces[0].tensor.dtype.itemsize
     out = torch.zeros(experts, rows, k_bytes, dtype=torch.uint8)
     covered = torch.zeros(experts, rows, dtype=torch.int32)
     for p in pieces:
-        out[p.experts, p.n.start:p.n.stop] = p.tensor.clone(memory_format=torch.contiguous_format).view(torch.uint8)
+        out[p.experts, p.n.start:p.n.stop] = dense(p.tensor).view(torch.uint8)
         covered[p.experts, p.n.start:p.n.stop] += 1
     assert bool((covered == 1).all()), "pieces overlap or leave gaps"
     return out
@@ -78,9 +80,9 @@ def as_bytes(pieces: list[QweightPiece]) -> torch.Tensor:
 
 @pytest.fixture
 def conversions(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Names of the conversions read_qweights calls (nibble transpose, byte packing)."""
+    """Names of the conversions read_qweights calls (nibble transpose, as `NibbleWords`; byte packing)."""
     calls: list[str] = []
-    for name in ("transpose_nibble_words", "pack_bytes"):
+    for name in ("NibbleWords", "pack_bytes"):
         original = getattr(qweights, name)
 
         def spy(*args, _name=name, _original=original, **kwargs):
@@ -108,7 +110,7 @@ QWEIGHT_CASES = [  # id, fmt, bits, group, hidden, inter, tp, rank, stacked, {pr
     ("gptq-4b-K-span-4-mod-8-rank0", "gptq", 4, -1, 64, 24, 2, 0, False,
      {Proj.GATE: "view", Proj.UP: "view", Proj.DOWN: "generic"}),
 ]
-PATH_CALLS = {"view": [], "nibble": ["transpose_nibble_words"], "generic": ["pack_bytes"]}
+PATH_CALLS = {"view": [], "nibble": ["NibbleWords"], "generic": ["pack_bytes"]}
 
 
 @pytest.mark.parametrize("fmt,bits,group,hidden,inter,tp,rank,stacked,paths", [c[1:] for c in QWEIGHT_CASES],
@@ -163,7 +165,8 @@ CHUNK_CASES = [  # fmt, group, hidden, inter, proj, tp, rank, bytes of words per
 def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, group: int, hidden: int,
                                 inter: int, proj: Proj, tp: int, rank: int, per_expert: int,
                                 experts_per_chunk: int) -> None:
-    """A small QWEIGHT_CHUNK_BYTES splits the batch into several in-order chunks; the bytes do not change."""
+    """A small QWEIGHT_CHUNK_BYTES (NIBBLE_CHUNK_BYTES for the nibble path) splits the batch into several
+    in-order chunks; the bytes do not change."""
     write(tmp_path, fmt, group=group, hidden=hidden, inter=inter, num_experts=7)
     small = experts_per_chunk * per_expert + per_expert // 2
     with planned(tmp_path, tp, rank) as (index, spec, plan):
@@ -171,21 +174,36 @@ def test_read_qweights_chunking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         spans = rank_spans(sources[0], plan.geometry.slice(proj))[0]
         whole = list(read_qweights(index, spec, sources, spans))
         monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", small)
+        monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", small)
         chunks = list(read_qweights(index, spec, sources, spans))
+        got, once = as_bytes(chunks), as_bytes(whole)  # while the index is open: NibbleWords read it
     assert len(whole) == 1 and len(sources) == 7
     assert len(chunks) == -(-7 // experts_per_chunk) > 1
     assert [e for c in chunks for e in range(7)[c.experts]] == list(range(7))
     assert all(c.experts.step in (None, 1) and 1 <= c.experts.stop - c.experts.start <= max(1, small // per_expert)
                for c in chunks)
     assert all(c.tensor.shape[0] == c.experts.stop - c.experts.start for c in chunks)
-    assert torch.equal(as_bytes(chunks), as_bytes(whole))
-    assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, proj))
+    assert torch.equal(got, once)
+    assert torch.equal(got, expected_qweight(tmp_path, spec, plan, proj))
+
+
+def test_nibble_chunks_follow_their_own_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nibble path converts NIBBLE_CHUNK_BYTES of experts at a time, whatever QWEIGHT_CHUNK_BYTES is."""
+    write(tmp_path, "awq", hidden=64, inter=64, num_experts=7)
+    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", 3 * 64 * 8 * 4)  # K 64 rows x 8 words: 3 experts
+    with planned(tmp_path) as (index, spec, plan):
+        sources = batch(plan, Proj.GATE)
+        chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))
+        assert [c.experts for c in chunks] == [slice(0, 3), slice(3, 6), slice(6, 7)]
+        assert all(isinstance(c.tensor, NibbleWords) for c in chunks)
+        assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, Proj.GATE))
 
 
 def test_read_qweights_chunk_smaller_than_one_expert(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A budget below one expert: the nibble path converts each expert in slabs of one N word (8 rows)."""
     write(tmp_path, "awq", hidden=64, inter=64, num_experts=3)
-    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", 1)
     with planned(tmp_path) as (index, spec, plan):
         sources = batch(plan, Proj.DOWN)
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.DOWN))[0]))
@@ -198,10 +216,10 @@ def test_read_qweights_chunk_smaller_than_one_expert(tmp_path: Path, monkeypatch
                                            (2, 1, [(0, 12), (12, 28), (28, 36)])])
 def test_read_qweights_large_expert_slabs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, rank: int,
                                           slabs: list[tuple[int, int]]) -> None:
-    """Slabs hold whole words of about QWEIGHT_CHUNK_BYTES; an N span starting inside a word (I = 72,
+    """Slabs hold whole words of about NIBBLE_CHUNK_BYTES; an N span starting inside a word (I = 72,
     tp 2: gate rows [36, 72)) gets a short first slab, then word-aligned ones."""
     write(tmp_path, "awq", hidden=64, inter=64 if tp == 1 else 72, group=-1 if tp == 2 else 32, num_experts=2)
-    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 64 * 4 * 2 + 100)  # K = H = 64 rows: 2 words per slab
+    monkeypatch.setattr(qweights, "NIBBLE_CHUNK_BYTES", 64 * 4 * 2 + 100)  # K = H = 64 rows: 2 words per slab
     with planned(tmp_path, tp, rank) as (index, spec, plan):
         sources = batch(plan, Proj.GATE)
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))

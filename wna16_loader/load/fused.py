@@ -37,6 +37,7 @@ expert placement and padding (zeros):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -44,15 +45,15 @@ import torch
 
 from ..errors import FormatError
 from ..formats import QuantSpec
-from ..formats.packing import pack_bytes
+from ..formats.packing import NibbleWords, pack_bytes
 from ..formats.spec import UNQUANTIZED_BITS
 from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, Span, values_per_byte
 from .dequant import DequantizedExperts, dequantize
+from .copies import place
 from .device import DevicePolicy
 from .padfill import fill_padding, real_groups, real_rows
 from .params import ProjectionParams
-from .qweights import PAGE_BYTES
 
 FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
                "w13_g_idx", "w2_g_idx", "w13_weight", "w2_weight", "expert_ids")
@@ -259,10 +260,10 @@ class FusedWriter:
         if self.spec.padding:
             fill_padding(self.staging, self.spec, slots, self.rows(proj), params.zeros)
 
-    def write_qweight(self, experts: Sequence[int], proj: Proj, qweight: torch.Tensor, *,
+    def write_qweight(self, experts: Sequence[int], proj: Proj, qweight: torch.Tensor | NibbleWords, *,
                       n: Span | None = None) -> None:
         """Place the weights of `experts` (consecutive slots; fused bytes [E_c, len(n), K_l/P8], or their
-        int32 words) in the rows `n` of the rank's slice of `proj` (default: all of them)."""
+        int32 words, as a tensor or `NibbleWords`) in the rows `n` of the rank's slice of `proj` (default: all)."""
         half, rows, _ = real_rows(self.spec, self.rows(proj))
         if n is not None:
             first = rows.start or 0
@@ -313,11 +314,11 @@ class FusedWriter:
             target.copy_(value)
         self.bytes_written += value.numel() * value.element_size()
 
-    def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor, *, as_bytes: bool = False,
-              cols: slice = slice(None)) -> None:
+    def _copy(self, name: str, slots: slice, rows: slice, value: torch.Tensor | NibbleWords, *,
+              as_bytes: bool = False, cols: slice = slice(None)) -> None:
         """Copy `value` [E_b, rows, cols] into rows (and columns) of a run of slots. With `as_bytes`, a value
         of another dtype (int32 words of packed weights) is taken as the same bytes, so a transposed view
-        is copied in one pass."""
+        is copied in one pass and `NibbleWords` are transposed straight into the rows."""
         target = self.staging[name][slots, rows] if cols == slice(None) else self.staging[name][slots, rows, cols]
         if as_bytes and value.dtype != target.dtype:
             target = target.view(value.dtype)
@@ -325,11 +326,11 @@ class FusedWriter:
         if name in self.device_bound and value.device.type == "cpu":  # never DMA from a file mapping
             with self.policy.scope():  # pinned memory in the target's context
                 host = self.policy.host_buffer(tuple(value.shape), value.dtype)
-                copy_transposing(host, value)
+                place(host, value)
                 self.policy.send(target, host)
         else:
-            copy_transposing(target, value)
-        self.bytes_written += value.numel() * value.element_size()
+            place(target, value)
+        self.bytes_written += math.prod(value.shape) * value.dtype.itemsize
 
     def finish(self, *, mtp: bool = False) -> FusedExperts:
         """Move the parameters staged on the host to the device (one copy each, queued: the load
@@ -345,56 +346,3 @@ class FusedWriter:
 def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Tensor]:
     """Empty tensors for every fused parameter, where `policy` stages each (see device.py)."""
     return {name: policy.staging(name, shape, dtype) for name, (shape, dtype) in spec.shapes().items()}
-
-
-STAGED_ROWS = 64  # source rows moved per block through a buffer whose rows are not a page apart
-BLOCKED_MIN = 60 * 60  # the fewest elements for which torch's copy_ takes its blocked transpose
-
-
-def copy_transposing(target: torch.Tensor, value: torch.Tensor) -> None:
-    """`target.copy_(value)`, tile by tile when `value`'s last two dims are transposed (unit stride
-    along dim -2), e.g. the [K/P, N] -> [N, K/P] transposes of packed weights or scales.
-
-    A tiled copy keeps both the rows read and the rows written in cache (about 1.5x faster than a
-    plain strided copy). Any leading dims (experts) are carried along; the source rows may be
-    strided (a column slice of a file's tensor). On the CPU, source rows a whole number of pages apart
-    (N a multiple of 1024 int32 words) defeat the tiles (every row of a tile maps to the same cache sets):
-    they go through a padded buffer first. On one thread, whole transposed matrices go through torch's
-    blocked transpose instead (1.2-2x the tiles; the tiles, unlike it, spread over torch's threads)."""
-    if value.dim() < 2 or value.shape[-2] < 2 or value.stride(-2) != 1 or value.stride(-1) == 1:
-        target.copy_(value)  # not a transpose
-        return
-    if value.device.type == "cpu" and torch.get_num_threads() == 1 and _whole_transposed_matrices(target, value):
-        for matrix, source in zip(target.unbind(0), value.unbind(0)) if value.dim() == 3 else [(target, value)]:
-            matrix.copy_(source)
-        return
-    n, w = value.shape[-2:]
-    if value.device.type == "cpu" and value.stride(-1) * value.element_size() % PAGE_BYTES == 0 \
-            and w >= 2 * STAGED_ROWS:
-        _copy_through_padded_rows(target, value)
-        return
-    block = next((b for b in (16, 8, 4) if n % b == 0 and w % b == 0), 0)
-    if not block:
-        target.copy_(value)
-        return
-    tiled = lambda t: t.unflatten(-2, (n // block, block)).unflatten(-1, (w // block, block))  # noqa: E731
-    tiled(target).copy_(tiled(value))
-
-
-def _whole_transposed_matrices(target: torch.Tensor, value: torch.Tensor) -> bool:
-    """Each [N, W] matrix of `value` (experts first, if any) a [W, N] one transposed, `target`'s contiguous."""
-    n, w = value.shape[-2:]
-    return value.dim() in (2, 3) and target.shape == value.shape and target.dtype == value.dtype and \
-        value.stride(-1) == n and target.stride(-1) == 1 and target.stride(-2) == w and n * w >= BLOCKED_MIN
-
-
-def _copy_through_padded_rows(target: torch.Tensor, value: torch.Tensor) -> None:
-    """`copy_transposing` for source rows a page multiple apart: STAGED_ROWS source rows at a time are
-    copied (contiguously) into a buffer with a row stride of N + 16, then tiled from there."""
-    n, w = value.shape[-2:]
-    buffer = torch.empty((*value.shape[:-2], STAGED_ROWS, n + 16), dtype=value.dtype)
-    for start in range(0, w, STAGED_ROWS):
-        count = min(STAGED_ROWS, w - start)
-        staged = buffer[..., :count, :n]
-        staged.copy_(value[..., start:start + count].transpose(-1, -2))
-        copy_transposing(target[..., start:start + count], staged.transpose(-1, -2))
