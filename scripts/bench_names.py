@@ -173,7 +173,8 @@ def run_header_json(path: Path) -> int:
 
 
 def run_index(path: Path) -> int:
-    """The checkpoint index every load builds first (safetensors' own open of every file, then its header)."""
+    """The checkpoint index every load builds first (every header parsed and checked whole, the index file's
+    weight map compared with them)."""
     with CheckpointIndex(path) as index:
         return len(index.refs)
 
@@ -301,7 +302,7 @@ def report(seconds: dict[str, float], tensors: int) -> str:
     rows = [("floor", "reading every expert tensor once", None),
             ("headers", "the headers alone", None),
             ("header json", "json.loads of every header (a bound of any parse in Python)", None),
-            ("index", "CheckpointIndex (safetensors' open + the header JSON of every file)", None),
+            ("index", "CheckpointIndex (every header parsed and checked, the weight map compared)", None),
             ("tp8", "load_experts, TP 8 rank 0", ("floor", 0.5, "headers", 5.0)),
             ("ep8", "load_experts, EP 8 rank 0", ("floor", 0.15)),
             ("model", "load_model_experts, TP 8 rank 0", ("tp8", 1.2)),

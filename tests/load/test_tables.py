@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import reassemble, rewrite
+from conftest import assert_exact, reassemble, rewrite
 from safetensors.torch import load_file, save_file
 
 from wna16_loader import FormatError, ParallelConfig
@@ -96,3 +96,24 @@ def test_a_layer_split_over_two_files_loads_as_one(tmp_path, tp, ep):
                                                                                               "b.safetensors"}
     one, two = reassemble(tmp_path / "one", tp, ep), reassemble(tmp_path / "two", tp, ep)
     assert one[0].keys() == two[0].keys() and all(torch.equal(one[0][k], two[0][k]) for k in one[0])
+
+
+def fuse_gate_up(folder: Path, experts: set[int]) -> None:
+    """Store gate and up of `experts` as one per-expert gate_up_proj (N = 2I, gate first) instead of two."""
+    def mutate(tensors: dict) -> None:
+        for e in experts:
+            for suffix in ("qweight", "qzeros", "scales"):
+                gate, up = tensors.pop(f"{P}.{e}.gate_proj.{suffix}"), tensors.pop(f"{P}.{e}.up_proj.{suffix}")
+                tensors[f"{P}.{e}.gate_up_proj.{suffix}"] = torch.cat([gate, up], -1)
+    rewrite(model(folder), mutate)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2), (1, 1)])
+def test_a_layer_whose_experts_store_gate_and_up_two_ways(tmp_path, tp, ep):
+    """Experts 0 and 1 store gate_proj and up_proj, experts 2 and 3 one gate_up_proj: an EP rank whose experts
+    are all in the second column, a rank with both, and one table shared by every rank all load the exact weights."""
+    written = write_checkpoint(tmp_path, quant_config("gptq", bits=4, group_size=32), num_experts=4, hidden=H,
+                               intermediate=I)
+    fuse_gate_up(tmp_path, {2, 3})
+    assert_exact(reassemble(tmp_path, tp, ep)[0], written.references)
+    assert plan_every_rank(tmp_path, tp, ep, shared=True) == plan_every_rank(tmp_path, tp, ep, shared=False)

@@ -320,3 +320,16 @@ def test_hand_made_bad_headers_are_checkpoint_errors(tmp_path: Path, header: dic
     _raw_safetensors(tmp_path / "model.safetensors", header, bytes(32))
     with pytest.raises(CheckpointError, match="model.safetensors"):
         CheckpointIndex(tmp_path)
+
+
+def test_a_ref_without_its_begin_is_located_by_name(tmp_path):
+    """A ref carries the first byte its index read from the header; one without (begin -1, e.g. made by hand)
+    is located by its name, alone or in a run, to the same bytes."""
+    write_checkpoint(tmp_path, quant_config("gptq", bits=4, group_size=32), num_experts=4)
+    with CheckpointIndex(tmp_path) as index:
+        refs = [index.refs[f"model.layers.0.mlp.experts.{e}.down_proj.qweight"] for e in range(4)]
+        assert all(ref.begin == index.begin(ref.name) for ref in refs)
+        bare = [ref._replace(begin=-1) for ref in refs]
+        assert torch.equal(index.read(bare[2], (slice(1, 3),)), index.read(refs[2], (slice(1, 3),)))
+        assert torch.equal(index.gather(bare, [()] * 4), index.gather(refs, [()] * 4))
+        assert index.locate_run(bare, [()] * 4) == [ref.begin for ref in refs]

@@ -10,7 +10,7 @@ time, once they have all arrived.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -51,7 +51,7 @@ class LayerLoad:
         before = writer.bytes_written
         upload = writer.policy if writer.upload_to is not None else None
         with writer.policy.scope():  # uploads and device conversion run in the target's context
-            writer.write_params(experts, proj, params, labels=[f"{self.prefix}.{e}.{proj.value}" for e in experts])
+            writer.write_params(experts, proj, params, labels=Labels(self.prefix, experts, proj._value_))
             spans, _ = rank_spans(sources[0], cut)
             for piece in read_qweights(reader, self.moe.quant, sources, spans, upload=upload):
                 writer.write_qweight(experts[piece.experts], proj, piece.tensor, n=piece.n)
@@ -87,6 +87,21 @@ class LayerLoad:
             for experts, sources in plan_runs(plan, proj):
                 self.tensors += sum(len(src.tensors) for src in sources)
                 self.write(index, writer, experts, proj, sources)
+
+
+class Labels(Sequence[str]):
+    """`{prefix}.{expert}.{proj}` of each of `experts`, for errors: made when asked (an error is rare)."""
+
+    def __init__(self, prefix: str, experts: Sequence[int], proj: str) -> None:
+        self.prefix, self.experts, self.proj = prefix, experts, proj
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return Labels(self.prefix, self.experts[i], self.proj)
+        return f"{self.prefix}.{self.experts[i]}.{self.proj}"
+
+    def __len__(self) -> int:
+        return len(self.experts)
 
 
 def plan_runs(plan: LayerPlan, proj: Proj) -> Iterator[tuple[tuple[int, ...], tuple[SourceTensors, ...]]]:

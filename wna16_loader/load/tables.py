@@ -88,9 +88,15 @@ class LayerTable:
         """The first source of every (expert, projection) that has one, the (entry, source) header checks
         still to do, in expert order (none when every header matched in bulk: `_checked_refs`), and the
         dtypes of its scales. Gate and up of one gate_up source share it."""
-        sources, checks, dtypes, made = {}, [], set(), {}
+        sources, checks, dtypes, made, whole = {}, [], set(), {}, {}
         refs, role = self._checked_refs(experts), self.moe.quant.dtype_role
         for order, (proj, _, _, columns) in enumerate(self._projections):
+            if columns and columns[0] not in whole:
+                whole[columns[0]] = self._whole_column(columns[0], experts, refs)
+            if columns and whole[columns[0]] is not None:  # every expert's from one column: made in bulk
+                sources.update(zip(zip(experts, repeat(proj)), whole[columns[0]]))
+                dtypes.update(src.tensors[role].dtype for src in whole[columns[0]][:1] if role in src.tensors)
+                continue
             for expert, column in self._first_columns(experts, columns):
                 src = made.get((expert, column))
                 if src is None:
@@ -101,6 +107,19 @@ class LayerTable:
                         dtypes.add(src.tensors[role].dtype)
                 sources[(expert, proj)] = src
         return sources, [(entry, src) for *_, entry, src in sorted(checks, key=lambda c: c[:2])], dtypes
+
+    def _whole_column(self, column: Column, experts: tuple[int, ...],
+                      refs: dict[Column, dict[Role, dict[int | None, TensorRef]]] | None) -> list[SourceTensors] | None:
+        """The sources of all `experts` from per-expert `column` when it holds every role it has for every one of
+        them and their refs are checked (one dtype per role: `TensorRefs.uniform`); None otherwise."""
+        if refs is None or column[1] or not experts:
+            return None
+        by_role = refs[column]
+        if not by_role or any(len(found) != len(experts) for found in by_role.values()):
+            return None
+        roles, (source, _), sizes = list(by_role), column, self._sizes[column[0]]
+        return [SourceTensors(source, dict(zip(roles, found)), None, *sizes)
+                for found in zip(*(found.values() for found in by_role.values()))]
 
     def _first_columns(self, experts: tuple[int, ...], columns: tuple[Column, ...]) -> Iterator[tuple[int, Column]]:
         """(expert, the first of `columns` that holds it) for each of `experts` that one holds (a stacked

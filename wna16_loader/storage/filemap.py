@@ -113,7 +113,8 @@ def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...]
     """`[t[index] for t in tensors]` as ONE strided view [E, *index shape] of the mapping when the tensors
     (one `shape`/`dtype`, at byte offsets `begins`) are evenly spaced; None otherwise. File memory, as `view`."""
     step = begins[1] - begins[0] if len(begins) > 1 else dtype.itemsize
-    if step <= 0 or step % dtype.itemsize or any(b - a != step for a, b in zip(begins, begins[1:])):
+    if step <= 0 or step % dtype.itemsize or \
+            list(begins) != list(range(begins[0], begins[0] + step * len(begins), step)):  # evenly spaced, in C
         return None
     first = file.view(begins[0], shape, dtype)
     stacked = first.as_strided((len(begins), *shape), (step // dtype.itemsize, *first.stride()),

@@ -42,12 +42,15 @@ ITEMSIZES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.item
 
 
 class TensorRef(NamedTuple):
-    """Where one tensor lives and what its header says (a named tuple: an index holds one per tensor)."""
+    """Where one tensor lives and what its header says (a named tuple: an index holds one per tensor);
+    `begin` is its first byte in `file` as the index that made it read the header (-1: not known, e.g. a
+    tensor an engine handed over; the index then looks it up by name)."""
 
     name: str
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    begin: int = -1
 
     @property
     def nbytes(self) -> int:
@@ -74,8 +77,9 @@ class TensorRefs(Mapping[str, TensorRef]):
 
     def __getitem__(self, name: str) -> TensorRef:
         file = self.files[name]
-        shape, dtype = self._maps[file].entries.shape_dtype(name)
-        return TensorRef(name, file, shape, DTYPES[dtype])
+        entries = self._maps[file].entries
+        shape, dtype = entries.shape_dtype(name)
+        return TensorRef(name, file, shape, DTYPES[dtype], entries.begin(name))
 
     def __contains__(self, name: object) -> bool:
         return name in self.files
@@ -89,17 +93,18 @@ class TensorRefs(Mapping[str, TensorRef]):
         pass over their header entries (file by file when they lie in several), one shape tuple shared by
         every ref; None otherwise (the caller then takes each ref alone, for its own error)."""
         files, file = self.files, self.files[names[0]]
-        dtype = self._maps[file].entries.uniform(names, shape)
+        entries = self._maps[file].entries
+        dtype = entries.uniform(names, shape)
         if dtype is not None:
-            return list(map(_make_ref, zip(names, repeat(file), repeat(shape), repeat(DTYPES[dtype])))) \
-                if DTYPES[dtype] in dtypes else None
+            return list(map(_make_ref, zip(names, repeat(file), repeat(shape), repeat(DTYPES[dtype]),
+                                           entries.begins(names)))) if DTYPES[dtype] in dtypes else None
         by_file: dict[str, list[str]] = {}
         for name in names:
             by_file.setdefault(files[name], []).append(name)
         found = {self._maps[file].entries.uniform(part, shape) for file, part in by_file.items()}
         if len(found) != 1 or None in found or DTYPES[dtype := found.pop()] not in dtypes:
             return None
-        return [TensorRef(name, files[name], shape, DTYPES[dtype]) for name in names]
+        return [self[name] for name in names]
 
     def __len__(self) -> int:
         return len(self.files)
@@ -229,13 +234,14 @@ class CheckpointIndex:
         every read of such a run passes here); None for others (each goes through `locate`)."""
         if not _one_file(refs, indices):
             return None
-        return self._maps[refs[0].file].begins([ref.name for ref in refs])
+        begins = list(map(_BEGIN, refs))  # as the header said when this index made the refs
+        return begins if min(begins) >= 0 else self._maps[refs[0].file].begins([ref.name for ref in refs])
 
     def locate(self, ref: TensorRef, index: Index) -> tuple[int, str, tuple[int, ...], torch.dtype, Index]:
         """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,
         file, shape, dtype, rest of the index), leading int indices folded into the first byte. Every read
         passes here or through `locate_run`."""
-        begin, shape = self.begin(ref.name), ref.shape
+        begin, shape = ref.begin if ref.begin >= 0 else self.begin(ref.name), ref.shape
         while index and isinstance(index[0], int):
             if not 0 <= index[0] < shape[0]:
                 raise IndexError(f"{ref.name}: row {index[0]} outside 0..{shape[0] - 1}")
@@ -255,6 +261,7 @@ def _one_file(refs: Sequence[TensorRef], indices: Sequence[Index]) -> bool:
 
 
 _RUN_FIELDS = tuple((name, attrgetter(name)) for name in ("file", "shape", "dtype"))
+_BEGIN = attrgetter("begin")
 
 
 def _allowed_roots(folder: Path) -> tuple[Path, ...]:
