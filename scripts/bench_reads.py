@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench  # noqa: E402  (the checkpoint of --size full)
-from wna16_loader.load.fused import copy_transposing  # noqa: E402
+
+from wna16_loader.load.copies import copy_transposing  # noqa: E402
 
 MADV_HUGEPAGE = 14  # Linux
 HUGE = 2 << 20

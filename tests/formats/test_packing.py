@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from wna16_loader.formats.awq import AWQ_ORDER
 from wna16_loader.formats.packing import (
+    NibbleWords,
     add_word_bias,
     pack_bytes,
     pack_words,
-    NibbleWords,
     transpose_nibble_words,
     unpack_bytes,
     unpack_words,

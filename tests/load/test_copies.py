@@ -10,8 +10,8 @@ from typing import Callable
 
 import pytest
 import torch
-from hypothesis import given, settings
 from conftest import random_tensor
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wna16_loader.formats.awq import AWQ_ORDER

@@ -49,8 +49,8 @@ from ..formats.packing import NibbleWords, pack_bytes
 from ..formats.spec import UNQUANTIZED_BITS
 from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, Span, values_per_byte
-from .dequant import DequantizedExperts, dequantize
 from .copies import place
+from .dequant import DequantizedExperts, dequantize
 from .device import DevicePolicy
 from .padfill import fill_padding, real_groups, real_rows
 from .params import ProjectionParams
