@@ -99,17 +99,20 @@ class CheckedEntries(Mapping[str, HeaderEntry]):
 
     def begins(self, names: Sequence[str]) -> list[int]:
         """The first byte of each of `names` (one pass in C, no entry made)."""
-        found = [self._raw[names[0]]] if len(names) == 1 else itemgetter(*names)(self._raw)
-        return list(map(self._start.__add__, map(_FIRST, map(_OFFSETS, found))))
+        return list(map(self._start.__add__, map(_FIRST, map(_OFFSETS, self._many(names)))))
 
     def dtype_names(self) -> set[str]:
         """The dtype names of the entries."""
         return {raw["dtype"] for raw in self._raw.values()}
 
+    def _many(self, names: Sequence[str]) -> Sequence[dict]:
+        """The parsed entries of `names`, looked up in one call in C (KeyError for a name not in the header)."""
+        return [self._raw[names[0]]] if len(names) == 1 else itemgetter(*names)(self._raw)
+
     def uniform(self, names: Sequence[str], shape: tuple[int, ...]) -> str | None:
         """`HeaderEntries.uniform`, on the parsed JSON (one comparison of its shape list per name)."""
         try:
-            found = [self._raw[names[0]]] if len(names) == 1 else itemgetter(*names)(self._raw)
+            found = self._many(names)
         except KeyError:
             return None
         dtypes = list(map(_DTYPE, found))

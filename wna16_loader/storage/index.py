@@ -295,8 +295,7 @@ def _shard_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
         raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory).")
     index_path = folder / INDEX_FILE
     if index_path.is_file():
-        weight_map = _weight_map(index_path)
-        files = sorted(set(weight_map.values()))
+        weight_map, files = _weight_map(index_path)
         for file in files:
             if not _inside(folder, file).is_file():
                 raise CheckpointError(f"{index_path}: names {file!r}, which does not exist in {folder}.")
@@ -313,7 +312,8 @@ def _shard_files(folder: Path) -> tuple[list[str], dict[str, str] | None]:
     raise CheckpointError(f"{folder}: no *.safetensors files and no {INDEX_FILE}.")
 
 
-def _weight_map(index_path: Path) -> dict[str, str]:
+def _weight_map(index_path: Path) -> tuple[dict[str, str], list[str]]:
+    """The index file's weight map (tensor name -> file) and its files, sorted."""
     try:
         data = json.loads(index_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -325,7 +325,7 @@ def _weight_map(index_path: Path) -> dict[str, str]:
         files = {None}
     if not all(isinstance(file, str) for file in files):  # the distinct values: one per file
         raise CheckpointError(f"{index_path}: expected an object with a `weight_map` of tensor name -> file.")
-    return weight_map
+    return weight_map, sorted(files)
 
 
 def _check_index_file(index_path: Path, weight_map: dict[str, str], files: dict[str, str]) -> None:
