@@ -16,7 +16,7 @@ from ..load.presharded import is_presharded, rank_record, rank_specs, read_rank
 from ..load.results import LoadReport
 from ..logs import rank_logger
 from ..parallel.config import ParallelConfig
-from ..storage.bulk import gc_paused
+from ..storage.bulk import paused_gc_call
 from ..storage.hub import resolve_checkpoint
 from .module import FusedMoEExperts
 
@@ -90,18 +90,24 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     _check_not_loaded(modules)
     if is_presharded(checkpoint_folder):
         return _load_presharded_into(modules, checkpoint_folder, parallel, include_mtp)
-    with gc_paused(), planned(checkpoint_folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
+    return _load_checkpoint_into(modules, checkpoint_folder, parallel, include_mtp, start)
+
+
+@paused_gc_call  # the index, scan and plans are freed before the GC is back on: see storage/bulk.py
+def _load_checkpoint_into(modules: dict[str, FusedMoEExperts], folder: Path, parallel: ParallelConfig,
+                          include_mtp: bool, start: float) -> LoadReport:
+    """`load_model_experts` of a checkpoint folder (not pre-sharded)."""
+    with planned(folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
         for plan in plans:
             modules[plan.prefix].load_plan(index, plan)
-        bytes_read = index.bytes_read
-    synchronize(modules.values())
-    for module in modules.values():
-        module.check_complete()
-    report = LoadReport.of(plans, scan, tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()),
-                           bytes_read=bytes_read, start=start,
-                           bytes_written=sum(m.hook.bytes_written - before[p][1] for p, m in modules.items()))
+        synchronize(modules.values())
+        for module in modules.values():
+            module.check_complete()
+        report = LoadReport.of(plans, scan, tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()),
+                               bytes_read=index.bytes_read, start=start,
+                               bytes_written=sum(m.hook.bytes_written - before[p][1] for p, m in modules.items()))
     rank_logger(parallel).info("loaded into the model: %s", report)
     return report
 

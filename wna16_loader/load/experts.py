@@ -13,7 +13,7 @@ import torch
 from ..logs import rank_logger
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
-from ..storage.bulk import gc_paused
+from ..storage.bulk import paused_gc_call
 from ..storage.hub import resolve_checkpoint
 from ..storage.index import CheckpointIndex
 from .device import DevicePolicy
@@ -72,21 +72,27 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     path = resolve_checkpoint(path, revision=revision, rank=parallel.rank)
     if is_presharded(path):
         return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
+    return _load_checkpoint(path, parallel, policy, device, allow_nonfinite_scales, convert_on_device, include_mtp)
+
+
+@paused_gc_call  # the index, scan and plans are freed before the GC is back on: see storage/bulk.py
+def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy, device: torch.device | str,
+                     allow_nonfinite: bool, convert_on_device: bool, include_mtp: bool) -> LoadedExperts:
+    """`load_experts` of a checkpoint folder (not pre-sharded)."""
     start = time.perf_counter()
-    with gc_paused(), planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         result = LoadedExperts()
         written = tensors = 0
         for plan in plans:
-            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite_scales,
+            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite,
                                               convert_on_device=convert_on_device)
             result[plan.prefix] = layer
             tensors += count
             written += nbytes
-        bytes_read = index.bytes_read
-    policy.synchronize()
-    result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=bytes_read, bytes_written=written,
-                                  start=start)
-    result.ignored = scan.others
+        policy.synchronize()
+        result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=index.bytes_read,
+                                      bytes_written=written, start=start)
+        result.ignored = scan.others
     rank_logger(parallel).info("loaded: %s", result.report)
     return result
 
