@@ -229,16 +229,23 @@ def test_parser_equals_the_regex_on_generated_names(segments: list[str]) -> None
 
 @given(st.lists(st.lists(SEGMENTS, min_size=1, max_size=9).map(".".join), max_size=12))
 def test_split_equals_one_name_at_a_time(names: list[str]) -> None:
-    """`split` (the scan's loop) gives each name the key `__call__` gives it, grouped by experts prefix in order."""
+    """`split` (the scan's loop) puts each name where the key `__call__` gives it says: its layer (by experts
+    prefix, in order), and there its cell (source, stacked, suffix) under its expert id."""
     names += [f"model.layers.{layer}.mlp.experts.{e}.w1.qweight" for layer in (2, 0) for e in (1, 0)]
     layers, others = ExpertNameParser().split(names)
     keys = [(name, parse_expert_name(name)) for name in names]
     assert others == [name for name, key in keys if key is None]
     expected: dict[str, list] = {}
-    for _, key in keys:
+    cells: dict[str, dict] = {}
+    for name, key in keys:
         if key is not None:
             expected.setdefault(key.experts_prefix, []).append(key)
-    assert layers == expected and all(type(key) is ExpertTensorKey for group in layers.values() for key in group)
+            cell = cells.setdefault(key.experts_prefix, {}).setdefault((key.source, key.expert is None, key.suffix), {})
+            cell[key.expert] = name
+    assert {prefix: list(layer) for prefix, layer in layers.items()} == expected
+    assert {prefix: layer.cells for prefix, layer in layers.items()} == cells
+    assert all(layer.layer == layer[0].layer and layer.prefix == prefix for prefix, layer in layers.items())
+    assert all(type(key) is ExpertTensorKey for group in layers.values() for key in group)
 
 
 def test_enum_members_hash_by_identity() -> None:

@@ -43,8 +43,8 @@ def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConf
         scan = CheckpointScan.of(index)
         mtp = scan.mtp_prefixes(moe.mtp)
         tables = LayerTables(index, moe)
-        specs = tuple((prefix, tables.layer(prefix, keys).spec) for prefix, keys in scan.layers.items()
-                      if keys[0].layer in moe.moe_layers or prefix in mtp)
+        specs = tuple((prefix, tables.layer(names).spec) for prefix, names in scan.layers.items()
+                      if names.layer in moe.moe_layers or prefix in mtp)
     return replace(moe, experts_prefixes=tuple(p for p in scan.layers if p not in mtp), mtp_prefixes=mtp,
                    layer_specs=specs)
 

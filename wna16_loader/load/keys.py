@@ -4,10 +4,10 @@ and the name mapping (`expert_key_problem`), and its memoised form for the many 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 from ..models.config import MoEConfig
-from ..models.names import ExpertTensorKey, Proj, Source
+from ..models.names import Cell, ExpertTensorKey, LayerNames, Proj, Source
 
 STACKED_SOURCES = (Source.GATE_UP, Source.DOWN)
 
@@ -26,27 +26,24 @@ class KeyRules:
         """`expert_key_problem(self.moe, key)`."""
         return _key_problem(key, self._kinds[key.suffix, key.source, key.expert is None], self._counts[key.layer])
 
-    def sort_out(self, keys: Iterable[ExpertTensorKey]) -> tuple[dict[tuple[Source, bool, str], dict[int | None, str]],
-                                                                list[tuple[str, str]]]:
-        """The keys of one layer that feed a slot, as (source, stacked, suffix) -> {expert or None: name}, and
-        (name, why) of the others, both in order: `problem` of each key, with its lookups inlined."""
-        cells: dict[tuple[Source, bool, str], dict[int | None, str]] = {}
-        rejects: list[tuple[str, str]] = []
-        kinds, counts = self._kinds, self._counts
-        for key in keys:
-            kind = (key.source, key.expert is None, key.suffix)
-            cell = cells.get(kind)
-            if cell is None:
-                problem = kinds[key.suffix, key.source, kind[1]]
-                if problem is not None:
-                    rejects.append((key.name, problem))
-                    continue
-                cell = cells[kind] = {}
-            if key.expert is not None and key.expert >= counts[key.layer]:
-                rejects.append((key.name, _key_problem(key, None, counts[key.layer])))
+    def sort_out(self, layer: LayerNames) -> tuple[dict[Cell, dict[int | None, str]], list[tuple[str, str]]]:
+        """The cells of one layer whose tensors feed a slot ((source, stacked, suffix) -> {expert or None:
+        name}), and (name, why) of the tensors that feed none, in checkpoint order: `problem` of each tensor,
+        decided cell by cell (its kind once, its expert ids by the largest)."""
+        kept: dict[Cell, dict[int | None, str]] = {}
+        why: dict[str, str] = {}
+        count = self._counts[layer.layer]
+        for cell, names in layer.cells.items():
+            source, stacked, suffix = cell
+            problem = self._kinds[suffix, source, stacked]
+            if problem is not None:
+                why.update(dict.fromkeys(names.values(), problem))
+            elif stacked or max(names) < count:  # type: ignore[type-var] (a per-expert cell's ids are ints)
+                kept[cell] = names
             else:
-                cell[key.expert] = key.name
-        return cells, rejects
+                kept[cell] = {expert: name for expert, name in names.items() if expert < count}
+                why.update((name, _expert_problem(expert, count)) for expert, name in names.items() if expert >= count)
+        return kept, [(name, why[name]) for name in layer.names if name in why] if why else []
 
 
 class _Memo(dict):
@@ -84,6 +81,9 @@ def _key_problem(key: ExpertTensorKey, kind_problem: str | None, count: int) -> 
     `specs.checked_layer_spec`)."""
     if kind_problem is not None:
         return kind_problem
-    if key.expert is not None and key.expert >= count:
-        return f"expert id {key.expert} >= expert count {count}"
-    return None
+    return _expert_problem(key.expert, count) if key.expert is not None and key.expert >= count else None
+
+
+def _expert_problem(expert: int, count: int) -> str:
+    """Why a tensor of expert `expert` of a layer of `count` experts feeds no slot."""
+    return f"expert id {expert} >= expert count {count}"

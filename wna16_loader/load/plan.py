@@ -14,7 +14,7 @@ from ..errors import CheckpointError, FormatError, format_ranges
 from ..formats import Role
 from ..models.config import MoEConfig
 from ..models.layer_specs import LayerSpec
-from ..models.names import ExpertTensorKey, Proj, prefix_at_layer
+from ..models.names import LayerNames, Proj, prefix_at_layer
 from ..parallel.config import ParallelConfig
 from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
@@ -56,16 +56,15 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     ledger.names = CheckpointNames(moe, scan)
     plans = []
     with gc_paused():  # tables, slots and sources per tensor: see bulk.py
-        for prefix, keys in scan.layers.items():
-            layer = keys[0].layer
+        for prefix, names in scan.layers.items():
             if moe.mtp.index(prefix) is not None:
-                plans += plan_mtp_layer(index, moe, parallel, prefix, keys, ledger, tables)
+                plans += plan_mtp_layer(index, moe, parallel, names, ledger, tables)
                 continue
-            if layer not in moe.moe_layers:
-                for key in keys:
-                    ledger.reject(key.name, f"layer {layer} is not a MoE layer per config.json")
+            if names.layer not in moe.moe_layers:
+                for name in names.names:
+                    ledger.reject(name, f"layer {names.layer} is not a MoE layer per config.json")
                 continue
-            plans.append(plan_layer(index, moe, parallel, prefix, keys, ledger, tables))
+            plans.append(plan_layer(index, moe, parallel, names, ledger, tables))
     return plans
 
 
@@ -95,9 +94,9 @@ class CheckpointNames:
         """`config.json says 16 experts (num_experts), the checkpoint has experts 0–7 ...` when whole experts
         that the config counts have no tensor at all in some MoE layer; None otherwise."""
         lacking = {slot.prefix for slot in missing}
-        present = {prefix: sorted({k.expert for k in keys if k.expert is not None})
-                   for prefix, keys in self.scan.layers.items() if prefix in lacking}
-        counts = {prefix: self.moe.layer(self.scan.layers[prefix][0].layer).num_experts for prefix in present}
+        present = {prefix: sorted({e for (_, stacked, _), cell in names.cells.items() if not stacked for e in cell})
+                   for prefix, names in self.scan.layers.items() if prefix in lacking}
+        counts = {prefix: self.moe.layer(self.scan.layers[prefix].layer).num_experts for prefix in present}
         short = {prefix: ids for prefix, ids in present.items() if ids and len(ids) < counts[prefix]}
         if not short:
             return None
@@ -112,7 +111,7 @@ class CheckpointNames:
 
 def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) -> None:
     """Every MoE layer of the config without expert tensors in the checkpoint, as a *missing* entry."""
-    found = {keys[0].layer: prefix for prefix, keys in scan.layers.items() if moe.mtp.index(prefix) is None}
+    found = {names.layer: prefix for prefix, names in scan.layers.items() if moe.mtp.index(prefix) is None}
     example = next(iter(found.values()), None)
     why = "every layer" if moe.resolution is None else moe.resolution["MoE layers"].source
     for layer in moe.moe_layers:
@@ -125,25 +124,26 @@ def report_missing_layers(moe: MoEConfig, scan: CheckpointScan, ledger: Ledger) 
 MTP_FIX = "load with include_mtp=False (wna16-shard --no-mtp) to keep them as non-expert tensors"
 
 
-def plan_mtp_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
-                   keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables) -> list[LayerPlan]:
+def plan_mtp_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, names: LayerNames,
+                   ledger: Ledger, tables: LayerTables) -> list[LayerPlan]:
     """The plan of an MTP layer's experts ([] when the config declares no such MTP layer: each tensor is
     then unexpected). Its spec is resolved like any layer's: 16-bit `.weight` experts (official Qwen3.5
     GPTQ-Int4 releases) load into the unquantized fused layout."""
-    problem = moe.mtp.problem(prefix)
+    problem = moe.mtp.problem(names.prefix)
     if problem is not None:
-        for key in keys:
-            ledger.reject(key.name, f"{problem}; {MTP_FIX}")
+        for name in names.names:
+            ledger.reject(name, f"{problem}; {MTP_FIX}")
         return []
-    return [replace(plan_layer(index, moe, parallel, prefix, keys, ledger, tables), mtp=True)]
+    return [replace(plan_layer(index, moe, parallel, names, ledger, tables), mtp=True)]
 
 
-def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, prefix: str,
-               keys: list[ExpertTensorKey], ledger: Ledger, tables: LayerTables | None = None) -> LayerPlan:
+def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, names: LayerNames,
+               ledger: Ledger, tables: LayerTables | None = None) -> LayerPlan:
     """Plan one layer: its spec, EP filter, header checks, ledger entries."""
-    table = (tables or LayerTables(index, moe)).layer(prefix, keys)
+    table = (tables or LayerTables(index, moe)).layer(names)
+    prefix = names.prefix
     moe = table.moe  # the layer's own spec from here on
-    geometry = layer_geometry(moe, parallel, keys[0].layer)
+    geometry = layer_geometry(moe, parallel, names.layer)
     for name, why in table.rejects:
         ledger.reject(name, why)
     slots = table.slots(tuple(sorted(set(geometry.experts))))
@@ -153,7 +153,7 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
     table.check_headers(slots.checks, geometry.num_experts)  # each tensor's own error before cross-tensor checks
     fused = FusedSpec.of(geometry, moe.quant, _scale_dtype(prefix, slots.scales), gated=moe.gated,
                          activation=moe.activation)
-    return LayerPlan(prefix=prefix, layer=keys[0].layer, geometry=geometry, fused=fused, sources=slots.sources,
+    return LayerPlan(prefix=prefix, layer=names.layer, geometry=geometry, fused=fused, sources=slots.sources,
                      moe=moe, spec=table.spec, records=slots.records)
 
 

@@ -5,16 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.mtp import MTPLayers
-from ..models.names import ExpertNameParser, ExpertTensorKey
+from ..models.names import ExpertNameParser, LayerNames
 from ..storage.bulk import gc_paused
 from ..storage.index import CheckpointIndex
 
 
 @dataclass(frozen=True)
 class CheckpointScan:
-    """A checkpoint's tensor names split into routed-expert layers and the rest."""
+    """A checkpoint's tensor names split into routed-expert layers (each its `LayerNames`, in layer order) and
+    the rest (sorted)."""
 
-    layers: dict[str, list[ExpertTensorKey]]
+    layers: dict[str, LayerNames]
     others: tuple[str, ...]
 
     @property
@@ -25,10 +26,10 @@ class CheckpointScan:
 
     @classmethod
     def of(cls, index: CheckpointIndex) -> "CheckpointScan":
-        """Parse every name once (the name regex once per name shape: `ExpertNameParser`)."""
-        with gc_paused():  # one key per name: see bulk.py
+        """Parse every name once (the name regex once per name shape: `ExpertNameParser.split`)."""
+        with gc_paused():  # an entry per name: see bulk.py
             layers, others = ExpertNameParser().split(index.refs)
-        return cls(dict(sorted(layers.items(), key=lambda kv: kv[1][0].layer)), tuple(sorted(others)))
+        return cls(dict(sorted(layers.items(), key=lambda kv: kv[1].layer)), tuple(sorted(others)))
 
     def mtp_prefixes(self, mtp: MTPLayers) -> tuple[str, ...]:
         """The experts prefixes of the scan that belong to MTP layers (declared by the config or not)."""
@@ -38,6 +39,6 @@ class CheckpointScan:
         """This scan with the expert tensors of `prefixes` counted as non-expert tensors (`others`)."""
         if not prefixes:
             return self
-        moved = [key.name for prefix in prefixes for key in self.layers[prefix]]
+        moved = [name for prefix in prefixes for name in self.layers[prefix].names]
         return CheckpointScan({p: keys for p, keys in self.layers.items() if p not in prefixes},
                               tuple(sorted((*self.others, *moved))))

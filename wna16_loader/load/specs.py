@@ -18,18 +18,19 @@ from ..formats import ModuleRules, QuantSpec, Role, unquantized_spec
 from ..logs import log, warn_reduced_groups
 from ..models.config import MoEConfig
 from ..models.layer_specs import LayerSpec, resolve_layer_spec
-from ..models.names import ExpertTensorKey, Source
+from ..models.names import ExpertTensorKey, LayerNames, Source
 from ..storage.index import TensorRef
 from .params import SourceTensors, expected_shape
 
 
-def checked_layer_spec(moe: MoEConfig, prefix: str, keys: Sequence[ExpertTensorKey], refs: dict[str, TensorRef],
+def checked_layer_spec(moe: MoEConfig, keys: LayerNames, refs: dict[str, TensorRef],
                        modules: Container[str] = ()) -> LayerSpec:
     """The spec of the layer whose routed-expert tensors are `keys`: the rules' (every module of the
     layer resolved; one spec per layer), unless the tensors show the other kind (see the module doc).
     `modules`: every module name of the checkpoint, for rules that need them."""
+    prefix = keys.prefix
     declared = moe.spec_of(prefix) if moe.rules is None else _declared(moe.rules, prefix, keys, modules)
-    suffixes = {key.suffix for key in keys}
+    suffixes = keys.suffixes
     float_suffixes = {suffix for suffix in suffixes if unquantized_spec().layout_for_suffix(suffix) is not None}
     floats = [key for key in keys if key.suffix in float_suffixes] if float_suffixes else []
     if declared.spec.quantized and floats and not suffixes & {lay.suffix for lay in declared.spec.layouts}:

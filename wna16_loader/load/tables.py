@@ -2,7 +2,7 @@
 stacked) -> {role: {expert: name}}, the tensors that feed no slot, and the sources, header checks and ledger
 blocks of each set of local experts, worked out once (`LayerTables`: the plans of every rank share them).
 
-| LayerTables(index, moe).layer(prefix, keys) | the layer's `LayerTable` (its spec resolved once)          |
+| LayerTables(index, moe).layer(names)        | the layer's `LayerTable` (its spec resolved once)          |
 | LayerTable.slots(experts)                   | `LayerSlots`: sources, checks, expected and written blocks |
 """
 
@@ -17,7 +17,7 @@ import torch
 from ..formats import Role
 from ..models.config import MoEConfig
 from ..models.layer_specs import LayerSpec
-from ..models.names import ExpertTensorKey, Proj, Source
+from ..models.names import LayerNames, Proj, Source
 from ..storage.index import CheckpointIndex, TensorRef
 from .fused import layer_projections
 from .keys import KeyRules
@@ -49,19 +49,19 @@ class LayerTable:
     others, the `LayerSlots` of each set of local experts asked (refs made only for those experts: an EP
     rank's own) and the entries whose headers passed `check_headers`."""
 
-    def __init__(self, index: CheckpointIndex, moe: MoEConfig, prefix: str, keys: list[ExpertTensorKey],
-                 rules: KeyRules, spec: LayerSpec | None = None) -> None:
-        self.moe, self.prefix = moe, prefix
+    def __init__(self, index: CheckpointIndex, moe: MoEConfig, names: LayerNames, rules: KeyRules,
+                 spec: LayerSpec | None = None) -> None:
+        self.moe, self.prefix = moe, names.prefix
         self.spec = spec or LayerSpec(moe.quant, "the top-level quantization_config")
         self.columns: dict[Column, dict[Role, dict[int | None, str]]] = {}
         self._refs = index.refs
         self.passed: set[EntryKey] = set()
         self._slots: dict[tuple[int, ...], LayerSlots] = {}
-        cells, self.rejects = rules.sort_out(keys)
+        cells, self.rejects = rules.sort_out(names)
         columns, roles = self.columns, rules.roles
-        for (source, stacked, suffix), names in cells.items():
-            columns.setdefault((source, stacked), {}).setdefault(roles[suffix], {}).update(names)
-        values = moe.layer(keys[0].layer)
+        for (source, stacked, suffix), cell in cells.items():
+            columns.setdefault((source, stacked), {}).setdefault(roles[suffix], {}).update(cell)
+        values = moe.layer(names.layer)
         hidden, intermediate, self.num_experts = moe.hidden_size, values.intermediate_size, values.num_experts
         self._sizes = {source: source_sizes(hidden, intermediate, source) for source in Source}
         self._present = {column: frozenset().union(*names.values()) for column, names in columns.items()}
@@ -209,13 +209,14 @@ class LayerTables:
         self._rules = {moe.quant: self.rules}
         self._modules = modules
 
-    def layer(self, prefix: str, keys: list[ExpertTensorKey]) -> LayerTable:
-        """The table of the layer whose keys (all of them, from the scan) are `keys`."""
+    def layer(self, names: LayerNames) -> LayerTable:
+        """The table of the layer whose routed-expert tensors (all of them, from the scan) are `names`."""
+        prefix = names.prefix
         if prefix not in self._layers:
-            spec = checked_layer_spec(self.moe, prefix, keys, self.index.refs, self._known())
+            spec = checked_layer_spec(self.moe, names, self.index.refs, self._known())
             moe = self.moe if spec.spec == self.moe.quant else replace(self.moe, quant=spec.spec)
             rules = self._rules.setdefault(spec.spec, KeyRules(moe))
-            self._layers[prefix] = LayerTable(self.index, moe, prefix, keys, rules, spec)
+            self._layers[prefix] = LayerTable(self.index, moe, names, rules, spec)
         return self._layers[prefix]
 
     def _known(self) -> frozenset[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import re
 from functools import partial
-from typing import Iterable, NamedTuple
+from typing import Iterable, NamedTuple, Sequence
 
 from .families import all_rows, mtp_roots
 
@@ -116,6 +116,57 @@ def parse_expert_name(name: str) -> ExpertTensorKey | None:
     )
 
 
+Cell = tuple[Source, bool, str]  # (source, stacked, suffix): one kind of routed-expert tensor of a layer
+
+
+class LayerNames(Sequence[ExpertTensorKey]):
+    """The routed-expert tensors of one layer as a checkpoint names them: `names` in checkpoint order, and
+    `cells`, (source, stacked, suffix) -> {expert (None: stacked) -> name}, by first appearance. As a
+    sequence, the `ExpertTensorKey` of each name, made when first asked (planning reads the cells alone)."""
+
+    def __init__(self, prefix: str, layer: int) -> None:
+        self.prefix, self.layer = prefix, layer
+        self.names: list[str] = []
+        self.cells: dict[Cell, dict[int | None, str]] = {}
+        self._keys: list[ExpertTensorKey] | None = None
+
+    def add(self, key: ExpertTensorKey) -> None:
+        """One more tensor of the layer."""
+        self.cells.setdefault((key.source, key.expert is None, key.suffix), {})[key.expert] = key.name
+        self.names.append(key.name)
+        self._keys = None
+
+    @property
+    def keys(self) -> list[ExpertTensorKey]:
+        """The key of each name, in checkpoint order."""
+        if self._keys is None:
+            parse = ExpertNameParser()
+            self._keys = [parse(name) for name in self.names]
+        return self._keys
+
+    @property
+    def suffixes(self) -> set[str]:
+        """The suffixes of the layer's tensors."""
+        return {suffix for _, _, suffix in self.cells}
+
+    def __getitem__(self, item: int | slice) -> ExpertTensorKey | list[ExpertTensorKey]:  # type: ignore[override]
+        return self.keys[item]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __repr__(self) -> str:
+        return f"LayerNames({self.prefix!r}, {len(self.names)} tensors)"
+
+
+def _layer_names(layers: dict[str, LayerNames], prefix: str, layer: int) -> LayerNames:
+    """The `LayerNames` of `prefix` in `layers`, added when new."""
+    names = layers.get(prefix)
+    if names is None:
+        names = layers[prefix] = LayerNames(prefix, layer)
+    return names
+
+
 class ExpertNameParser:
     """`parse_expert_name` for the many names of one checkpoint: the regex runs once per name *shape*.
 
@@ -138,27 +189,42 @@ class ExpertNameParser:
             found = self._shape(stem, proj, suffix)
         return None if found is None else _make_key((name, found[0], found[1], int(expert), found[2], found[3]))
 
-    def split(self, names: Iterable[str]) -> tuple[dict[str, list[ExpertTensorKey]], list[str]]:
-        """(experts prefix -> the keys of its names, in order; every other name, in order): `self(name)` of
-        each of `names`, its lookups inlined (a checkpoint has hundreds of thousands)."""
-        layers: dict[str, list[ExpertTensorKey]] = {}
-        others, shapes = [], self._shapes
+    def split(self, names: Iterable[str]) -> tuple[dict[str, LayerNames], list[str]]:
+        """(experts prefix -> its `LayerNames`, by first appearance; every other name, in order): what `self(name)`
+        says of each of `names`, with no key made (a checkpoint has hundreds of thousands of names: a numbered
+        name costs its split at the dots, one lookup of its shape and one store into its cell)."""
+        layers: dict[str, LayerNames] = {}
+        others: list[str] = []
+        cells: dict[tuple[str, str, str], tuple[dict[int | None, str], list[str]] | None] = {}  # by name shape
         for name in names:
             stem, expert, proj, suffix = name_shape(name)
             if SHAPE_RULE and stem and expert.isdecimal():
-                found = shapes.get((stem, proj, suffix), _UNSEEN)
+                found = cells.get((stem, proj, suffix), _UNSEEN)
                 if found is _UNSEEN:
-                    found = self._shape(stem, proj, suffix)
-                key = None if found is None else _make_key((name, found[0], found[1], int(expert), found[2], found[3]))
-            else:
-                key = parse_expert_name(name)
-            if key is None:
+                    found = cells[(stem, proj, suffix)] = self._cell_of_shape(layers, stem, proj, suffix)
+                if found is None:
+                    others.append(name)
+                else:
+                    found[0][int(expert)] = name
+                    found[1].append(name)
+            elif (key := parse_expert_name(name)) is None:
                 others.append(name)
-            elif key.experts_prefix in layers:
-                layers[key.experts_prefix].append(key)
             else:
-                layers[key.experts_prefix] = [key]
+                _layer_names(layers, key.experts_prefix, key.layer).add(key)
         return layers, others
+
+    def _cell_of_shape(self, layers: dict[str, LayerNames], stem: str, proj: str,
+                       suffix: str) -> tuple[dict[int | None, str], list[str]] | None:
+        """(the cell, the names list) of its layer that the numbered names of one shape go to; None: not
+        expert tensors."""
+        found = self._shapes.get((stem, proj, suffix), _UNSEEN)
+        if found is _UNSEEN:
+            found = self._shape(stem, proj, suffix)
+        if found is None:
+            return None
+        prefix, layer, source, key_suffix = found
+        names = _layer_names(layers, prefix, layer)
+        return names.cells.setdefault((source, False, key_suffix), {}), names.names
 
     def _shape(self, stem: str, proj: str, suffix: str) -> tuple[str, int, Source, str] | None:
         """(experts prefix, layer, source, suffix) of every name of one shape (None: not expert tensors), from
