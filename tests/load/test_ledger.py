@@ -69,7 +69,7 @@ def test_bulk_calls_equal_one_at_a_time(expected: list, writes: list) -> None:
         one.record(P, expert, proj, role, name)
     bulk.expect_slots(Slot.of(P, *cell) for cell in expected)
     bulk.record_slots((Slot.of(P, *cell), name) for cell, name in writes)
-    assert (bulk.expected, bulk.written) == (one.expected, one.written)
+    assert (bulk.expected, bulk.written, bulk.repeats) == (one.expected, one.written, one.repeats)
     assert bulk.offenders() == one.offenders()
 
 
@@ -84,7 +84,7 @@ def test_blocks_equal_one_slot_at_a_time(expected: list, writes: list) -> None:
     for (expert, proj, role), name in writes:
         one.record(P, expert, proj, role, name)
         bulk.record_block(Block((P, proj.value, role.value), {expert: name}))
-    assert (bulk.expected, bulk.written) == (one.expected, one.written)
+    assert (bulk.expected, bulk.written, bulk.repeats) == (one.expected, one.written, one.repeats)
     assert bulk.offenders() == one.offenders() and bulk.expected_count() == len({*expected})
 
 

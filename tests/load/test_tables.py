@@ -45,7 +45,7 @@ def plan_every_rank(folder: Path, tp: int, ep: int, *, shared: bool) -> list:
                 out.append(str(exc))
                 continue
             out.append(([(p.prefix, p.fused, p.sources) for p in plans], ledger.expected, ledger.written,
-                        ledger.offenders()))
+                        ledger.repeats, ledger.offenders()))
     return out
 
 

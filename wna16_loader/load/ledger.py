@@ -59,12 +59,14 @@ class Block(NamedTuple):
 class Ledger:
     """Records every slot written; `check` raises one error naming every offender."""
 
-    # Plain sets and dicts of ints, strings and tuples of strings, per block: the garbage collector stops
-    # tracking tuples of those, and a load records hundreds of thousands of slots, which every full
-    # collection of a long-lived module's ledger would scan again. `missing()` and `offenders()` give
-    # `Slot`s back.
+    # Plain sets and dicts of ints and strings, per block: the garbage collector does not track those, and a
+    # load records hundreds of thousands of slots, which every full collection of a long-lived module's
+    # ledger would scan again. `written` keeps the first name of each slot, `repeats` the later names of a
+    # slot filled more than once (so a block is recorded by one dict update). `missing()` and `offenders()`
+    # give `Slot`s back.
     expected: dict[BlockKey, set[int]] = field(default_factory=dict)
-    written: dict[BlockKey, dict[int, tuple[str, ...]]] = field(default_factory=dict)
+    written: dict[BlockKey, dict[int, str]] = field(default_factory=dict)
+    repeats: dict[BlockKey, dict[int, tuple[str, ...]]] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     absent: list[str] = field(default_factory=list)  # whole parts (e.g. MoE layers) the checkpoint lacks
     names: SlotNames | None = None  # the checkpoint's own tensor names for the offenders (set by the planner)
@@ -85,30 +87,35 @@ class Ledger:
 
     def record(self, prefix: str, expert: int, proj: Proj, role: Role, name: str) -> None:
         """Note that tensor `name` fills a slot."""
-        block = self.written.setdefault((prefix, proj._value_, role._value_), {})
-        block[expert] = block.get(expert, ()) + (name,)
+        self._record((prefix, proj._value_, role._value_), expert, name)
 
     def record_slot(self, slot: Slot, name: str) -> None:
         """Note that `name` (a tensor, or a whole pre-sharded layer) fills `slot`."""
-        block = self.written.setdefault((slot.prefix, slot.proj, slot.role), {})
-        block[slot.expert] = block.get(slot.expert, ()) + (name,)
+        self._record((slot.prefix, slot.proj, slot.role), slot.expert, name)
+
+    def _record(self, key: BlockKey, expert: int, name: str) -> None:
+        """Note that `name` fills the slot of `expert` in block `key` (a repeat when it is filled already)."""
+        block = self.written.setdefault(key, {})
+        if expert in block:
+            later = self.repeats.setdefault(key, {})
+            later[expert] = later.get(expert, ()) + (name,)
+        else:
+            block[expert] = name
 
     def record_slots(self, records: Iterable[tuple[Slot, str]]) -> None:
         """Note many (slot, name) writes at once, in order (as `record_slot` for each)."""
-        written = self.written
         for (prefix, expert, proj, role), name in records:
-            block = written.setdefault((prefix, proj, role), {})
-            block[expert] = block.get(expert, ()) + (name,)
+            self._record((prefix, proj, role), expert, name)
 
     def record_block(self, block: Block) -> None:
         """Note that `block.names[e]` fills the slot of expert e in `block.key`, for every e (as `record` for
         each; one dict update when none of them is written yet)."""
         written = self.written.setdefault(block.key, {})
         if written.keys().isdisjoint(block.names):
-            written.update(zip(block.names, zip(block.names.values())))
+            written.update(block.names)
             return
         for expert, name in block.names.items():
-            written[expert] = written.get(expert, ()) + (name,)
+            self._record(block.key, expert, name)
 
     def record_blocks(self, blocks: Iterable[Block]) -> None:
         """`record_block` of each, in order."""
@@ -118,6 +125,7 @@ class Ledger:
     def clear_records(self) -> None:
         """Forget every write and rejection (the expected slots stay)."""
         self.written.clear()
+        self.repeats.clear()
         self.unexpected.clear()
         self.absent.clear()
 
@@ -143,8 +151,8 @@ class Ledger:
         """Every missing, duplicated or unexpected entry, in a stable order."""
         name = str if self.names is None else self.names.name
         missing = [f"missing: {what}" for what in self.absent] + [f"missing: {name(slot)}" for slot in self.missing()]
-        dups = sorted((Slot(prefix, expert, proj, role), names) for (prefix, proj, role), block in self.written.items()
-                      for expert, names in block.items() if len(names) > 1)
+        dups = sorted((Slot(prefix, expert, proj, role), (self.written[prefix, proj, role][expert], *later))
+                      for (prefix, proj, role), block in self.repeats.items() for expert, later in block.items())
         return missing + [f"written {len(names)} times: {slot} from {list(names)}" for slot, names in dups] + \
             [f"unexpected tensor: {u}" for u in self.unexpected]
 
