@@ -197,8 +197,9 @@ class ExpertNameParser:
         others: list[str] = []
         cells: dict[tuple[str, str, str], tuple[dict[int | None, str], list[str]] | None] = {}  # by name shape
         for name in names:
-            stem, expert, proj, suffix = name_shape(name)
-            if SHAPE_RULE and stem and expert.isdecimal():
+            parts = name.rsplit(".", 3)  # `name_shape`'s split at the last three dots, in one call
+            if SHAPE_RULE and len(parts) == 4 and parts[0] and parts[1].isdecimal():
+                stem, expert, proj, suffix = parts
                 found = cells.get((stem, proj, suffix), _UNSEEN)
                 if found is _UNSEEN:
                     found = cells[(stem, proj, suffix)] = self._cell_of_shape(layers, stem, proj, suffix)
