@@ -13,7 +13,7 @@ and converted once (`read_params`). The results are format-free:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import torch
 
@@ -57,9 +57,9 @@ class ProjectionParams:
     g_idx: torch.Tensor | None
 
 
-@dataclass(frozen=True)
-class SourceTensors:
-    """The checkpoint tensors of one projection source.
+class SourceTensors(NamedTuple):
+    """The checkpoint tensors of one projection source (a named tuple: a plan makes one per local expert and
+    projection, hundreds of thousands at DeepSeek scale).
 
     `expert_row` is the row of a tensor stacked over experts (None when per
     expert); `n_total`/`k_total` are the source's full logical sizes.

@@ -9,6 +9,7 @@ blocks of each set of local experts, worked out once (`LayerTables`: the plans o
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from itertools import repeat
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -26,6 +27,8 @@ from .params import SourceTensors, check_header, expected_shape, storage_shape
 from .scan import CheckpointScan
 from .specs import checked_layer_spec
 
+# A source from a tuple of its fields: the C-level tuple constructor (the named tuple's own __new__ is Python).
+_make_source = partial(tuple.__new__, SourceTensors)
 EntryKey = tuple[int | None, Source]  # (expert, or None for a tensor stacked over experts; its source)
 Column = tuple[Source, bool]  # a source kind, stacked over experts or not: one column of a layer's tensors
 
@@ -59,8 +62,9 @@ class LayerTable:
         self._slots: dict[tuple[int, ...], LayerSlots] = {}
         cells, self.rejects = rules.sort_out(names)
         columns, roles = self.columns, rules.roles
-        for (source, stacked, suffix), cell in cells.items():
-            columns.setdefault((source, stacked), {}).setdefault(roles[suffix], {}).update(cell)
+        for (source, stacked, suffix), cell in cells.items():  # the scan's cells, shared (never written)
+            by_role, role = columns.setdefault((source, stacked), {}), roles[suffix]
+            by_role[role] = {**by_role[role], **cell} if role in by_role else cell
         values = moe.layer(names.layer)
         hidden, intermediate, self.num_experts = moe.hidden_size, values.intermediate_size, values.num_experts
         self._sizes = {source: source_sizes(hidden, intermediate, source) for source in Source}
@@ -117,9 +121,9 @@ class LayerTable:
         by_role = refs[column]
         if not by_role or any(len(found) != len(experts) for found in by_role.values()):
             return None
-        roles, (source, _), sizes = list(by_role), column, self._sizes[column[0]]
-        return [SourceTensors(source, dict(zip(roles, found)), None, *sizes)
-                for found in zip(*(found.values() for found in by_role.values()))]
+        roles, (source, _), (n_total, k_total) = list(by_role), column, self._sizes[column[0]]
+        tensors = map(dict, map(partial(zip, roles), zip(*(found.values() for found in by_role.values()))))
+        return list(map(_make_source, zip(repeat(source), tensors, repeat(None), repeat(n_total), repeat(k_total))))
 
     def _first_columns(self, experts: tuple[int, ...], columns: tuple[Column, ...]) -> Iterator[tuple[int, Column]]:
         """(expert, the first of `columns` that holds it) for each of `experts` that one holds (a stacked
