@@ -68,7 +68,7 @@ class LayerTable:
         values = moe.layer(names.layer)
         hidden, intermediate, self.num_experts = moe.hidden_size, values.intermediate_size, values.num_experts
         self._sizes = {source: source_sizes(hidden, intermediate, source) for source in Source}
-        self._present = {column: frozenset().union(*names.values()) for column, names in columns.items()}
+        self._present = {column: frozenset().union(*by_role.values()) for column, by_role in columns.items()}
         required = tuple(role._value_ for role in required_roles(moe))
         self._projections = tuple((proj, proj._value_, required, self._columns_of(proj))
                                   for proj in layer_projections(moe.gated))

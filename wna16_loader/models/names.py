@@ -197,7 +197,7 @@ class ExpertNameParser:
         others: list[str] = []
         cells: dict[tuple[str, str, str], tuple[dict[int | None, str], list[str]] | None] = {}  # by name shape
         for name in names:
-            parts = name.rsplit(".", 3)  # `name_shape`'s split at the last three dots, in one call
+            parts = name.rsplit(".", 3)  # `name_shape`, inlined: a numbered name has all four parts
             if SHAPE_RULE and len(parts) == 4 and parts[0] and parts[1].isdecimal():
                 stem, expert, proj, suffix = parts
                 found = cells.get((stem, proj, suffix), _UNSEEN)
@@ -246,11 +246,10 @@ SHAPE_RULE = not _DOTTED_ALIASES
 
 
 def name_shape(name: str) -> tuple[str, str, str, str]:
-    """(stem, expert digits, alias, suffix) of a name `{stem}.{e}.{alias}.{suffix}` (split at its last dots)."""
-    body, _, suffix = name.rpartition(".")
-    numbered, _, alias = body.rpartition(".")
-    stem, _, number = numbered.rpartition(".")
-    return stem, number, alias, suffix
+    """(stem, expert digits, alias, suffix) of a name `{stem}.{e}.{alias}.{suffix}` (split at its last three
+    dots; the leading parts "" for a name with fewer)."""
+    parts = name.rsplit(".", 3)
+    return ("", "", "", *parts)[-4:]  # type: ignore[return-value]
 
 
 def experts_prefix_for(root: str, layer: int, module: str | None) -> str:

@@ -10,7 +10,6 @@ the pre-sharded reader). Entries of a dtype not in `itemsizes` are left for the 
 from __future__ import annotations
 
 import json
-import math
 import os
 from itertools import chain
 from math import prod
@@ -102,8 +101,8 @@ class CheckedEntries(Mapping[str, HeaderEntry]):
         return list(map(self._start.__add__, map(_FIRST, map(_OFFSETS, self._many(names)))))
 
     def dtype_names(self) -> set[str]:
-        """The dtype names of the entries."""
-        return {raw["dtype"] for raw in self._raw.values()}
+        """The dtype names of the entries (one pass in C)."""
+        return set(map(_DTYPE, self._raw.values()))
 
     def _many(self, names: Sequence[str]) -> Sequence[dict]:
         """The parsed entries of `names`, looked up in one call in C (KeyError for a name not in the header)."""
@@ -144,9 +143,10 @@ def truncation(path: Path) -> str | None:
     return f"truncated: {size} of {end} bytes (the size its header implies)" if size < end else None
 
 
-def truncated_error(path: Path, otherwise: str) -> CheckpointError:
-    """The error for an unreadable file: `truncated: N of M bytes ...; re-download it` when it is, else `otherwise`."""
-    cut = truncation(path)
+def truncated_error(path: Path, otherwise: str, *, cut: str | None = None) -> CheckpointError:
+    """The error for an unreadable file: `truncated: N of M bytes ...; re-download it` when it is (`cut`, the
+    `truncation` of `path` when the caller has it already), else `otherwise`."""
+    cut = cut or truncation(path)
     return CheckpointError(f"{path}: {cut}; re-download it (an interrupted download or copy)." if cut else otherwise)
 
 
@@ -173,8 +173,9 @@ def read_checked_header(path: Path, itemsizes: dict[str, int]) -> tuple[dict[str
         size = os.fstat(handle.fileno()).st_size
         metadata, header, start = _header_json(path, handle.read(8), handle, size)
     if not _tiles(header, size - start, itemsizes):
-        if truncation(path) is not None:
-            raise truncated_error(path, "")
+        cut = truncation(path)
+        if cut is not None:
+            raise truncated_error(path, "", cut=cut)
         _refuse_tiling(path, _entries(path, header, start, size, itemsizes), start, size, itemsizes)
     return metadata, CheckedEntries(header, start)
 
@@ -235,7 +236,6 @@ def _entries(path: Path, header: dict, start: int, size: int, itemsizes: dict[st
     """Every entry of a parsed header: `_entry`'s checks inlined for well-formed entries (a header holds
     thousands); any entry they do not pass goes through `_entry` itself, for its exact error."""
     entries = HeaderEntries()
-    prod = math.prod
     for name, raw in header.items():
         try:
             dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]
@@ -252,7 +252,7 @@ def _entry(path: Path, name: str, raw: object, start: int, size: int, itemsizes:
     try:
         dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]
         entry = HeaderEntry(dtype, shape, start + begin, start + end)
-        want = math.prod(shape) * itemsizes[dtype] if dtype in itemsizes else end - begin
+        want = prod(shape) * itemsizes[dtype] if dtype in itemsizes else end - begin
     except (TypeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {raw!r} ({exc}); expected "
                               f"dtype, shape and data_offsets.") from None
