@@ -184,9 +184,7 @@ class ExpertNameParser:
         stem, expert, proj, suffix = name_shape(name)
         if not SHAPE_RULE or not (stem and expert.isdecimal()):
             return parse_expert_name(name)
-        found = self._shapes.get((stem, proj, suffix), _UNSEEN)
-        if found is _UNSEEN:
-            found = self._shape(stem, proj, suffix)
+        found = self._shape(stem, proj, suffix)
         return None if found is None else _make_key((name, found[0], found[1], int(expert), found[2], found[3]))
 
     def split(self, names: Iterable[str]) -> tuple[dict[str, LayerNames], list[str]]:
@@ -218,9 +216,7 @@ class ExpertNameParser:
                        suffix: str) -> tuple[dict[int | None, str], list[str]] | None:
         """(the cell, the names list) of its layer that the numbered names of one shape go to; None: not
         expert tensors."""
-        found = self._shapes.get((stem, proj, suffix), _UNSEEN)
-        if found is _UNSEEN:
-            found = self._shape(stem, proj, suffix)
+        found = self._shape(stem, proj, suffix)
         if found is None:
             return None
         prefix, layer, source, key_suffix = found
@@ -229,10 +225,12 @@ class ExpertNameParser:
 
     def _shape(self, stem: str, proj: str, suffix: str) -> tuple[str, int, Source, str] | None:
         """(experts prefix, layer, source, suffix) of every name of one shape (None: not expert tensors), from
-        one match of the shape with expert 0; kept."""
-        key = parse_expert_name(f"{stem}.0.{proj}.{suffix}")
-        found = None if key is None else (key.experts_prefix, key.layer, key.source, key.suffix)
-        self._shapes[(stem, proj, suffix)] = found
+        one match of the shape with expert 0, made at the shape's first name and kept."""
+        found = self._shapes.get((stem, proj, suffix), _UNSEEN)
+        if found is _UNSEEN:
+            key = parse_expert_name(f"{stem}.0.{proj}.{suffix}")
+            found = None if key is None else (key.experts_prefix, key.layer, key.source, key.suffix)
+            self._shapes[(stem, proj, suffix)] = found
         return found
 
 

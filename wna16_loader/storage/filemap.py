@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from ..errors import CheckpointError
-from .header import read_checked_header, read_header
+from .header import read_checked_header
 
 Index = tuple[slice | int, ...]
 
@@ -32,13 +32,12 @@ Index = tuple[slice | int, ...]
 class MappedFile:
     """One safetensors file, mapped read-only once; its header parsed and checked (`header.py`)."""
 
-    def __init__(self, path: Path, itemsizes: dict[str, int], *, checked: bool = False) -> None:
+    def __init__(self, path: Path, itemsizes: dict[str, int]) -> None:
         """`itemsizes`: bytes per element of every known dtype name (entries of other dtypes are kept
-        unchecked, for the caller to refuse by name). `checked`: the header is checked whole, as
-        safetensors' own open checks it, and kept as parsed (`read_checked_header`: an index of thousands
-        of tensors); else entry by entry (`read_header`)."""
+        unchecked, for the caller to refuse by name). The header is checked whole, as safetensors' own
+        open checks it, and kept as parsed (`read_checked_header`: an index of thousands of tensors)."""
         self.path = path
-        self.metadata, self.entries = read_checked_header(path, itemsizes) if checked else read_header(path, itemsizes)
+        self.metadata, self.entries = read_checked_header(path, itemsizes)
         with open(path, "rb") as handle:
             self.size = os.fstat(handle.fileno()).st_size
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)

@@ -30,35 +30,7 @@ class HeaderEntry(NamedTuple):
     end: int
 
 
-class HeaderEntries(dict[str, HeaderEntry]):
-    """The entries of a header checked here, one `HeaderEntry` each (name -> entry)."""
-
-    def begin(self, name: str) -> int:
-        """The first byte of tensor `name` in the file."""
-        return self[name].begin
-
-    def shape_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
-        """(shape, dtype name) of tensor `name`."""
-        entry = self[name]
-        return entry.shape, entry.dtype
-
-    def begins(self, names: Sequence[str]) -> list[int]:
-        """The first byte of each of `names`."""
-        return [self[name].begin for name in names]
-
-    def dtype_names(self) -> set[str]:
-        """The dtype names of the entries."""
-        return {entry.dtype for entry in self.values()}
-
-    def uniform(self, names: Sequence[str], shape: tuple[int, ...]) -> str | None:
-        """The one dtype name of `names` when every one is an entry of this header with `shape` and that
-        dtype; None otherwise (a name of another file, another shape or a second dtype)."""
-        try:
-            dtype = self[names[0]].dtype
-            return dtype if all((entry := self[name]).shape == shape and entry.dtype == dtype for name in names) \
-                else None
-        except KeyError:
-            return None
+HeaderEntries = dict[str, HeaderEntry]  # the entries of a header checked one by one (`read_header`): name -> entry
 
 
 _DTYPE, _SHAPE, _OFFSETS = itemgetter("dtype"), itemgetter("shape"), itemgetter("data_offsets")
@@ -109,7 +81,9 @@ class CheckedEntries(Mapping[str, HeaderEntry]):
         return [self._raw[names[0]]] if len(names) == 1 else itemgetter(*names)(self._raw)
 
     def uniform(self, names: Sequence[str], shape: tuple[int, ...]) -> str | None:
-        """`HeaderEntries.uniform`, on the parsed JSON (one comparison of its shape list per name)."""
+        """The one dtype name of `names` when every one is an entry of this header with `shape` and that
+        dtype; None otherwise (a name of another file, another shape or a second dtype). One comparison
+        of its shape list per name, on the parsed JSON."""
         try:
             found = self._many(names)
         except KeyError:
@@ -235,7 +209,7 @@ def _header_json(path: Path, prefix: bytes, handle, size: int) -> tuple[dict[str
 def _entries(path: Path, header: dict, start: int, size: int, itemsizes: dict[str, int]) -> HeaderEntries:
     """Every entry of a parsed header: `_entry`'s checks inlined for well-formed entries (a header holds
     thousands); any entry they do not pass goes through `_entry` itself, for its exact error."""
-    entries = HeaderEntries()
+    entries: HeaderEntries = {}
     for name, raw in header.items():
         try:
             dtype, shape, (begin, end) = raw["dtype"], tuple(raw["shape"]), raw["data_offsets"]

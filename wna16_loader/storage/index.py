@@ -132,7 +132,7 @@ class CheckpointIndex:
 
     def _index_file(self, file: str) -> None:
         """Map and check one file; its names join the index (every dtype known, no name in two files)."""
-        mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES, checked=True)
+        mapped = self._maps[file] = MappedFile(self.folder / file, ITEMSIZES)
         self.metadata[file] = mapped.metadata
         files, before = self.refs.files, len(self.refs.files)
         files.update(dict.fromkeys(mapped.entries, file))
