@@ -68,8 +68,6 @@ def test_shared_tables_raise_a_header_error_on_the_rank_that_reads_it(tmp_path):
     assert shared[1].startswith(f"{name}: dtype torch.int64 but gptq qweight must be one of")
 
 
-
-
 def split_over_two_files(folder: Path, moved: set[int]) -> None:
     """Move the tensors of experts `moved` of every layer into a second file, with an index file naming both."""
     import json
