@@ -10,9 +10,6 @@ import os
 
 import torch
 
-NO_BACKEND = "No WNA16 MoE backend supports the deployment configuration"
-
-
 def apply(ident: str) -> None:
     """Every process-wide workaround, in one call."""
     # 1. vLLM's CPU worker sets VLLM_DIST_IDENT (a per-process name its shared-memory channels use); a
@@ -24,29 +21,33 @@ def apply(ident: str) -> None:
 
 
 def _triton_when_no_backend() -> None:
-    """2. On an x86 CPU, vLLM has no WNA16 MoE kernel for the moe_wna16 layout (its CPU backends take other
-    layouts), so the backend oracle raises "No WNA16 MoE backend supports the deployment configuration" and
-    no layer can be built. Weight creation and loading do not use the kernel; the Triton backend is the one
-    that consumes the moe_wna16 layout (a forward pass is impossible here: Triton is not installed). Both
-    frontends that import the oracle by name get the wrapper."""
+    """2. The backend a CUDA GPU gives the moe_wna16 layout, on every CPU. vLLM picks a WNA16 MoE backend per
+    layer from the CPU's features: without AMX it finds none ("No WNA16 MoE backend supports the deployment
+    configuration") and no layer can be built; with AMX (`amx_tile`) it picks its CPU int4 kernel for 4-bit
+    asymmetric layers, whose weight preparation refuses MoeWNA16Config (TypeError) and whose layout is not
+    moe_wna16's. The layer and plugin tests compare what vLLM's loaders write, so the choice is pinned to the
+    Triton backend, the one that consumes the moe_wna16 layout on a GPU (MoeWNA16Config rules out Marlin), with
+    vLLM's own Triton refusals kept (`_backend_incompatibility_reason`). Weight creation and loading do not use
+    the kernel (Triton is not installed: no forward pass here). Both frontends that import the oracle by name
+    get the pin; the AutoGPTQ/AutoAWQ frontends keep vLLM's choice."""
     from vllm.model_executor.layers.fused_moe.oracle import int_wna16
     from vllm.model_executor.layers.quantization import moe_wna16
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
         compressed_tensors_moe_wna16,
     )
 
-    select = int_wna16.select_wna16_moe_backend
+    triton = int_wna16.WNA16MoEBackend.TRITON
 
-    def select_or_triton(**kwargs):
-        try:
-            return select(**kwargs)
-        except NotImplementedError as exc:
-            if NO_BACKEND not in str(exc):
-                raise
-            return int_wna16.WNA16MoEBackend.TRITON, int_wna16.TritonWNA16Experts
+    def select_triton(config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False):
+        reason = int_wna16._backend_incompatibility_reason(triton, config, quant_config, may_have_zp,
+                                                           may_have_bias, allow_tile_padding)
+        if reason is not None:
+            raise ValueError(f"WNA16 MoE backend 'TRITON' does not support the deployment configuration since "
+                             f"{reason}.")
+        return triton, int_wna16.TritonWNA16Experts
 
-    moe_wna16.select_wna16_moe_backend = select_or_triton
-    compressed_tensors_moe_wna16.select_wna16_moe_backend = select_or_triton
+    moe_wna16.select_wna16_moe_backend = select_triton
+    compressed_tensors_moe_wna16.select_wna16_moe_backend = select_triton
 
 
 def _pretend_ampere() -> None:
