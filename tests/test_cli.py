@@ -245,7 +245,7 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert lines[6].startswith(f"verified: {out}: ok: 3 files (") and lines[6].endswith(
         f"19 tensors match the manifest's sha256; 4 experts in 1 layer(s) equal their tensors converted afresh from "
         f"{source}, 5 common tensors byte-identical")
-    assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
+    assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=RANK))"
     assert main(["verify", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "ok: 3 files (" in lines[0] and "KiB on disk), 19 tensors match" in lines[0]

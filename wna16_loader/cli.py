@@ -45,7 +45,7 @@ examples:
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
   torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
-Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
+Load a rank with load_experts(OUT, ParallelConfig.from_manifest(OUT, rank=R)).
 exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input, 130 interrupted (re-run with --resume).
 """
 
@@ -212,7 +212,7 @@ def _print_verify(report: VerifyReport) -> int:
 
 
 def _load_hint(out: object) -> str:
-    return f"load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
+    return f"load_experts({str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=RANK))"
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -149,7 +149,8 @@ def output_prefixes(out: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
-    """The ParallelConfig of global `rank` in the layout `out` (a wna16-shard output) was written for."""
+    """The ParallelConfig of global `rank` in the layout `out` (a wna16-shard output) was written for: an alias
+    of `ParallelConfig.from_manifest(out, rank=rank)`, the documented way."""
     return ParallelConfig.from_manifest(read_manifest(out), rank=rank)
 
 
