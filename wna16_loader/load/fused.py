@@ -59,6 +59,9 @@ FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzer
                "w13_g_idx", "w2_g_idx", "w13_weight", "w2_weight", "expert_ids")
 
 
+SHORT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # for `group_label`
+
+
 @dataclass(frozen=True)
 class FusedSpec:
     """Shapes and dtypes of one layer's fused parameters on one rank."""
@@ -113,15 +116,23 @@ class FusedSpec:
         """Columns of this rank's I_p taken from the checkpoint (the first ones)."""
         return self.part - self.padding
 
+    @property
+    def group_label(self) -> str:
+        """The group size in words: `32` (G_eff), `channelwise`, or `float bf16` (the weights' dtype) for float
+        experts, which have no groups."""
+        if not self.quantized:
+            return f"float {SHORT_DTYPES.get(self.scale_dtype, str(self.scale_dtype).removeprefix('torch.'))}"
+        return "channelwise" if self.group_size == -1 else str(self.group_size)
+
     def describe(self) -> str:
         """The layout in words, for reprs: `4-bit quantized, group 32, asymmetric, act-order, experts 0–3, I 768,
-        I_p 160, padding 32` (float experts: `float bfloat16 (not quantized), ...`)."""
+        I_p 160, padding 32` (float experts: `float bf16 (not quantized), ...`)."""
         if self.quantized:
             group = "channelwise" if self.group_size == -1 else f"group {self.group_size}"
             kind = (f"{self.bits}-bit quantized, {group}, {'asymmetric' if self.has_zero_point else 'symmetric'}"
                     f"{', act-order' if self.act_order else ''}")
         else:
-            kind = f"float {str(self.scale_dtype).removeprefix('torch.')} (not quantized)"
+            kind = f"{self.group_label} (not quantized)"
         return (f"{kind}, experts {format_ranges(list(self.experts)) or 'none'}, I {self.intermediate}, "
                 f"I_p {self.part}, padding {self.padding}")
 

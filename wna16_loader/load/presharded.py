@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, LayoutMismatchError
+from ..logs import rank_logger
 from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import read_into
 from ..storage.header import HeaderEntry, read_header
@@ -162,7 +163,7 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     from a mapping). The load synchronises once, at its end. MTP layers only with `include_mtp`."""
     start = time.perf_counter()
     policy = DevicePolicy.of(device)
-    rank = rank_record(out, parallel)
+    rank = rank_record(out, parallel, include_mtp=include_mtp)
     located, nbytes = locate_rank(out, rank)
     result = LoadedExperts()
     mtp = mtp_layers(rank)
@@ -175,6 +176,7 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
                                tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
                                seconds=time.perf_counter() - start)
+    rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
     return result
 
 
@@ -210,10 +212,13 @@ def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[in
     return target
 
 
-def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
+def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> dict[str, Any]:
     """The manifest's record of `parallel`'s rank (files, layers), after checking that the output is a
-    fused one written for `parallel`'s layout (only the manifest's head and that record are parsed)."""
+    fused one written for `parallel`'s layout (only the manifest's head and that record are parsed).
+    `include_mtp`: warn when the output holds no fused MTP layer to load (see `warn_no_mtp`)."""
     manifest, record = read_rank_manifest(out, parallel.rank)
+    if include_mtp:
+        warn_no_mtp(out, manifest, parallel)
     if manifest["params"].get("layout", "fused") != "fused":
         raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
                                   f"(per-expert source tensors sliced per rank, for an engine that reads pre-sliced "
@@ -230,6 +235,21 @@ def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
         raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: no record of rank {parallel.rank} in its ranks list; "
                               f"run `wna16-shard verify {out}` and re-shard.")
     return record
+
+
+def warn_no_mtp(out: str | Path, manifest: dict[str, Any], parallel: ParallelConfig) -> None:
+    """One warning when `include_mtp=True` asks for MTP layers that an output does not hold fused: written with
+    --no-mtp (the MTP experts are in common/, unchanged), or from a source without MTP experts."""
+    mtp = manifest.get("mtp") or {}
+    if mtp.get("sharded", True) and mtp.get("layers"):
+        return
+    if mtp.get("layers"):
+        what = (f"was written with --no-mtp: its MTP experts ({', '.join(mtp['layers'])}) were copied unchanged "
+                f"into common/, so no MTP layer is loaded from it. Load them from common/ with the engine's own "
+                f"loader, or re-shard without --no-mtp")
+    else:
+        what = "holds no MTP experts (its source had none): only the decoder's MoE layers are loaded"
+    rank_logger(parallel).warning("include_mtp=True, but the wna16-shard output %s %s.", out, what)
 
 
 def rank_specs(rank: dict[str, Any], *, include_mtp: bool = True) -> dict[str, FusedSpec]:

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, CompletenessError, PreshardError, format_o
 from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
 from ..load.plan import LayerPlan, plan_layers
-from ..load.presharded import SCHEMA_VERSION
+from ..load.presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION
 from ..load.scan import CheckpointScan
 from ..load.specs import warn_reduced_groups_by_spec
 from ..load.tables import LayerTables
@@ -191,6 +191,10 @@ def check_source_folder(src: str | Path) -> Path:
         hint = f" (use its folder, {src.parent})" if src.is_file() else ""
         raise CheckpointError(f"{src}: {what}; SRC must be the checkpoint folder holding config.json and the "
                               f"*.safetensors files{hint}.")
+    if (src / MANIFEST_NAME).is_file() or (src / PLAN_NAME).is_file():
+        raise CheckpointError(f"{src}: this is a wna16-shard output, not a checkpoint: load it (load_experts("
+                              f"{str(src)!r}, ParallelConfig.from_manifest({str(src)!r}, rank=R))) or verify it "
+                              f"(wna16-shard verify {src}); to shard again, pass the original checkpoint as SRC.")
     return src
 
 
@@ -300,7 +304,8 @@ def _quant_summary(moe: MoEConfig, ranks: tuple[RankPlan, ...]) -> dict[str, Any
     q = moe.quant
     summary = {"format": q.format_name, "bits": q.bits, "group_size": q.group_size, "sym": q.symmetric,
                "act_order": q.act_order, "checkpoint_format": q.checkpoint_format,
-               "group_size_eff": {prefix: spec.group_size for prefix, spec in ranks[0].layers.items()}}
+               "group_size_eff": {prefix: spec.group_size if spec.quantized else spec.group_label
+                                  for prefix, spec in ranks[0].layers.items()}}  # float layers: "float bf16"
     plans = ranks[0].plans
     if any(plan.moe.quant != q for plan in plans.values()):
         summary["layers"] = {prefix: spec_summary(plan) for prefix, plan in plans.items()}

@@ -142,20 +142,33 @@ class ShardSummary:
     verified: str = ""  # what verify checked (VerifyReport.text()), when asked and without problems
 
     def table(self) -> str:
-        """The format line, then one row per folder: files, tensors, size, group size (G_eff), files kept by
-        resume, seconds; and a total row."""
+        """The format line, then one row per folder: files, tensors, size, group size (G_eff; `float bf16` for
+        float layers), files kept by resume, seconds and the rank's experts; and a total row."""
         groups = {r.folder: _group_sizes(r) for r in self.plan.ranks}
+        experts = {r.folder: rank_experts(r) for r in self.plan.ranks}
+        width = max([6] + [len(g) for g in groups.values()])
         rows = [f"format: {quant_line(self.plan)}; layout {self.plan.params['layout']}",
-                f"{'folder':<24} {'files':>5} {'tensors':>7} {'size':>10} {'group':>6} {'kept':>4} {'seconds':>8}"]
-        rows += [f"{r.name:<24} {r.files:>5} {r.tensors:>7} {human_size(r.bytes):>10} {groups.get(r.name, '-'):>6} "
-                 f"{r.kept:>4} {r.seconds:>8.2f}" for r in self.ranks]
+                f"{'folder':<24} {'files':>5} {'tensors':>7} {'size':>10} {'group':>{width}} {'kept':>4} "
+                f"{'seconds':>8}  experts"]
+        rows += [f"{r.name:<24} {r.files:>5} {r.tensors:>7} {human_size(r.bytes):>10} "
+                 f"{groups.get(r.name, '-'):>{width}} {r.kept:>4} {r.seconds:>8.2f}  {experts.get(r.name, '-')}"
+                 for r in self.ranks]
         rows.append(f"{'total':<24} {sum(r.files for r in self.ranks):>5} {sum(r.tensors for r in self.ranks):>7} "
-                    f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>6} {sum(r.kept for r in self.ranks):>4} "
-                    f"{sum(r.seconds for r in self.ranks):>8.2f}")
+                    f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>{width}} "
+                    f"{sum(r.kept for r in self.ranks):>4} {sum(r.seconds for r in self.ranks):>8.2f}")
         return "\n".join(rows + padding_lines(self.plan))
 
 
 def _group_sizes(rank: RankPlan) -> str:
-    """The group sizes of a rank's layers as written: G_eff for fused, the source's G for checkpoint slices."""
-    sizes = sorted({spec.group_size for spec in rank.layers.values()})
-    return ",".join("chan" if g == -1 else str(g) for g in sizes) or "-"
+    """The group sizes of a rank's layers as written: G_eff for fused, the source's G for checkpoint slices;
+    `chan` for channelwise, `float bf16` for float layers."""
+    sizes = sorted({spec.group_size for spec in rank.layers.values() if spec.quantized})
+    floats = sorted({spec.group_label for spec in rank.layers.values() if not spec.quantized})
+    return ",".join(["chan" if g == -1 else str(g) for g in sizes] + floats) or "-"
+
+
+def rank_experts(rank: RankPlan) -> str:
+    """The routed experts a rank holds (every MoE layer holds the same ones): `3: 0–2`, `2: 6, 7`."""
+    ids = next(iter(rank.layers.values())).experts if rank.layers else ()
+    text = format_ranges(list(ids))
+    return f"{len(ids)}: {text if len(text) <= 40 else text[:37] + '...'}"
