@@ -189,8 +189,21 @@ def locate_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, Locate
     located: dict[str, Located] = {}
     for rec in rank["files"]:
         path = _rank_file(Path(out), rec)
-        located.update((name, (path, entry)) for name, entry in read_header(path, ITEMSIZES)[1].items())
+        try:
+            entries = read_header(path, ITEMSIZES)[1]
+        except CheckpointError:
+            raise damaged(out, path) from None
+        located.update((name, (path, entry)) for name, entry in entries.items())
     return located, sum(entry.end - entry.begin for _, entry in located.values())
+
+
+def damaged(out: str | Path, path: Path) -> CheckpointError:
+    """The error for a rank file of an output whose header or size is wrong (truncated, overwritten): the file,
+    and how to find and rewrite every damaged file."""
+    return CheckpointError(f"{path}: truncated or corrupt ({path.stat().st_size} bytes on disk): a file of the "
+                           f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then "
+                           f"the wna16-shard command that wrote {out} again with --resume: it keeps the intact files "
+                           f"and rewrites only the damaged ones.")
 
 
 def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -271,7 +284,12 @@ def read_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, torch.Te
 def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], int]:
     tensors: dict[str, torch.Tensor] = {}
     for rec in records:
-        with safe_open(str(_rank_file(out, rec)), framework="pt") as handle:
+        path = _rank_file(out, rec)
+        try:
+            read_header(path, ITEMSIZES)  # every span checked: safetensors' own error would name no remedy
+        except CheckpointError:
+            raise damaged(out, path) from None
+        with safe_open(str(path), framework="pt") as handle:
             tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -177,10 +177,15 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src), mtp_layers=mtp_layers)
     if warn:
-        warn_reduced_groups_by_spec(log, tp_size=tp_size, intermediate=moe.intermediate_size, effective={
-            prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in ranks[0].plans.items()})
-        warn_padding(plan)
+        warn_plan(plan)
     return plan
+
+
+def warn_plan(plan: ShardPlan) -> None:
+    """The plan's warnings (a reduced group size, TP ranks holding only padding): logged by the run that writes."""
+    warn_reduced_groups_by_spec(log, tp_size=plan.params["tp"], intermediate=plan.moe.intermediate_size, effective={
+        prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in plan.ranks[0].plans.items()})
+    warn_padding(plan)
 
 
 def check_source_folder(src: str | Path) -> Path:
@@ -296,6 +301,25 @@ def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -
     if recorded.get("config_sha256") != current["config_sha256"]:
         diffs.append("source config.json changed since the output was written")
     return diffs
+
+
+def source_change(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, str] | None:
+    """(the recorded source, the current one) in words, over what differs between them, e.g.
+    `model.safetensors (483288 bytes, header sha256 004e9a4ab7c8)`; None when nothing differs."""
+    old = {e["name"]: e for e in recorded.get("files", [])}
+    new = {e["name"]: e for e in current["files"]}
+    names = [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    config = recorded.get("config_sha256") != current["config_sha256"]
+    if not names and not config:
+        return None
+
+    def words(files: dict[str, Any], config_sha: str | None) -> str:
+        parts = [f"{n} ({files[n]['size']} bytes, header sha256 {files[n]['header_sha256'][:12]})" if n in files
+                 else f"no {n}" for n in names[:2]]
+        parts += [f"and {len(names) - 2} more changed files"] if len(names) > 2 else []
+        parts += [f"config.json sha256 {str(config_sha)[:12]}"] if config else []
+        return ", ".join(parts)
+    return words(old, recorded.get("config_sha256")), words(new, current["config_sha256"])
 
 
 def _quant_summary(moe: MoEConfig, ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
