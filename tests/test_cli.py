@@ -321,3 +321,34 @@ def test_padding_is_reported_per_rank_and_empty_ranks_warned(tmp_path: Path) -> 
     summary = cli(str(src), str(tmp_path / "tp32b"), "--tp", "32").stdout.splitlines()
     assert ("padding: I = 768 is padded to I' = 1024 (32 columns per TP rank) in 2 layer(s); TP ranks 24–31: 32 of 32 "
             "columns (only padding)") in summary
+
+
+# Issue 32: the first day of a user, part three (one test per row; CLI rows as subprocesses).
+
+INTERRUPT_AT = {  # where the Ctrl-C lands: a hook that sends this process SIGINT there, then runs the console script
+    "after the manifest": "import wna16_loader.preshard.run as m; real = m.write_json_atomic; "
+                          "m.write_json_atomic = lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGINT))",
+    "after the run": "real = c.preshard_checkpoint; "
+                     "c.preshard_checkpoint = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), signal.SIGINT))[0]",
+    "as main returns": "real = c.main; c.main = lambda: (real(), os.kill(os.getpid(), signal.SIGINT))[0]",
+}
+
+
+@pytest.mark.parametrize("point", list(INTERRUPT_AT))
+def test_ctrl_c_after_the_last_file_is_one_line_and_exit_130(source: Path, tmp_path: Path, point: str) -> None:
+    """Row 16: a Ctrl-C just after the last file is written (and later, up to the process's exit) gives one line
+    and exit 130, never a death by the signal; the output is complete or finished by --resume."""
+    out = tmp_path / "out"
+    code = f"import os, signal, sys; import wna16_loader.cli as c; {INTERRUPT_AT[point]}; c.run()"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code, str(source), str(out), "--tp", "2", "--quiet"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    line = one_error_line(run, code=130)
+    if point == "after the manifest":
+        assert line == "wna16-shard: interrupted after 3 of 3 files; re-run with --resume"
+    else:
+        assert line == ("wna16-shard: interrupted; re-run the same command (with --resume when it had started "
+                        "writing)")
+    again = cli(str(source), str(out), "--tp", "2", "--resume")
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    assert again.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")

@@ -9,7 +9,7 @@ Start here: which call
 |                                           | -> {experts_prefix: FusedTensors}: w13_qweight, w2_scales, ... |
 | an engine that owns its nn.Modules        | FusedMoEModule(read_moe_config(ckpt), prefix, parallel) per    |
 |                                           | layer, then load_model_experts(model, ckpt, parallel)          |
-| a script that pre-shards a checkpoint     | preshard(src, out, tp=4, ep=1)   (the CLI: wna16-shard SRC OUT |
+| a script that pre-shards a checkpoint     | shard(src, out, tp=4, ep=1)   (the CLI: wna16-shard SRC OUT   |
 |                                           | --tp 4); returns the summary the CLI prints                    |
 | a rank with only the output OUT           | parallel = ParallelConfig.from_manifest(OUT, rank=r)           |
 |                                           | layers = load_experts(OUT, parallel, device=...)               |
@@ -52,7 +52,7 @@ from .load.presharded import parallel_config, read_manifest
 from .load.results import LoadedExperts, LoadReport
 from .models.config import MoEConfig
 from .parallel.config import ExpertPlacement, ParallelConfig
-from .preshard import ShardSummary, preshard
+from .preshard import ShardSummary, shard
 from .storage.hub import resolve_checkpoint
 from .version import __version__
 
@@ -68,4 +68,4 @@ __all__ += [
     "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "parallel_config",
     "read_manifest", "reference_forward", "resolve_checkpoint",
 ]
-__all__ += ["ShardSummary", "preshard"]
+__all__ += ["ShardSummary", "shard"]

@@ -45,14 +45,13 @@ from .journal import JOURNAL_NAME
 from .layouts import LayoutCost, describe_layouts, layout_cost
 from .plan import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
 from .progress import RankSummary, ShardSummary, describe_plan
-from .run import preshard, preshard_checkpoint
+from .run import preshard_checkpoint, shard
 from .safefiles import LOCK_NAME
 from .verify import verify_output
 
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
     "LayoutCost", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
-    "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard", "preshard_checkpoint",
-    "preshard_distributed",
-    "rank_folder", "read_manifest", "split_files", "verify_output",
+    "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard_checkpoint", "preshard_distributed",
+    "rank_folder", "read_manifest", "shard", "split_files", "verify_output",
 ]

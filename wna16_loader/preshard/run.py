@@ -18,12 +18,12 @@ from .verify import verify_report
 from .writing import write_all
 
 
-def preshard(src: str | Path, out: str | Path, *, tp: int = 1, ep: int = 1, placement: str = "linear",
-             revision: str | None = None, layout: str = "fused", max_file_size: int = 4 * 2**30,
-             resume: bool = False, force: bool = False, verify: bool = False, dry_run: bool = False,
-             workers: int = 1, mtp: bool = True, progress: bool = True) -> ShardSummary:
+def shard(src: str | Path, out: str | Path, *, tp: int = 1, ep: int = 1, placement: str = "linear",
+          revision: str | None = None, layout: str = "fused", max_file_size: int = 4 * 2**30,
+          resume: bool = False, force: bool = False, verify: bool = False, dry_run: bool = False,
+          workers: int = 1, mtp: bool = True, progress: bool = True) -> ShardSummary:
     """The Python twin of `wna16-shard SRC OUT --tp TP --ep EP [...]`, option for option (`mtp=False` is
-    `--no-mtp`): pre-shard `src` (a folder, or a Hugging Face repo id at `revision`) into `out`, and return
+    `--no-mtp`; named `shard`, as `preshard` is this package's folder): pre-shard `src` (a folder, or a Hugging Face repo id at `revision`) into `out`, and return
     the summary the CLI prints (`summary.table()`; `summary.complete` when `out` already held it). Then
     `load_experts(out, ParallelConfig.from_manifest(out, rank=r))` loads rank r."""
     return preshard_checkpoint(resolve_checkpoint(src, revision=revision), out, tp_size=tp, ep_size=ep,
