@@ -253,13 +253,12 @@ def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool 
 def warn_no_mtp(out: str | Path, manifest: dict[str, Any], parallel: ParallelConfig) -> None:
     """One warning when `include_mtp=True` asks for MTP layers that an output does not hold fused: written with
     --no-mtp (the MTP experts are in common/, unchanged), or from a source without MTP experts."""
-    mtp = manifest.get("mtp") or {}
-    if mtp.get("sharded", True) and mtp.get("layers"):
+    sharded = manifest.get("params", {}).get("mtp")  # recorded only for a source with MTP experts
+    if sharded:
         return
-    if mtp.get("layers"):
-        what = (f"was written with --no-mtp: its MTP experts ({', '.join(mtp['layers'])}) were copied unchanged "
-                f"into common/, so no MTP layer is loaded from it. Load them from common/ with the engine's own "
-                f"loader, or re-shard without --no-mtp")
+    if sharded is False:
+        what = ("was written with --no-mtp: its MTP experts were copied unchanged into common/, so no MTP layer is "
+                "loaded from it. Load them from common/ with the engine's own loader, or re-shard without --no-mtp")
     else:
         what = "holds no MTP experts (its source had none): only the decoder's MoE layers are loaded"
     rank_logger(parallel).warning("include_mtp=True, but the wna16-shard output %s %s.", out, what)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool, stream: Any = None) -> None:
         self.stream = stream or sys.stderr
         self.total, self.done, self.enabled, self.last = total, 0, enabled, 0.0
+        self.lock = threading.Lock()  # advanced by the writer thread (tensor bytes) and the main one (kept files)
         self.bar = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             try:
@@ -100,15 +102,16 @@ class Progress:
                 self.bar = None
 
     def advance(self, nbytes: int, label: str) -> None:
-        """Count `nbytes` more bytes done, `label` being the file just finished."""
-        self.done += nbytes
-        if self.bar is not None:
-            self.bar.update(nbytes)
-        elif self.enabled and (time.monotonic() - self.last > 2.0 or self.done >= self.total):
-            self.last = time.monotonic()
-            pct = 100.0 * self.done / max(self.total, 1)
-            print(f"wna16-shard: {human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), last {label}",
-                  file=self.stream)
+        """Count `nbytes` more bytes done (written within a file, or files kept), `label` being that file."""
+        with self.lock:
+            self.done += nbytes
+            if self.bar is not None:
+                self.bar.update(nbytes)
+            elif self.enabled and (time.monotonic() - self.last > 2.0 or self.done >= self.total):
+                self.last = time.monotonic()
+                pct = 100.0 * self.done / max(self.total, 1)
+                print(f"wna16-shard: {human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), {label}",
+                      file=self.stream)
 
     def close(self) -> None:
         """Close the bar."""
