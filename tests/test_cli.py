@@ -143,7 +143,7 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert sorted(rows) == [1, 2, 3, 4, 8, 16]
     assert rows[8] == (False, ["8", "1", "768", "96", "32", "21320", "14208", "2", "0", "x7,", "64"])
     assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "2", "0", "x2,", "16"])
-    assert rows[4][1][2:8] == ["704", "176", "16", "44360", "0", "0"]  # unpadded: the old rule
+    assert rows[4][1][2:9] == ["704", "176", "16", "44360", "0", "2", "0"]  # unpadded: the old rule
     assert rows[16][1][-3:] == ["x14,", "16,", "48"]
     assert main([str(src), "--dry-run"]) == 0 and "padding columns per TP rank" in capsys.readouterr().out
     assert main([str(src), "--plan", "--ep", "4"]) == 0
@@ -239,7 +239,7 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert main([str(source), str(out), "--tp", "2", "--verify"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "format: awq 4-bit, group 32, asymmetric; layout fused"
-    assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds"]
+    assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds", "experts"]
     assert lines[3].split()[:6] == ["rank-00000-of-00002", "1", "7", "13.9", "KiB", "32"]
     assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
     assert lines[6].startswith(f"verified: {out}: ok: 3 files (") and lines[6].endswith(

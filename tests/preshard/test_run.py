@@ -164,7 +164,11 @@ def test_other_parameters_or_changed_source_refused(tmp_path: Path) -> None:
     with pytest.raises(PreshardError, match=r"tp: written 2, requested 1"):
         preshard_checkpoint(src, out, tp_size=1, progress=False, resume=True)
     changed = make_source(tmp_path / "changed", files=1)  # the fingerprint covers names, sizes and headers
-    with pytest.raises(PreshardError, match=r"source file model-00001-of-00002.safetensors"):
+    with pytest.raises(PreshardError, match=rf"^{out} was written from another source: model-00001-of-00002"
+                                            rf"\.safetensors \(\d+ bytes, header sha256 [0-9a-f]{{12}}\), "
+                                            rf"model-00002-of-00002\.safetensors \(.*\); this run's source is "
+                                            rf"{changed}: model\.safetensors \(\d+ bytes, header sha256 "
+                                            rf"[0-9a-f]{{12}}\)\. Pass the source"):
         preshard_checkpoint(changed, out, tp_size=2, progress=False)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -381,7 +385,7 @@ def test_progress_moves_by_bytes_within_a_file_in_one_bar(tmp_path: Path, monkey
 
     import wna16_loader.preshard.writing as writing
     src = make_source(tmp_path / "src", files=1)
-    monkeypatch.setattr(writing, "WRITEBACK_BYTES", 4096)  # what a large tensor is, at this size
+    monkeypatch.setattr(writing, "PROGRESS_BYTES", 4096)  # what a large tensor is, at this size
     bars, updates = [], []
 
     class Bar(tqdm.tqdm):

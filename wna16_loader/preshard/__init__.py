@@ -30,7 +30,7 @@ Modules, one job each (imports point down this list):
 | writing    | safetensors serialisation, streaming and hashing, parallel folders   |
 | verify     | hashes, and every tensor against the source                          |
 | layouts    | `--plan`: G_eff, padding and bytes per rank of every TP size         |
-| run        | `preshard_checkpoint`: the whole run in order                        |
+| run        | `preshard_checkpoint`: the whole run in order; `shard`, its CLI twin  |
 | distributed| `preshard_distributed`: the run split over torch.distributed processes|
 
 The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,

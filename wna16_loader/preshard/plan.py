@@ -313,12 +313,12 @@ def source_change(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[st
     if not names and not config:
         return None
 
-    def words(files: dict[str, Any], config_sha: str | None) -> str:
-        parts = [f"{n} ({files[n]['size']} bytes, header sha256 {files[n]['header_sha256'][:12]})" if n in files
-                 else f"no {n}" for n in names[:2]]
-        parts += [f"and {len(names) - 2} more changed files"] if len(names) > 2 else []
+    def words(files: dict[str, Any], config_sha: str | None) -> str:  # the side's own files among those that differ
+        present = [n for n in names if n in files]
+        parts = [f"{n} ({files[n]['size']} bytes, header sha256 {files[n]['header_sha256'][:12]})" for n in present[:2]]
+        parts += [f"and {len(present) - 2} more"] if len(present) > 2 else []
         parts += [f"config.json sha256 {str(config_sha)[:12]}"] if config else []
-        return ", ".join(parts)
+        return ", ".join(parts) or f"no {', '.join(names[:2])}"
     return words(old, recorded.get("config_sha256")), words(new, current["config_sha256"])
 
 

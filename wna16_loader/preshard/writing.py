@@ -356,12 +356,16 @@ def start_writeback(handle: Any) -> None:
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+PROGRESS_BYTES = 16 << 20  # a tensor is written (and its progress counted) this many bytes at a time
+
+
 def _emit(handle: Any, data: memoryview, written: Callable[[int], None] | None = None) -> None:
     """Write one tensor's bytes, on the writer thread (its hint to start writeback included); `written(bytes)`
-    after every WRITEBACK_BYTES of them, so that progress moves within a large tensor too."""
-    for begin in range(0, len(data), WRITEBACK_BYTES):
-        handle.write(data[begin:begin + WRITEBACK_BYTES])
+    after every PROGRESS_BYTES of them, so that progress moves within a large tensor too."""
+    for begin in range(0, len(data), PROGRESS_BYTES):
+        chunk = data[begin:begin + PROGRESS_BYTES]
+        handle.write(chunk)
         if written is not None:
-            written(len(data[begin:begin + WRITEBACK_BYTES]))
+            written(len(chunk))
     if len(data) >= WRITEBACK_BYTES:
         start_writeback(handle)
