@@ -16,9 +16,15 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
 from safetensors.torch import load_file, save_file
 
 from wna16_loader import ExpertPlacement, LoadedExperts, ParallelConfig, load_experts
+
+# No wall-clock deadline on any property: a test's verdict must not depend on how loaded the machine is
+# (a 200 ms deadline failed cases that take 0.1 ms alone, on a 2-core machine under load).
+settings.register_profile("wna16", deadline=None)
+settings.load_profile("wna16")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

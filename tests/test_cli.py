@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import sigint_default
 
 from wna16_loader import __version__
 from wna16_loader.cli import main, parse_size
@@ -342,7 +343,8 @@ def test_ctrl_c_after_the_last_file_is_one_line_and_exit_130(source: Path, tmp_p
     code = f"import os, signal, sys; import wna16_loader.cli as c; {INTERRUPT_AT[point]}; c.run()"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", code, str(source), str(out), "--tp", "2", "--quiet"], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=120)
+                         env=env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=sigint_default)
     line = one_error_line(run, code=130)
     if point == "after the manifest":
         assert line == "wna16-shard: interrupted after 3 of 3 files; re-run with --resume"

@@ -181,10 +181,10 @@ INTERRUPTED = "wna16-shard: interrupted; re-run the same command (with --resume 
 
 
 def run() -> None:
-    """The console script (and `python -m wna16_loader.cli`): `main()`, then out at once. A Ctrl-C as `main`
-    returns gives main's one line and exit 130 too; after it, SIGINT is ignored and the process leaves by
-    `os._exit` once stdout and stderr are flushed, so no interrupt can land in the interpreter's teardown
-    (torch, threads), where it would kill the process by the signal with no line at all."""
+    """The console script (and `python -m wna16_loader.cli`): `main()`, then exit. A Ctrl-C as `main`
+    returns gives main's one line and exit 130 too; after it, SIGINT is ignored, so no interrupt can land in
+    the interpreter's teardown (torch, threads, a worker pool's finalizers), where it would kill the process
+    by the signal with no line at all. The teardown itself still runs: a pool's semaphores are released."""
     code = 130
     try:
         try:
@@ -196,9 +196,9 @@ def run() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (BrokenPipeError, OSError):  # the reader went away: nothing more to say
-            pass
-    os._exit(code)
+        except (BrokenPipeError, OSError):  # the reader went away: nothing more to say, and the
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # interpreter's last flush must not fail
+    sys.exit(code)
 
 
 def _log_warnings_to_stderr() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file, save_file
+from processes import sigint_default
 from sources import make_source, tree_bytes
 
 import wna16_loader.preshard as preshard
@@ -259,7 +260,8 @@ def test_ctrl_c_says_how_far_it_got(clean: tuple[Path, Path], tmp_path: Path, wo
     env = {**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"}
     proc = subprocess.Popen([sys.executable, "-m", "wna16_loader.cli", str(src), str(out), "--tp", "2", "--ep", "2",
                              "--max-file-size", "20000", "--quiet", "--workers", workers], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=sigint_default)
     journal = out / preshard.JOURNAL_NAME
     deadline = time.monotonic() + 120
     while not (journal.is_file() and journal.read_text()) and proc.poll() is None and time.monotonic() < deadline:
@@ -269,6 +271,7 @@ def test_ctrl_c_says_how_far_it_got(clean: tuple[Path, Path], tmp_path: Path, wo
     total = len(make_plan(src, **{k: v for k, v in ARGS.items() if k != "progress"}).all_files())
     assert proc.returncode == 130, stderr
     assert stdout == "" and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
     line, = stderr.strip().splitlines()
     done = int(line.removeprefix("wna16-shard: interrupted after ").split()[0])
     assert line == f"wna16-shard: interrupted after {done} of {total} files; re-run with --resume"
