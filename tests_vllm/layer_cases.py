@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from wna16_loader import FusedExperts, ParallelConfig
-from wna16_loader.testing.synthetic import quant_config, write_checkpoint
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint, write_family_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
 TP_SIZES = (1, 2, 3, 4)
@@ -41,6 +41,7 @@ class Case:
     ckpt_names: tuple[str, str, str] = ("gate_proj", "down_proj", "up_proj")  # vLLM's order: gate, down, up
     synthetic: dict = field(default_factory=dict)  # write_checkpoint arguments; empty: a real fixture
     ckpt: str = ""
+    dtype: str = "float16"  # the layer's params_dtype (vLLM's --dtype)
 
     @property
     def checkpoint(self) -> str:
@@ -50,7 +51,7 @@ class Case:
         e, h, i = self.sizes
         job = {"kind": "layer", "name": self.name + suffix, "folder": str(folder), "method": self.method,
                "prefix": self.prefix, "experts": e, "hidden": h, "intermediate": i, "top_k": 2,
-               "ckpt_names": list(self.ckpt_names), "loader": loader}
+               "ckpt_names": list(self.ckpt_names), "loader": loader, "dtype": self.dtype}
         return job | ({"source": str(source)} if source is not None else {})
 
 
@@ -91,6 +92,19 @@ CASES = [
     Case("synthetic_awq_mixtral.auto", "awq", sizes=(4, 128, 384), synthetic=AWQ_MIXTRAL,
          ckpt="synthetic_awq_mixtral", **MIXTRAL),
 ]
+# mixed precision: each MoE layer of the three real mixed fixtures (layer 0 base, 1 an 8-bit g64 override,
+# 2 float) with the method vLLM picks for that layer (gptq_dynamic_mixed is asymmetric: only moe_wna16 takes it)
+MIXED = {"gptq_dynamic_mixed": ("moe_wna16", "float16"), "ct_multigroup_mixed": ("compressed-tensors", "bfloat16"),
+         "autoround_layer_config_mixed": ("inc", "bfloat16")}
+CASES += [Case(f"{ckpt}.L{layer}", method, prefix=f"model.layers.{layer}.mlp.experts", sizes=(4, 64, 128), ckpt=ckpt,
+               dtype=dtype) for ckpt, (method, dtype) in MIXED.items() for layer in range(3)]
+# MTP: DeepSeek-V3's published config at test sizes, its MTP layer (model.layers.3) as vLLM's draft model builds
+# it; symmetric GPTQ (AutoGPTQ's method). The plugin fills it only because it is one of the checkpoint's MTP layers.
+DEEPSEEK_MTP = {"config": "deepseek_v3", "quant": quant_config("gptq", bits=4, group_size=32, symmetric=True),
+                "changes": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 128,
+                            "moe_intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2}}
+CASES.append(Case("deepseek_v3_mtp.auto", "gptq", prefix="model.layers.3.mlp.experts", synthetic=DEEPSEEK_MTP,
+                  ckpt="deepseek_v3_mtp"))
 BY_NAME = {case.name: case for case in CASES}
 SHARD_CASES = ("synthetic_gptq_w4_sym.auto", "synthetic_awq_mixtral.auto", "ct_w4_g32_asym",
                "synthetic_gptq_w4_asym")  # also filled by the plugin from a wna16-shard --layout fused output
@@ -99,12 +113,19 @@ SHARD_CASES = ("synthetic_gptq_w4_sym.auto", "synthetic_awq_mixtral.auto", "ct_w
 @dataclass(frozen=True)
 class Checkpoint:
     folder: Path
-    references: dict[tuple[int, str], torch.Tensor]  # (expert, "gate"|"up"|"down") -> the quantizer's W [N, K]
+    # (experts prefix, expert, "gate"|"up"|"down") -> the quantizer's W [N, K] (float layers: none)
+    references: dict[tuple[str, int, str], torch.Tensor]
 
 
-def fixture_references(case: Case) -> dict[tuple[int, str], torch.Tensor]:
-    ref = load_file(str(FIXTURES / case.checkpoint / "reference.safetensors"))
-    return {(x, p): ref[f"{case.prefix}.{x}.{n}.weight"] for x in range(case.sizes[0]) for p, n in PROJ_NAMES.items()}
+def fixture_references(name: str) -> dict[tuple[str, int, str], torch.Tensor]:
+    ref = load_file(str(FIXTURES / name / "reference.safetensors"))
+    out = {}
+    for key, tensor in ref.items():
+        head, _, tail = key.rpartition(".experts.")
+        if head and tail.endswith(".weight"):
+            expert, proj = tail.removesuffix(".weight").split(".")
+            out[(f"{head}.experts", int(expert), {v: k for k, v in PROJ_NAMES.items()}[proj])] = tensor
+    return out
 
 
 def write_checkpoints(root: Path) -> dict[str, Checkpoint]:
@@ -115,12 +136,24 @@ def write_checkpoints(root: Path) -> dict[str, Checkpoint]:
         if case.checkpoint in out:
             continue
         if not case.synthetic:
-            out[case.checkpoint] = Checkpoint(FIXTURES / case.checkpoint / "checkpoint", fixture_references(case))
+            out[case.checkpoint] = Checkpoint(FIXTURES / case.checkpoint / "checkpoint",
+                                              fixture_references(case.checkpoint))
             continue
-        args = {**SYNTH, **{k: v for k, v in case.synthetic.items() if k != "quant"}}
-        written = write_checkpoint(root / case.checkpoint, case.synthetic["quant"], **args)
-        out[case.checkpoint] = Checkpoint(written.folder, {(x, p): w for (_, x, p), w in written.references.items()})
+        if "config" in case.synthetic:
+            written = write_family_checkpoint(root / case.checkpoint, family_config(case.synthetic),
+                                              case.synthetic["quant"], mtp=True)
+        else:
+            args = {**SYNTH, **{k: v for k, v in case.synthetic.items() if k != "quant"}}
+            written = write_checkpoint(root / case.checkpoint, case.synthetic["quant"], **args)
+        out[case.checkpoint] = Checkpoint(written.folder, dict(written.references))
     return out
+
+
+def family_config(synthetic: dict) -> dict:
+    """A published config.json of tests/fixtures/configs with its decoder keys changed to test sizes."""
+    import json
+
+    return {**json.loads((FIXTURES / "configs" / f"{synthetic['config']}.json").read_text()), **synthetic["changes"]}
 
 
 def model_jobs(out: Path, group: str) -> list[dict]:
@@ -148,8 +181,9 @@ def rank_reference(refs: dict, case: Case, group: str, rank: int) -> tuple[torch
     tp, r = config.tp_size, config.tp_rank
     experts = range(config.ep_rank * e // config.ep_size, (config.ep_rank + 1) * e // config.ep_size)
     cols = slice(r * i // tp, (r + 1) * i // tp)
-    w13 = torch.stack([torch.cat([refs[(x, "gate")][cols], refs[(x, "up")][cols]]) for x in experts])
-    return w13, torch.stack([refs[(x, "down")][:, cols] for x in experts])
+    w13 = torch.stack([torch.cat([refs[(case.prefix, x, "gate")][cols], refs[(case.prefix, x, "up")][cols]])
+                       for x in experts])
+    return w13, torch.stack([refs[(case.prefix, x, "down")][:, cols] for x in experts])
 
 
 def dequantized(like: FusedExperts, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

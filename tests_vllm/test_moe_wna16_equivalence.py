@@ -78,8 +78,8 @@ def compare(case: Case, checkpoint: Checkpoint, out: Path, tp: int, rank: int) -
     return differ
 
 
-MOE_WNA16 = [c for c in CASES if c.method != "gptq" and c.method != "awq"]  # the default-method ones: test_plugin_layers
-ACCEPTED = [(c.name, tp) for c in MOE_WNA16 for tp in TP_SIZES if refusal(c.name, tp) is None]
+COMPARED = [c for c in CASES if not c.ckpt]  # the variants of a checkpoint (other methods, layers): test_plugin_layers
+ACCEPTED = [(c.name, tp) for c in COMPARED for tp in TP_SIZES if refusal(c.name, tp) is None]
 
 
 @pytest.mark.parametrize("name, tp", ACCEPTED, ids=[f"{n}-tp{t}" for n, t in ACCEPTED])
@@ -102,7 +102,7 @@ def test_pinned_difference_still_shows(name, checkpoints, vllm_out):
     assert seen, f"{name}: vLLM no longer shows {DIFFERENCES[name].name}; remove the pin"
 
 
-REFUSED_AT = [(c.name, tp) for c in MOE_WNA16 for tp in TP_SIZES if refusal(c.name, tp) is not None]
+REFUSED_AT = [(c.name, tp) for c in COMPARED for tp in TP_SIZES if refusal(c.name, tp) is not None]
 
 
 @pytest.mark.parametrize("name, tp", REFUSED_AT, ids=[f"{n}-tp{t}" for n, t in REFUSED_AT])

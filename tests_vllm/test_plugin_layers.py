@@ -61,6 +61,18 @@ LOAD_REFUSED = {(name, "ep2"): EP_ZERO_POINTS for name in (
 LOAD_REFUSED[("synthetic_gptq_w4_sym_i704", "tp2")] = ("RuntimeError", "must match the size of tensor b")
 
 
+# vLLM builds these mixed-precision layers with a method that cannot hold their experts, so its default loader
+# crashes: (default loader's exception, words of its trace); the plugin refuses them with a LayoutMismatchError
+WRONG_METHOD = {
+    "gptq_dynamic_mixed.L1": ("RuntimeError", "size of tensor"),  # moe_wna16 ignores GPTQ `dynamic`: 4-bit g32
+    "gptq_dynamic_mixed.L2": ("AttributeError", "has no parameter 'w13_weight'"),  # the float layer as moe_wna16
+    # INC's per-layer lookup never reaches its MoE branch (it tests for "fusedmoe" in the class name, and the
+    # layer is a RoutedExperts): the quantized layers get the unquantized method
+    "autoround_layer_config_mixed.L0": ("AttributeError", "has no parameter 'w2_qweight'"),
+    "autoround_layer_config_mixed.L1": ("AttributeError", "has no parameter 'w2_qweight'"),
+}
+
+
 def loads(case: Case, group: str) -> list[str]:
     return ["-plugin"] + (["-plugin-shard"] if case.name in SHARD_CASES and group in SHARD_GROUPS else [])
 
@@ -78,7 +90,7 @@ def check_against_reference(case: Case, checkpoints, group: str, rank: int, got:
             assert bool((got[f"loaded.{name}"] == midpoint).all()), f"{case.name} {group} rank{rank}: {name}"
         return
     assert method(got) == "MoeWNA16Method", method(got)
-    ours = load_experts(checkpoints[case.checkpoint].folder, parallel(group, rank))[case.prefix]
+    ours = load_experts(checkpoints[case.checkpoint].folder, parallel(group, rank), include_mtp=True)[case.prefix]
     tensors = {name: got[f"loaded.{name}"] for name in ours.tensors if name != "expert_ids"}
     w13, w2 = dequantized(ours, tensors)
     ref13, ref2 = rank_reference(checkpoints[case.checkpoint].references, case, group, rank)
@@ -110,6 +122,10 @@ def test_plugin_fills_what_vllm_fills(name, group, checkpoints, vllm_out):
             ours = result(vllm_out / group, name + suffix, rank)
             if "type" in theirs and (name, group) not in LOAD_REFUSED:  # vLLM refuses the layer or its sizes
                 assert ours.get("type") in (theirs["type"], "LayoutMismatchError"), f"{name}{suffix} {group}: {ours}"
+                if name in WRONG_METHOD:
+                    kind, words = WRONG_METHOD[name]
+                    assert theirs["type"] == kind and words in theirs["trace"], theirs["trace"]
+                    assert ours["type"] == "LayoutMismatchError", ours["trace"]
                 continue
             if "type" in theirs:
                 assert "type" not in ours, f"{name}{suffix} {group} rank{rank}: {ours.get('trace')}"
@@ -142,6 +158,21 @@ def test_vllm_loader_crashes_where_the_plugin_loads(name, group, vllm_out):
     assert any("type" in got for got in crashed), f"{name} {group}: vLLM loads it now; drop the pin"
     for got in (got for got in crashed if "type" in got):
         assert got["type"] == kind and words in got["trace"], got["trace"]
+
+
+def test_mixed_layers_get_the_method_vllm_picks_per_layer(vllm_out):
+    """compressed-tensors' multi-group checkpoint: its WNA16 method for the quantized layers, the unquantized
+    one for the float layer; the plugin fills each (test_plugin_fills_what_vllm_fills compares them)."""
+    picked = [method(result(vllm_out / "tp2", f"ct_multigroup_mixed.L{layer}-plugin", 0)) for layer in range(3)]
+    assert picked == ["CompressedTensorsWNA16MoEMethod"] * 2 + ["UnquantizedFusedMoEMethod"]
+    floats = result(vllm_out / "tp2", "autoround_layer_config_mixed.L2-plugin", 0)
+    assert method(floats) == "UnquantizedFusedMoEMethod" and floats["loaded.w13_weight"].dtype == torch.bfloat16
+
+
+def test_the_mtp_layer_is_filled_as_an_mtp_layer(vllm_out):
+    """DeepSeek-V3's MTP layer (model.layers.3, past num_hidden_layers) as vLLM's draft model builds it."""
+    got = result(vllm_out / "tp2", "deepseek_v3_mtp.auto-plugin", 0)
+    assert method(got) == "AutoGPTQMoEMethod" and got["loaded.w13_qweight"].shape == (4, 128 // 8, 128)
 
 
 def test_without_a_flag_vllm_picks_the_marlin_methods(vllm_out):

@@ -43,7 +43,7 @@ def layer_job(job: dict) -> dict[str, torch.Tensor]:
     folder = Path(job["folder"])
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     runner = FusedMoEFactory(num_experts=job["experts"], top_k=job["top_k"], hidden_size=job["hidden"],
-                             intermediate_size=job["intermediate"], params_dtype=torch.float16,
+                             intermediate_size=job["intermediate"], params_dtype=getattr(torch, job.get("dtype", "float16")),
                              quant_config=get_quantization_config(job["method"]).from_config(config),
                              prefix=job["prefix"], ckpt_names=tuple(job["ckpt_names"]))
     layer = runner.routed_experts
@@ -75,10 +75,10 @@ def plugin_fill(runner, job: dict, folder: Path, config: dict) -> None:
     """The plugin's in-place fill of the layer, from the checkpoint folder or a wna16-shard output
     (`job["source"]`, default the folder)."""
     from wna16_loader.integrations import vllm as plugin
-    from wna16_loader.load.inplace import fill_layers
 
-    layer = runner.routed_experts
-    fill_layers(job.get("source", folder), plugin.parallel_of(layer), {job["prefix"]: plugin.layer_target(layer)})
+    model = torch.nn.Module()  # the plugin's own path over a model whose one MoE layer this is
+    model.experts = runner.routed_experts
+    plugin.load_experts_into(model, Path(job.get("source", folder)))
 
 
 def model_job(job: dict) -> dict[str, torch.Tensor]:

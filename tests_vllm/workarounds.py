@@ -107,11 +107,14 @@ def _no_accelerator_cache() -> None:
 def drop_trivial_g_idx(weights: list[tuple[str, torch.Tensor]], group_size: int) -> list[tuple[str, torch.Tensor]]:
     """6. GPTQModel writes a `g_idx` for every module even without act-order; vLLM 0.32's moe_wna16 has no
     g_idx parameter and raises on one ("has no parameter 'w13_g_idx'"). It is dropped here, after checking
-    that it is the trivial arange(K) // G (a real act-order g_idx is refused by vLLM at config time)."""
+    that it is the trivial arange(K) // G for the layer's own G (a `dynamic` override may change it; a real
+    act-order g_idx is refused by vLLM at config time)."""
     kept = []
     for name, tensor in weights:
         if name.endswith(".g_idx"):
-            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // group_size
+            groups = int(tensor.max()) + 1
+            size = tensor.numel() // groups if tensor.numel() % groups == 0 else group_size
+            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // size
             assert torch.equal(tensor, trivial), f"{name} is a real act-order g_idx; vLLM refuses those"
             continue
         kept.append((name, tensor))
