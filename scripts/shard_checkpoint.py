@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from wna16_loader.cli import main  # noqa: E402
+from wna16_loader.cli import run  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -142,9 +142,9 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
         if fields and fields[0].isdigit():
             rows[int(fields[0])], methods[int(fields[0])] = (line.startswith("*"), fields), taken
     assert sorted(rows) == [1, 2, 3, 4, 8, 16]
-    assert rows[8] == (False, ["8", "1", "768", "96", "32", "21320", "14208", "0", "x7,", "64"])
-    assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "0", "x2,", "16"])
-    assert rows[4][1][2:8] == ["704", "176", "16", "44360", "0", "0"]  # unpadded: the old rule
+    assert rows[8] == (False, ["8", "1", "768", "96", "32", "21320", "14208", "2", "0", "x7,", "64"])
+    assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "2", "0", "x2,", "16"])
+    assert rows[4][1][2:9] == ["704", "176", "16", "44360", "0", "2", "0"]  # unpadded: the old rule
     assert rows[16][1][-3:] == ["x14,", "16,", "48"]
     assert methods[8] == "none (padded I, G_eff < G, zero points)"  # from the layout rows (layouts.vllm)
     assert methods[4] == "moe_wna16 (as is)"  # G_eff 16 < G: only moe_wna16 halves G
@@ -243,13 +243,13 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert main([str(source), str(out), "--tp", "2", "--verify"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "format: awq 4-bit, group 32, asymmetric; layout fused"
-    assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds"]
+    assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds", "experts"]
     assert lines[3].split()[:6] == ["rank-00000-of-00002", "1", "7", "13.9", "KiB", "32"]
     assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
     assert lines[6].startswith(f"verified: {out}: ok: 3 files (") and lines[6].endswith(
         f"19 tensors match the manifest's sha256; 4 experts in 1 layer(s) equal their tensors converted afresh from "
         f"{source}, 5 common tensors byte-identical")
-    assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
+    assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=RANK))"
     assert main(["verify", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "ok: 3 files (" in lines[0] and "KiB on disk), 19 tensors match" in lines[0]
@@ -325,3 +325,215 @@ def test_padding_is_reported_per_rank_and_empty_ranks_warned(tmp_path: Path) -> 
     summary = cli(str(src), str(tmp_path / "tp32b"), "--tp", "32").stdout.splitlines()
     assert ("padding: I = 768 is padded to I' = 1024 (32 columns per TP rank) in 2 layer(s); TP ranks 24–31: 32 of 32 "
             "columns (only padding)") in summary
+
+
+# Issue 32: the first day of a user, part three (one test per row; CLI rows as subprocesses).
+
+INTERRUPT_AT = {  # where the Ctrl-C lands: a hook that sends this process SIGINT there, then runs the console script
+    "after the manifest": "import wna16_loader.preshard.run as m; real = m.write_json_atomic; "
+                          "m.write_json_atomic = lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGINT))",
+    "after the run": "real = c.preshard_checkpoint; "
+                     "c.preshard_checkpoint = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), signal.SIGINT))[0]",
+    "as main returns": "real = c.main; c.main = lambda: (real(), os.kill(os.getpid(), signal.SIGINT))[0]",
+}
+
+
+@pytest.mark.parametrize("point", list(INTERRUPT_AT))
+def test_ctrl_c_after_the_last_file_is_one_line_and_exit_130(source: Path, tmp_path: Path, point: str) -> None:
+    """Row 16: a Ctrl-C just after the last file is written (and later, up to the process's exit) gives one line
+    and exit 130, never a death by the signal; the output is complete or finished by --resume."""
+    out = tmp_path / "out"
+    code = f"import os, signal, sys; import wna16_loader.cli as c; {INTERRUPT_AT[point]}; c.run()"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code, str(source), str(out), "--tp", "2", "--quiet"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    line = one_error_line(run, code=130)
+    if point == "after the manifest":
+        assert line == "wna16-shard: interrupted after 3 of 3 files; re-run with --resume"
+    else:
+        assert line == ("wna16-shard: interrupted; re-run the same command (with --resume when it had started "
+                        "writing)")
+    again = cli(str(source), str(out), "--tp", "2", "--resume")
+    assert again.returncode == 0 and again.stderr == "", again.stderr
+    assert again.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")
+
+
+MIXED = ROOT / "tests" / "fixtures" / "gptq_dynamic_mixed" / "checkpoint"  # layers 4-bit g32, 8-bit g64, float16
+
+
+def edited_mixed(tmp_path: Path, edit) -> Path:
+    """A copy of the GPTQModel mixed fixture whose quantization_config `edit` changed in place."""
+    import shutil
+    folder = tmp_path / "edited"
+    shutil.copytree(MIXED, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> None:
+    """Rows 5 and 12: the mixed fixture (its layer 2 in float16, 4 experts) at --ep 3: the summary's group column
+    says `float fp16` (not `chan`), --plan's G_eff column `float` (not -1), --dry-run and the manifest `float fp16`;
+    the summary and --plan give each rank's experts (2, 1, 1)."""
+    out = tmp_path / "out"
+    run = cli(str(MIXED), str(out), "--ep", "3")
+    assert run.returncode == 0 and "warning" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    rows = {line.split()[0]: line for line in run.stdout.splitlines()[2:6]}
+    fields = rows["rank-00000-of-00003"].split()
+    assert fields[5:8] == ["32,64,float", "fp16", "0"] and fields[-2:] == ["2:", "0–1"]
+    assert rows["rank-00002-of-00003"].split()[-2:] == ["1:", "3"] and rows["common"].split()[-1] == "-"
+    assert run.stdout.splitlines()[1].split()[-1] == "experts"
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["quantization"]["group_size_eff"] == {"model.layers.0.mlp.experts": 32,
+                                                          "model.layers.1.mlp.experts": 64,
+                                                          "model.layers.2.mlp.experts": "float fp16"}
+    dry = cli(str(MIXED), str(tmp_path / "dry"), "--ep", "3", "--dry-run")
+    assert "  G_eff model.layers.2.mlp.experts: float fp16" in dry.stdout.splitlines()
+    plan = cli(str(MIXED), "--plan", "--ep", "3").stdout.splitlines()
+    float_block = plan[plan.index("weights float16:") + 1:]
+    assert float_block[0].split()[6:9] == ["padding", "bytes", "experts/EP"]
+    assert float_block[1].split() == ["*", "1", "3", "128", "128", "float", "98312", "0", "2,", "1", "x2", "0",
+                                      "unquantized", "(as", "is)"]
+    assert "-1" not in "\n".join(plan)
+
+
+def test_include_mtp_on_an_output_written_with_no_mtp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Row 6: include_mtp=True on a --no-mtp output names where the MTP experts went (once); on a model without MTP
+    it says so once."""
+    import logging
+
+    from sources import mtp_checkpoint
+
+    from wna16_loader import ParallelConfig, load_experts
+    mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp")
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "src"), str(out), "--tp", "2", "--no-mtp", "--quiet"]) == 0
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        layers = load_experts(out, ParallelConfig(2, 1), include_mtp=True)
+    assert not any(layer.mtp for layer in layers.values())
+    assert [r.getMessage() for r in caplog.records] == [
+        f"[rank 1 tp 1/2 ep 0/1] include_mtp=True, but the wna16-shard output {out} was written with --no-mtp: its MTP "
+        f"experts were copied unchanged into common/, so no MTP layer is loaded from it. Load them from common/ with the engine's own loader, or re-shard without --no-mtp."]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        load_experts(MIXED, ParallelConfig(1, 0), include_mtp=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"[rank 0 tp 0/1 ep 0/1] include_mtp=True, but {MIXED} has no MTP experts (the family's row has no MTP "
+        f"layers): only the decoder's MoE layers are loaded."]
+
+
+def test_an_output_passed_as_the_source(tmp_path: Path) -> None:
+    """Row 7: a wna16-shard output as SRC (to shard or to --plan) is named as one, with what to do with it."""
+    out = tmp_path / "out"
+    assert main([str(MIXED), str(out), "--tp", "2", "--quiet"]) == 0
+    want = (f"wna16-shard: error: {out}: this is a wna16-shard output, not a checkpoint: load it (load_experts("
+            f"{str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=R))) or verify it (wna16-shard verify "
+            f"{out}); to shard again, pass the original checkpoint as SRC.")
+    assert one_error_line(cli(str(out), str(tmp_path / "again"), "--tp", "2")) == want
+    assert one_error_line(cli(str(out), "--plan")) == want
+
+
+def test_the_parent_of_the_checkpoint_folder(tmp_path: Path) -> None:
+    """Row 8: pointing at the folder above the checkpoint asks "did you mean .../NAME?"."""
+    import shutil
+    shutil.copytree(MIXED, tmp_path / "models" / "Qwen3-MoE-GPTQ")
+    (tmp_path / "models" / "notes").mkdir()
+    line = one_error_line(cli(str(tmp_path / "models"), str(tmp_path / "out"), "--tp", "2"))
+    assert line == (f"wna16-shard: error: {tmp_path / 'models' / 'config.json'}: file not found; a checkpoint folder "
+                    f"needs a config.json. Did you mean {tmp_path / 'models' / 'Qwen3-MoE-GPTQ'}? (it holds a "
+                    f"config.json)")
+
+
+def test_a_misspelt_quant_method(tmp_path: Path) -> None:
+    """Row 9: `quant_method: "gtpq"`: a did-you-mean and the file's path."""
+    folder = edited_mixed(tmp_path, lambda q: q.update(quant_method="gtpq"))
+    line = one_error_line(cli(str(folder), str(tmp_path / "out"), "--tp", "2"))
+    assert line == (f"wna16-shard: error: {folder / 'config.json'}: quantization_config: quant_method='gtpq' is not "
+                    f"a WNA16 format this package loads; did you mean 'gptq'? expected one of ['awq', 'gptq', "
+                    f"'compressed-tensors', 'auto-round', 'intel/auto-round'].")
+
+
+def test_a_dynamic_rule_that_is_not_a_regex(tmp_path: Path) -> None:
+    """Row 10: a GPTQModel `dynamic` key that is no valid regex is a ConfigError naming the rule, the position and
+    the fix (not a `re.error` traceback)."""
+    def edit(q: dict) -> None:
+        q["dynamic"] = {"+:model\\.layers\\.(1\\.mlp": {"bits": 8}}
+    line = one_error_line(cli(str(edited_mixed(tmp_path, edit)), str(tmp_path / "out"), "--tp", "2"))
+    assert line == ("wna16-shard: error: quantization_config: dynamic rule '+:model\\\\.layers\\\\.(1\\\\.mlp' "
+                    "{'bits': 8}: 'model\\\\.layers\\\\.(1\\\\.mlp' is not a valid regular expression (missing ), "
+                    "unterminated subpattern at position 15, after 'model\\\\.layers\\\\.'); fix the pattern in the "
+                    "config (escape a literal character with a backslash, e.g. \\. \\( \\[), or remove the rule.")
+
+
+def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None:
+    """Row 13: a truncated rank file: loading names the file with verify / --resume; re-sharding says what it rewrites
+    (one warning line, every file, and how many --resume keeps); --resume rewrites only that file."""
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
+    victim = out / "rank-00001-of-00002" / "model.safetensors"
+    victim.write_bytes(victim.read_bytes()[:1000])
+    code = ("import sys; from wna16_loader import ParallelConfig, load_experts; "
+            "load_experts(sys.argv[1], ParallelConfig.from_manifest(sys.argv[1], rank=1))")
+    run = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
+        f"wna16_loader.errors.CheckpointError: {victim}: truncated or corrupt (1000 bytes on disk): a file of the "
+        f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then the wna16-shard "
+        f"command that wrote {out} again with --resume: it keeps the intact files and rewrites only the damaged ones.")
+    assert f"{victim.relative_to(out)}: " in cli("verify", str(out)).stderr  # what the message says to run
+    rerun = cli(str(source), str(out), "--tp", "2", "--quiet")
+    assert one_error_line(rerun, code=0) == (f"wna16-shard: warning: {out}: found a damaged output (2 of 3 files "
+                                             f"intact): starting over, every file is rewritten (use --resume to keep 2 "
+                                             f"files)")
+    victim.write_bytes(victim.read_bytes()[:1000])
+    before = mtimes(out)
+    resumed = cli(str(source), str(out), "--tp", "2", "--resume", "--quiet")
+    assert resumed.returncode == 0 and resumed.stderr == "", resumed.stderr
+    changed = sorted(p for p, t in mtimes(out).items() if p.endswith(".safetensors") and t != before.get(p))
+    assert changed == ["rank-00001-of-00002/model.safetensors"]
+
+
+def test_another_source_into_an_existing_output(source: Path, tmp_path: Path) -> None:
+    """Row 14: the refusal names both sources, not raw sha256 dicts."""
+    out, other = tmp_path / "out", tmp_path / "other"
+    assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
+    write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, num_experts=8)
+    written = json.loads((out / MANIFEST_NAME).read_text())["source"]["files"][0]
+    now = (other / "model.safetensors").stat().st_size
+    line = one_error_line(cli(str(other), str(out), "--tp", "2"))
+    assert line.startswith(f"wna16-shard: error: {out} was written from another source: model.safetensors "
+                           f"({written['size']} bytes, header sha256 {written['header_sha256'][:12]}), config.json "
+                           f"sha256 ")
+    assert f"; this run's source is {other}: model.safetensors ({now} bytes, header sha256 " in line
+    assert line.endswith(f". Pass the source {out} was written from, or use a new output folder (or delete {out} "
+                         f"first).")
+    assert "None" not in line and "{" not in line
+
+
+def test_a_rerun_without_resume_after_an_interrupted_run(source: Path, tmp_path: Path) -> None:
+    """Row 15: re-running without --resume after a run was stopped says it starts over, and what --resume keeps."""
+    out = tmp_path / "out"
+    code = ("import sys, wna16_loader.preshard.writing as p; p.KILL_AFTER_FILES = 2; from wna16_loader.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    killed = subprocess.run([sys.executable, "-c", code, str(source), str(out), "--tp", "2", "--quiet"], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9
+    line = one_error_line(cli(str(source), str(out), "--tp", "2", "--quiet"), code=0)
+    assert line == (f"wna16-shard: warning: {out}: found a partial output (2 of 3 files intact): starting over, every "
+                    f"file is rewritten (use --resume to keep 2 files)")
+    assert cli(str(source), str(tmp_path / "fresh"), "--tp", "2", "--quiet").stderr == ""  # a new OUT: no warning
+
+
+def test_warnings_only_when_something_is_written(tmp_path: Path) -> None:
+    """Row 17: the G_eff warning comes with the run that writes, not with a no-op re-run ("already complete") nor
+    before an unrelated error."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)
+    first = cli(str(src), str(out), "--tp", "8", "--quiet")
+    assert one_error_line(first, code=0).startswith("wna16-shard: warning: tp=8: group size 32 becomes G_eff 16")
+    again = cli(str(src), str(out), "--tp", "8")
+    assert again.returncode == 0 and again.stderr == "" and "already complete: nothing to do" in again.stdout
+    other = one_error_line(cli(str(src), str(out), "--tp", "8", "--ep", "2"))
+    assert other.startswith(f"wna16-shard: error: {out} was written with other parameters (ep: written 1, "
+                            f"requested 2)")

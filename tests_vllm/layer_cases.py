@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from wna16_loader import FusedExperts, ParallelConfig
+from wna16_loader import FusedTensors, ParallelConfig
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint, write_family_checkpoint
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures"
@@ -186,6 +186,6 @@ def rank_reference(refs: dict, case: Case, group: str, rank: int) -> tuple[torch
     return w13, torch.stack([refs[(case.prefix, x, "down")][:, cols] for x in experts])
 
 
-def dequantized(like: FusedExperts, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    deq = FusedExperts(like.prefix, like.spec, {**tensors, "expert_ids": like.expert_ids}).dequantize()
+def dequantized(like: FusedTensors, tensors: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    deq = FusedTensors(like.prefix, like.spec, {**tensors, "expert_ids": like.expert_ids}).dequantize()
     return deq.w13, deq.w2

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -45,7 +46,7 @@ examples:
   wna16-shard verify ./out --source ./ckpt         # re-check hashes and reassembly
   torchrun --nproc-per-node 4 -m wna16_loader.cli ./ckpt ./out --tp 8   # 4 processes, 2 ranks each
 
-Load a rank with load_experts(OUT, ParallelConfig.from_manifest(read_manifest(OUT), rank=R)).
+Load a rank with load_experts(OUT, ParallelConfig.from_manifest(OUT, rank=R)).
 exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input, 130 interrupted (re-run with --resume).
 """
 
@@ -169,12 +170,35 @@ def main(argv: list[str] | None = None) -> int:
         elif argv[:1] == ["verify"]:
             print("wna16-shard verify: interrupted (it only reads: nothing changed); re-run it", file=sys.stderr)
         else:
-            print("wna16-shard: interrupted; re-run the same command (with --resume when it had started writing)",
-                  file=sys.stderr)
+            print(INTERRUPTED, file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop writing, no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+INTERRUPTED = "wna16-shard: interrupted; re-run the same command (with --resume when it had started writing)"
+
+
+def run() -> None:
+    """The console script (and `python -m wna16_loader.cli`): `main()`, then out at once. A Ctrl-C as `main`
+    returns gives main's one line and exit 130 too; after it, SIGINT is ignored and the process leaves by
+    `os._exit` once stdout and stderr are flushed, so no interrupt can land in the interpreter's teardown
+    (torch, threads), where it would kill the process by the signal with no line at all."""
+    code = 130
+    try:
+        try:
+            code = main()
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:
+        print(INTERRUPTED, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError):  # the reader went away: nothing more to say
+            pass
+    os._exit(code)
 
 
 def _log_warnings_to_stderr() -> None:
@@ -212,7 +236,7 @@ def _print_verify(report: VerifyReport) -> int:
 
 
 def _load_hint(out: object) -> str:
-    return f"load_experts({str(out)!r}, ParallelConfig.from_manifest(read_manifest({str(out)!r}), rank=RANK))"
+    return f"load_experts({str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=RANK))"
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -270,4 +294,4 @@ def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -43,11 +43,11 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch, code: int, after: int) -> None:
     """Make the `after`+1-th safetensors write fail with OSError(code) (a full disk, a read-only folder)."""
     real, calls = writing._serialize, [0]
 
-    def serialize(handle, metas, fetch, metadata):
+    def serialize(handle, metas, fetch, metadata, *progress):
         calls[0] += 1
         if calls[0] > after:
             raise OSError(code, os.strerror(code))
-        return real(handle, metas, fetch, metadata)
+        return real(handle, metas, fetch, metadata, *progress)
 
     monkeypatch.setattr(writing, "_serialize", serialize)
 

@@ -164,7 +164,11 @@ def test_other_parameters_or_changed_source_refused(tmp_path: Path) -> None:
     with pytest.raises(PreshardError, match=r"tp: written 2, requested 1"):
         preshard_checkpoint(src, out, tp_size=1, progress=False, resume=True)
     changed = make_source(tmp_path / "changed", files=1)  # the fingerprint covers names, sizes and headers
-    with pytest.raises(PreshardError, match=r"source file model-00001-of-00002.safetensors"):
+    with pytest.raises(PreshardError, match=rf"^{out} was written from another source: model-00001-of-00002"
+                                            rf"\.safetensors \(\d+ bytes, header sha256 [0-9a-f]{{12}}\), "
+                                            rf"model-00002-of-00002\.safetensors \(.*\); this run's source is "
+                                            rf"{changed}: model\.safetensors \(\d+ bytes, header sha256 "
+                                            rf"[0-9a-f]{{12}}\)\. Pass the source"):
         preshard_checkpoint(changed, out, tp_size=2, progress=False)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -370,3 +374,37 @@ def test_verify_names_misplaced_mtp_layers(tmp_path: Path) -> None:
     assert verify_mtp(manifest) == [
         f"rank {r}: MTP layers ['model.layers.3.mlp.experts'] in its files, but the manifest records "
         f"['model.layers.3.mlp.experts'] as common/ (--no-mtp), unchanged; re-shard the source" for r in (0, 1)]
+
+
+def test_progress_moves_by_bytes_within_a_file_in_one_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, row 19: a shard of one large file per folder: the bar (one per run, on a terminal) moves as the tensor
+    bytes are written, many times within each file and within a large tensor, and ends at the total."""
+    import io
+
+    import tqdm
+
+    import wna16_loader.preshard.writing as writing
+    src = make_source(tmp_path / "src", files=1)
+    monkeypatch.setattr(writing, "PROGRESS_BYTES", 4096)  # what a large tensor is, at this size
+    bars, updates = [], []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+        def update(self, n: float | None = 1) -> bool | None:
+            updates.append(n)
+            return super().update(n)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    summary = preshard_checkpoint(src, tmp_path / "out", tp_size=2)
+    files = summary.plan.all_files()
+    assert len(bars) == 1 and len(files) == 3
+    assert sum(updates) == bars[0].total == sum(f.nbytes for f in files)
+    assert max(updates) <= 4096 and len(updates) > 3 * max(len(f.tensors) for f in files)

@@ -115,3 +115,14 @@ def test_expert_ids_and_table() -> None:
     assert demo.expert_ids((0, 1, 2, 3)) == "0-3" and demo.expert_ids((1, 3, 5)) == "1,3,5"
     assert demo.table(("a", "num"), [("xyz", "1.5"), ("b", "10.25")]).splitlines() == ["a     num", "xyz   1.5",
                                                                                        "b   10.25"]
+
+
+def test_the_readme_says_when_the_demo_prints_next(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 32, row 18: the README's demo paragraph promises `next:` only with --out or --keep, as the demo does."""
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert ("with `--out DIR` or `--keep`, which keep the checkpoint, the demo ends with its `next:` command spelled "
+            "that way; without them it removes its temporary checkpoint and prints no `next:`") in readme
+    assert demo.main(["--group-size", "32"]) == 0
+    assert not any(line.startswith("next:") for line in capsys.readouterr().out.splitlines())
+    assert demo.main(["--group-size", "32", "--out", str(small / "kept")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("next: ")

@@ -117,7 +117,7 @@ def _load_presharded_into(modules: dict[str, FusedMoEExperts], folder: str | Pat
     """Fill the modules from a wna16-shard output, layer by layer: each fused tensor is copied from the rank
     file's mapping into its parameter (nothing of the rank is held in host memory besides one tensor)."""
     start = time.perf_counter()
-    rank = rank_record(folder, parallel)
+    rank = rank_record(folder, parallel, include_mtp=include_mtp)
     specs = rank_specs(rank, include_mtp=include_mtp)
     problems = [f"output layer {p} has no FusedMoEExperts in the model" for p in sorted(set(specs) - set(modules))]
     problems += [f"module {p} is not in the pre-sharded output" for p in sorted(set(modules) - set(specs))]

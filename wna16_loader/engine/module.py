@@ -1,4 +1,4 @@
-"""FusedMoEExperts: one MoE layer's fused expert parameters on one rank, as an nn.Module.
+"""FusedMoEModule (formerly FusedMoEExperts): one MoE layer's fused expert parameters on one rank, as an nn.Module.
 
 Its parameters are exactly the fused layout of `fused.py` (w13_qweight, w2_qweight,
 w13_scales, w2_scales, w13_qzeros/w2_qzeros when asymmetric, w13_g_idx/w2_g_idx with
@@ -43,8 +43,10 @@ def _registers_on_meta() -> bool:
     return probe.p.is_meta
 
 
-class FusedMoEExperts(SpecView, nn.Module):
-    """One MoE layer's routed experts on one rank, in the fused layout (see the module table).
+class FusedMoEModule(SpecView, nn.Module):
+    """One MoE layer's routed experts on one rank as an `nn.Module` (its parameters: the fused layout, see the
+    module table), for a model that owns its modules; `load_experts` returns plain `FusedTensors` instead.
+    Formerly `FusedMoEExperts` (still an alias).
 
     Under `accelerate.init_empty_weights()` (or with device="meta") nothing is
     allocated; `materialize(device)` or `.to_empty(device=...)` then allocates.
@@ -86,15 +88,12 @@ class FusedMoEExperts(SpecView, nn.Module):
     mtp = property(lambda self: self.moe.mtp.index(self.prefix) is not None, doc="Whether this is an MTP layer.")
 
     def extra_repr(self) -> str:
-        return (f"{self.prefix!r}, experts={list(self.spec.experts)}, I={self.spec.intermediate}, "
-                f"I_p={self.spec.part}, padding={self.spec.padding}, spec={self.moe.quant.describe()!r}, "
-                f"bits={self.bits}, "
-                f"group_size={self.group_size}, zero_point={self.has_zero_point}, act_order={self.act_order}, "
+        return (f"{self.prefix!r}, {self.spec.describe()}, mtp={self.mtp}, spec={self.moe.quant.describe()!r}, "
                 f"activation={self.activation.value}, gated={self.gated}")
 
     # ------------------------------------------------------------------ materialisation
 
-    def materialize(self, device: torch.device | str) -> "FusedMoEExperts":
+    def materialize(self, device: torch.device | str) -> "FusedMoEModule":
         """Allocate every parameter on `device`, zeroed (expert_ids filled); returns self."""
         self.to_empty(device=device, recurse=False)
         with torch.no_grad():
@@ -103,7 +102,7 @@ class FusedMoEExperts(SpecView, nn.Module):
         self._after_move()
         return self
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedMoEExperts":
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "FusedMoEModule":
         super()._apply(fn, recurse)
         self._after_move()
         return self
@@ -227,3 +226,6 @@ class FusedMoEExperts(SpecView, nn.Module):
         """This rank's partial MoE output; see `reference_forward`. A correctness reference, not a kernel."""
         return reference_forward(self.dequantize(), self.spec.experts, hidden_states, topk_ids, topk_weights,
                                  self.activation)
+
+
+FusedMoEExperts = FusedMoEModule  # the name before issue 32, kept as an alias

@@ -6,6 +6,7 @@ in `FORMATS`; no other code changes.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any
 
 from ..errors import ConfigError
@@ -33,17 +34,20 @@ def resolve_module_rules(qconfig: dict[str, Any]) -> ModuleRules:
     return decl.rules(qconfig, decl.parse(qconfig))
 
 
-def format_of(qconfig: dict[str, Any]) -> FormatDecl:
-    """The declaration whose `quant_method` values include the config's."""
+def format_of(qconfig: dict[str, Any], *, where: str = "quantization_config") -> FormatDecl:
+    """The declaration whose `quant_method` values include the config's; `where` names the config in errors
+    (e.g. `ckpt/config.json: quantization_config`)."""
     if not isinstance(qconfig, dict):
-        raise ConfigError(f"quantization_config must be a JSON object, found {type(qconfig).__name__}.")
+        raise ConfigError(f"{where} must be a JSON object, found {type(qconfig).__name__}.")
     method = qconfig.get("quant_method")
     for decl in FORMATS:
         if method in decl.quant_methods:
             return decl
     known = [m for decl in FORMATS for m in decl.quant_methods]
-    raise ConfigError(f"quantization_config: quant_method={method!r} is not a WNA16 format this package "
-                      f"loads; expected one of {known}.")
+    close = difflib.get_close_matches(str(method).lower(), known, n=1, cutoff=0.6) if method is not None else []
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"{where}: quant_method={method!r} is not a WNA16 format this package loads; {hint}"
+                      f"expected one of {known}.")
 
 
 __all__ = ["FORMATS", "accepted_formats", "Dim", "FormatDecl", "ModuleRules", "ModuleSpec", "Need", "QuantSpec", "Role",

@@ -26,6 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Container
 
+from ..errors import ConfigError
 from .spec import QuantSpec, unquantized_spec
 
 
@@ -50,6 +51,17 @@ class Rule:
     origin: str
     refusal: str | None = None
     unless_module: bool = False
+
+    def __post_init__(self) -> None:
+        """A regex rule's pattern must compile: else a ConfigError naming the rule, the position and the fix."""
+        if self.match in (Match.START, Match.SEARCH):
+            try:
+                _compiled(self.pattern)
+            except re.error as exc:
+                at = "" if exc.pos is None else f" at position {exc.pos}, after {self.pattern[:exc.pos]!r}"
+                raise ConfigError(f"quantization_config: {self.origin}: {self.pattern!r} is not a valid regular "
+                                  f"expression ({exc.msg}{at}); fix the pattern in the config (escape a literal "
+                                  f"character with a backslash, e.g. \\. \\( \\[), or remove the rule.") from None
 
     def matches(self, module: str, modules: Container[str] = ()) -> bool:
         """Whether this rule applies to the Linear module named `module` (`modules`: the checkpoint's)."""

@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from ..logs import rank_logger
+from ..logs import RankLogger, rank_logger
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.bulk import paused_gc_call
@@ -106,6 +106,8 @@ def planned(path: str | Path, parallel: ParallelConfig, *, include_mtp: bool = F
     moe, ledger = read_config_files(path), Ledger()
     with CheckpointIndex(path) as index:
         scan = scan_for(index, moe, include_mtp)
+        if include_mtp:
+            warn_no_mtp(rank_logger(parallel), Path(path), moe, scan)
         plans = plan_layers(index, moe, parallel, ledger, scan)
         ledger.check()
         warn_reduced_groups_by_spec(rank_logger(parallel), tp_size=parallel.tp_size,
@@ -119,6 +121,19 @@ def scan_for(index: CheckpointIndex, moe: MoEConfig, include_mtp: bool) -> Check
     `include_mtp`."""
     scan = CheckpointScan.of(index)
     return scan if include_mtp else scan.without(scan.mtp_prefixes(moe.mtp))
+
+
+def warn_no_mtp(logger: RankLogger, folder: Path, moe: MoEConfig, scan: CheckpointScan) -> None:
+    """One warning when `include_mtp=True` finds no MTP experts to load in a checkpoint: none declared (the
+    family's row, or a dense MTP block), or declared but without tensors (quantizers often drop the layer)."""
+    if scan.mtp_prefixes(moe.mtp):
+        return
+    if moe.mtp.count and moe.mtp.routed:
+        what = (f"declares {moe.mtp.count} MTP layer(s) ({moe.mtp.source}) but holds no tensors of their experts "
+                f"(quantizers often drop the layer)")
+    else:
+        what = f"has no MTP experts ({moe.mtp.source})"
+    logger.warning("include_mtp=True, but %s %s: only the decoder's MoE layers are loaded.", folder, what)
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,

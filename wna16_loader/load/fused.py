@@ -43,7 +43,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, format_ranges
 from ..formats import QuantSpec
 from ..formats.packing import NibbleWords, pack_bytes
 from ..formats.spec import UNQUANTIZED_BITS
@@ -57,6 +57,9 @@ from .params import ProjectionParams
 
 FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
                "w13_g_idx", "w2_g_idx", "w13_weight", "w2_weight", "expert_ids")
+
+
+SHORT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # for `group_label`
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,26 @@ class FusedSpec:
         """Columns of this rank's I_p taken from the checkpoint (the first ones)."""
         return self.part - self.padding
 
+    @property
+    def group_label(self) -> str:
+        """The group size in words: `32` (G_eff), `channelwise`, or `float bf16` (the weights' dtype) for float
+        experts, which have no groups."""
+        if not self.quantized:
+            return f"float {SHORT_DTYPES.get(self.scale_dtype, str(self.scale_dtype).removeprefix('torch.'))}"
+        return "channelwise" if self.group_size == -1 else str(self.group_size)
+
+    def describe(self) -> str:
+        """The layout in words, for reprs: `4-bit quantized, group 32, asymmetric, act-order, experts 0–3, I 768,
+        I_p 160, padding 32` (float experts: `float bf16 (not quantized), ...`)."""
+        if self.quantized:
+            group = "channelwise" if self.group_size == -1 else f"group {self.group_size}"
+            kind = (f"{self.bits}-bit quantized, {group}, {'asymmetric' if self.has_zero_point else 'symmetric'}"
+                    f"{', act-order' if self.act_order else ''}")
+        else:
+            kind = f"{self.group_label} (not quantized)"
+        return (f"{kind}, experts {format_ranges(list(self.experts)) or 'none'}, I {self.intermediate}, "
+                f"I_p {self.part}, padding {self.padding}")
+
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
         e, h, i, per_byte = len(self.experts), self.hidden, self.part, values_per_byte(self.bits)
@@ -156,8 +179,10 @@ class SpecView:
     padding = property(lambda self: self.spec.padding, doc="Columns of this rank's I_p that are padding (zeros).")
 
 
-class FusedExperts(SpecView):
-    """One MoE layer's fused parameters on one rank (see the module table); `mtp`: an MTP layer's."""
+class FusedTensors(SpecView):
+    """One MoE layer's fused tensors on one rank, as `load_experts` returns them (plain tensors in `tensors`, also
+    as attributes; see the module table); `mtp`: an MTP layer's. The `nn.Module` holding the same parameters is
+    `engine.module.FusedMoEModule`. Formerly `FusedExperts` (still an alias)."""
 
     def __init__(self, prefix: str, spec: FusedSpec, tensors: dict[str, torch.Tensor], *, mtp: bool = False) -> None:
         assert set(tensors) == set(spec.shapes()), f"{prefix}: tensors {sorted(tensors)} do not match the layout"
@@ -175,7 +200,7 @@ class FusedExperts(SpecView):
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={list(v.shape)}" for k, v in self.tensors.items())
-        return f"FusedExperts({self.prefix!r}, {shapes})"
+        return f"FusedTensors({self.prefix!r}, {self.spec.describe()}, mtp={self.mtp}; {shapes})"
 
     def dequantize(self) -> DequantizedExperts:
         """Float32 weights of every local expert, for users and tests (float experts: their weights)."""
@@ -189,6 +214,9 @@ class FusedExperts(SpecView):
                           self.tensors.get("w2_g_idx"), bits=self.bits, group_size=self.group_size),
             gated=self.spec.gated,
         )
+
+
+FusedExperts = FusedTensors  # the name before issue 32, kept as an alias
 
 
 class FusedWriter:

@@ -26,7 +26,7 @@ from ..models.config import read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
 from .experts import load_layer, planned
-from .fused import FusedExperts, FusedSpec
+from .fused import FusedTensors, FusedSpec
 from .presharded import checked_entry, is_presharded, locate_rank, rank_record, rank_specs, read_param
 from .device import DevicePolicy
 
@@ -95,7 +95,7 @@ def staging_of(target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...
     return staging
 
 
-def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], fused: FusedExperts) -> None:
+def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], fused: FusedTensors) -> None:
     """Re-lay one layer's fused tensors into the engine's parameters."""
     spec = fused.spec
     nk = {Half.W13: (spec.intermediate, spec.hidden), Half.W2: (spec.hidden, spec.intermediate)}
@@ -153,7 +153,7 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
                      include_mtp: bool) -> FillReport:
     """`fill_layers` of a `wna16-shard` output: each fused tensor read (pread) straight into the engine's
     parameter where the method holds it as it is, else into one layer's scratch and re-laid."""
-    rank, moe = rank_record(out, parallel), read_config_files(out)
+    rank, moe = rank_record(out, parallel, include_mtp=include_mtp), read_config_files(out)
     located, _ = locate_rank(out, rank)
     specs = rank_specs(rank, include_mtp=include_mtp)
     _same_layers(out, list(specs), targets)
@@ -170,7 +170,7 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
         else:
             tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
                        for name, (shape, dtype) in shapes.items()}
-            relay(prefix, target, decls, FusedExperts(prefix, spec, tensors))
+            relay(prefix, target, decls, FusedTensors(prefix, spec, tensors))
             scratch = max(scratch, sum(t.numel() * t.element_size() for t in tensors.values()))
             del tensors  # freed before the next layer's scratch is read
         filled[prefix] = target.layout.name

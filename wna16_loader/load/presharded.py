@@ -31,6 +31,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import CheckpointError, LayoutMismatchError
+from ..logs import rank_logger
 from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import read_into
 from ..storage.header import HeaderEntry, read_header
@@ -149,7 +150,8 @@ def output_prefixes(out: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
-    """The ParallelConfig of global `rank` in the layout `out` (a wna16-shard output) was written for."""
+    """The ParallelConfig of global `rank` in the layout `out` (a wna16-shard output) was written for: an alias
+    of `ParallelConfig.from_manifest(out, rank=rank)`, the documented way."""
     return ParallelConfig.from_manifest(read_manifest(out), rank=rank)
 
 
@@ -161,7 +163,7 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     from a mapping). The load synchronises once, at its end. MTP layers only with `include_mtp`."""
     start = time.perf_counter()
     policy = DevicePolicy.of(device)
-    rank = rank_record(out, parallel)
+    rank = rank_record(out, parallel, include_mtp=include_mtp)
     located, nbytes = locate_rank(out, rank)
     result = LoadedExperts()
     mtp = mtp_layers(rank)
@@ -174,6 +176,7 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
                                tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
                                seconds=time.perf_counter() - start)
+    rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
     return result
 
 
@@ -186,8 +189,21 @@ def locate_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, Locate
     located: dict[str, Located] = {}
     for rec in rank["files"]:
         path = _rank_file(Path(out), rec)
-        located.update((name, (path, entry)) for name, entry in read_header(path, ITEMSIZES)[1].items())
+        try:
+            entries = read_header(path, ITEMSIZES)[1]
+        except CheckpointError:
+            raise damaged(out, path) from None
+        located.update((name, (path, entry)) for name, entry in entries.items())
     return located, sum(entry.end - entry.begin for _, entry in located.values())
+
+
+def damaged(out: str | Path, path: Path) -> CheckpointError:
+    """The error for a rank file of an output whose header or size is wrong (truncated, overwritten): the file,
+    and how to find and rewrite every damaged file."""
+    return CheckpointError(f"{path}: truncated or corrupt ({path.stat().st_size} bytes on disk): a file of the "
+                           f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then "
+                           f"the wna16-shard command that wrote {out} again with --resume: it keeps the intact files "
+                           f"and rewrites only the damaged ones.")
 
 
 def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -216,10 +232,13 @@ def checked_entry(out: str | Path, name: str, shape: tuple[int, ...], dtype: tor
     return located
 
 
-def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
+def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> dict[str, Any]:
     """The manifest's record of `parallel`'s rank (files, layers), after checking that the output is a
-    fused one written for `parallel`'s layout (only the manifest's head and that record are parsed)."""
+    fused one written for `parallel`'s layout (only the manifest's head and that record are parsed).
+    `include_mtp`: warn when the output holds no fused MTP layer to load (see `warn_no_mtp`)."""
     manifest, record = read_rank_manifest(out, parallel.rank)
+    if include_mtp:
+        warn_no_mtp(out, manifest, parallel)
     if manifest["params"].get("layout", "fused") != "fused":
         raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
                                   f"(per-expert source tensors sliced per rank, for an engine that reads pre-sliced "
@@ -236,6 +255,20 @@ def rank_record(out: str | Path, parallel: ParallelConfig) -> dict[str, Any]:
         raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: no record of rank {parallel.rank} in its ranks list; "
                               f"run `wna16-shard verify {out}` and re-shard.")
     return record
+
+
+def warn_no_mtp(out: str | Path, manifest: dict[str, Any], parallel: ParallelConfig) -> None:
+    """One warning when `include_mtp=True` asks for MTP layers that an output does not hold fused: written with
+    --no-mtp (the MTP experts are in common/, unchanged), or from a source without MTP experts."""
+    sharded = manifest.get("params", {}).get("mtp")  # recorded only for a source with MTP experts
+    if sharded:
+        return
+    if sharded is False:
+        what = ("was written with --no-mtp: its MTP experts were copied unchanged into common/, so no MTP layer is "
+                "loaded from it. Load them from common/ with the engine's own loader, or re-shard without --no-mtp")
+    else:
+        what = "holds no MTP experts (its source had none): only the decoder's MoE layers are loaded"
+    rank_logger(parallel).warning("include_mtp=True, but the wna16-shard output %s %s.", out, what)
 
 
 def rank_specs(rank: dict[str, Any], *, include_mtp: bool = True) -> dict[str, FusedSpec]:
@@ -257,7 +290,12 @@ def read_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, torch.Te
 def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str, torch.Tensor], int]:
     tensors: dict[str, torch.Tensor] = {}
     for rec in records:
-        with safe_open(str(_rank_file(out, rec)), framework="pt") as handle:
+        path = _rank_file(out, rec)
+        try:
+            read_header(path, ITEMSIZES)  # every span checked: safetensors' own error would name no remedy
+        except CheckpointError:
+            raise damaged(out, path) from None
+        with safe_open(str(path), framework="pt") as handle:
             tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
     return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..formats import ModuleRules, QuantSpec, accepted_formats, resolve_module_rules, resolve_quant_spec
+from ..formats import ModuleRules, QuantSpec, accepted_formats, format_of, resolve_module_rules, resolve_quant_spec
 from .families import GENERIC, Family, family_of
 from .layer_rules import compact, layer_count_from_lists, select_moe_layers
 from .layer_specs import LayerSpec, expert_modules, resolve_layer_spec
@@ -296,15 +296,30 @@ def load_json(path: Path) -> dict[str, Any]:
 def read_config_files(folder: str | Path) -> MoEConfig:
     """Resolve `folder`/config.json, falling back to quantize_config.json / quant_config.json."""
     folder = Path(folder)
+    check_config_present(folder)
     config = load_json(folder / "config.json")
-    qconfig = None
+    qconfig, where = None, f"{folder / 'config.json'}: quantization_config"
     if "quantization_config" not in text_config(config) and "quantization_config" not in config:
         for name, method in QUANT_FILES.items():
             if (folder / name).is_file():
-                qconfig = {"quant_method": method, **load_json(folder / name)}
+                qconfig, where = {"quant_method": method, **load_json(folder / name)}, str(folder / name)
                 break
         else:
             raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
                               f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
                               f"formats: {accepted_formats()}.")
+    found = qconfig or text_config(config).get("quantization_config") or config.get("quantization_config")
+    if found is not None:  # the format checked first, so that its errors name the file
+        format_of(found, where=where)
     return resolve_moe_config(config, qconfig)
+
+
+def check_config_present(folder: Path) -> None:
+    """A folder without config.json: a ConfigError, with "did you mean FOLDER/NAME?" when exactly one of its
+    sub-folders holds a config.json (the parent of the checkpoint folder was passed)."""
+    if (folder / "config.json").is_file() or not folder.is_dir():
+        return  # (not a folder: load_json names what is wrong)
+    inside = sorted(sub for sub in folder.iterdir() if (sub / "config.json").is_file())
+    hint = f" Did you mean {inside[0]}? (it holds a config.json)" if len(inside) == 1 else (
+        f" Its sub-folders {[sub.name for sub in inside[:5]]} hold one: pass one of them." if inside else "")
+    raise ConfigError(f"{folder / 'config.json'}: file not found; a checkpoint folder needs a config.json.{hint}")

@@ -30,7 +30,7 @@ Modules, one job each (imports point down this list):
 | writing    | safetensors serialisation, streaming and hashing, parallel folders   |
 | verify     | hashes, and every tensor against the source                          |
 | layouts    | `--plan`: G_eff, padding and bytes per rank of every TP size         |
-| run        | `preshard_checkpoint`: the whole run in order                        |
+| run        | `preshard_checkpoint`: the whole run in order; `shard`, its CLI twin  |
 | distributed| `preshard_distributed`: the run split over torch.distributed processes|
 
 The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,
@@ -45,7 +45,7 @@ from .journal import JOURNAL_NAME
 from .layouts import LayoutCost, describe_layouts, layout_cost
 from .plan import COMMON_DIR, LAYOUTS, FilePlan, RankPlan, ShardPlan, make_plan, rank_folder, split_files
 from .progress import RankSummary, ShardSummary, describe_plan
-from .run import preshard_checkpoint
+from .run import preshard_checkpoint, shard
 from .safefiles import LOCK_NAME
 from .verify import verify_output
 
@@ -53,5 +53,5 @@ __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
     "LayoutCost", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
     "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard_checkpoint", "preshard_distributed",
-    "rank_folder", "read_manifest", "split_files", "verify_output",
+    "rank_folder", "read_manifest", "shard", "split_files", "verify_output",
 ]

@@ -8,10 +8,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import PreshardError, ShardInterrupted, format_offenders
+from ..errors import PreshardError, ShardInterrupted
 from ..load.presharded import MANIFEST_NAME, PLAN_NAME
+from ..logs import log
 from ..storage.index import DTYPES
-from .plan import ShardPlan, fingerprint_differences, plan_record
+from .plan import ShardPlan, fingerprint_differences, plan_record, source_change
 from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
 
 JOURNAL_NAME = ".wna16-done.jsonl"
@@ -33,11 +34,15 @@ def check_existing(out: Path, plan: ShardPlan) -> None:
     if recorded is None:
         raise PreshardError(f"{out}: not empty ({sorted(entries)[:5]}) and holds no {PLAN_NAME} or {MANIFEST_NAME}; "
                             f"refusing to write into it. Choose an empty or new output folder.")
+    change = source_change(recorded.get("source", {}), plan.fingerprint)
+    if change is not None:
+        raise PreshardError(f"{out} was written from another source: {change[0]}; this run's source is {plan.source}: "
+                            f"{change[1]}. Pass the source {out} was written from, or use a new output folder (or "
+                            f"delete {out} first).")
     diffs = _differences(recorded, plan)
     if diffs:
-        raise PreshardError(f"{out} was written with other parameters or from a changed source; refusing to mix "
-                            f"them. Use a new output folder, or delete {out} first. Differences:\n"
-                            f"{format_offenders(diffs)}")
+        raise PreshardError(f"{out} was written with other parameters ({'; '.join(diffs)}); refusing to mix them. "
+                            f"Re-run with the written parameters, or use a new output folder (or delete {out} first).")
 
 
 def _differences(recorded: dict[str, Any], plan: ShardPlan) -> list[str]:
@@ -59,11 +64,10 @@ def start(out: Path, plan: ShardPlan, resume: bool) -> dict[str, dict[str, Any]]
     return journal
 
 
-def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
-    """path -> record of finished files whose tensors match the plan and whose sha256 still matches."""
+def _recorded_files(out: Path) -> list[Any]:
+    """The records of the files earlier runs finished: the journal's lines (None for one cut short by a kill) and,
+    after a finished run, its manifest's file lists."""
     path = out / JOURNAL_NAME
-    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
-    kept: dict[str, dict[str, Any]] = {}
     records = [_journal_record(line) for line in path.read_text(encoding="utf-8").splitlines()] \
         if path.is_file() else []
     if (out / MANIFEST_NAME).is_file():  # a finished run: its manifest records every file
@@ -74,6 +78,33 @@ def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
             raise PreshardError(f"{out / MANIFEST_NAME}: corrupt (no common/ranks file lists); delete {out} and run "
                                 f"wna16-shard again without --resume.") from None
         records += files
+    return records
+
+
+def warn_starting_over(out: Path, plan: ShardPlan) -> None:
+    """A run without --resume into an OUT that holds an unfinished or damaged output of this plan starts over:
+    one warning saying so, and how many files --resume would keep (those present with the header and size they
+    were written with; --resume also checks their sha256)."""
+    if not (out / PLAN_NAME).is_file() and not (out / MANIFEST_NAME).is_file():
+        return
+    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    try:
+        records = [rec for rec in _recorded_files(out) if isinstance(rec, dict)]
+    except PreshardError:
+        records = []
+    intact = {rec.get("path") for rec in records if planned.get(rec.get("path")) == sorted(rec.get("tensors", {}))
+              and _header_matches(out / rec["path"], rec["tensors"])}
+    what = "a damaged output" if (out / MANIFEST_NAME).is_file() else "a partial output"
+    keep = f"use --resume to keep {len(intact)} files" if intact else "none of its files can be kept"
+    log.warning("%s: found %s (%d of %d files intact): starting over, every file is rewritten (%s)", out, what,
+                len(intact), len(planned), keep)
+
+
+def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
+    """path -> record of finished files whose tensors match the plan and whose sha256 still matches."""
+    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    kept: dict[str, dict[str, Any]] = {}
+    records = _recorded_files(out)
     for rec in records:
         try:
             path, tensors, digest = rec["path"], sorted(rec["tensors"]), rec["sha256"]

@@ -25,9 +25,10 @@ from ..load.plan import LayerPlan, layer_geometry
 from ..models.config import MoEConfig
 from ..parallel.config import ParallelConfig
 from ..storage.index import nbytes_of
+from .plan import check_source_folder
 
 PLAN_TP_SIZES = (1, 2, 4, 8, 16)
-HEADER = (" tp  ep      I'    I_p G_eff    bytes/rank padding bytes  padding columns per TP rank"
+HEADER = (" tp  ep      I'    I_p G_eff    bytes/rank padding bytes  experts/EP rank  padding columns per TP rank"
           "   vLLM 0.32 methods that take it")
 
 
@@ -43,6 +44,7 @@ class LayoutCost:
     padding: tuple[int, ...]  # columns of padding of TP rank 0, 1, ...
     rank_bytes: int
     padding_bytes: int
+    experts: tuple[int, ...] = ()  # routed experts of EP rank 0, 1, ...
 
 
 def layout_cost(moe: MoEConfig, scale_dtype: torch.dtype, tp: int, ep: int, placement: str,
@@ -56,7 +58,8 @@ def layout_cost(moe: MoEConfig, scale_dtype: torch.dtype, tp: int, ep: int, plac
     return LayoutCost(tp=tp, ep=ep, padded_intermediate=first.padded_intermediate, part=first.part,
                       group_eff=first.group_eff, padding=tuple(spec.padding for spec in specs[:tp]),
                       rank_bytes=max(sum(nbytes_of(s, d) for s, d in spec.shapes().values()) for spec in specs),
-                      padding_bytes=max(padding_bytes(spec) for spec in specs))
+                      padding_bytes=max(padding_bytes(spec) for spec in specs),
+                      experts=tuple(len(spec.experts) for spec in specs[::tp]))
 
 
 def runs(values: tuple[int, ...]) -> str:
@@ -70,7 +73,7 @@ def runs(values: tuple[int, ...]) -> str:
 def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: int = 1,
                      placement: str = "linear") -> str:
     """The planning view of `src` (see the module docstring); layers of different specs get a block each."""
-    with planned(src, ParallelConfig(1, 0)) as (moe, _, _, plans):
+    with planned(check_source_folder(src), ParallelConfig(1, 0)) as (moe, _, _, plans):
         groups: dict[QuantSpec, list[LayerPlan]] = {}
         for plan in plans:
             groups.setdefault(plan.moe.quant, []).append(plan)
@@ -101,8 +104,9 @@ def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *
         c = layout_cost(moe, dtype, tp, ep, placement, layer)
     except WNA16Error as exc:
         return f"{head}  impossible: {exc}"
+    group = c.group_eff if moe.quant.quantized else "float"  # float experts have no groups
     methods = accepting(VLLM_LAYOUTS, quantized=moe.quant.quantized, padded=any(c.padding),
                         reduced=moe.quant.quantized and c.group_eff not in (moe.quant.group_size, -1),
                         asymmetric=moe.quant.quantized and not moe.quant.symmetric)
-    return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {c.group_eff:>5}  {c.rank_bytes:>12} "
-            f"{c.padding_bytes:>13}  {runs(c.padding):<27}  {methods}")
+    return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {group:>5}  {c.rank_bytes:>12} "
+            f"{c.padding_bytes:>13}  {runs(c.experts):<15}  {runs(c.padding):<27}  {methods}")

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, CompletenessError, PreshardError, format_o
 from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
 from ..load.plan import LayerPlan, plan_layers
-from ..load.presharded import SCHEMA_VERSION
+from ..load.presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION
 from ..load.scan import CheckpointScan
 from ..load.specs import warn_reduced_groups_by_spec
 from ..load.tables import LayerTables
@@ -177,10 +177,15 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
                      ranks=ranks, common=split_files(COMMON_DIR, common_sizes, max_file_size),
                      expert_sources=expert_sources, copied=_copied_files(src), mtp_layers=mtp_layers)
     if warn:
-        warn_reduced_groups_by_spec(log, tp_size=tp_size, intermediate=moe.intermediate_size, effective={
-            prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in ranks[0].plans.items()})
-        warn_padding(plan)
+        warn_plan(plan)
     return plan
+
+
+def warn_plan(plan: ShardPlan) -> None:
+    """The plan's warnings (a reduced group size, TP ranks holding only padding): logged by the run that writes."""
+    warn_reduced_groups_by_spec(log, tp_size=plan.params["tp"], intermediate=plan.moe.intermediate_size, effective={
+        prefix: (p.moe.quant.group_size, p.fused.group_size) for prefix, p in plan.ranks[0].plans.items()})
+    warn_padding(plan)
 
 
 def check_source_folder(src: str | Path) -> Path:
@@ -191,6 +196,10 @@ def check_source_folder(src: str | Path) -> Path:
         hint = f" (use its folder, {src.parent})" if src.is_file() else ""
         raise CheckpointError(f"{src}: {what}; SRC must be the checkpoint folder holding config.json and the "
                               f"*.safetensors files{hint}.")
+    if (src / MANIFEST_NAME).is_file() or (src / PLAN_NAME).is_file():
+        raise CheckpointError(f"{src}: this is a wna16-shard output, not a checkpoint: load it (load_experts("
+                              f"{str(src)!r}, ParallelConfig.from_manifest({str(src)!r}, rank=R))) or verify it "
+                              f"(wna16-shard verify {src}); to shard again, pass the original checkpoint as SRC.")
     return src
 
 
@@ -294,13 +303,33 @@ def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -
     return diffs
 
 
+def source_change(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, str] | None:
+    """(the recorded source, the current one) in words, over what differs between them, e.g.
+    `model.safetensors (483288 bytes, header sha256 004e9a4ab7c8)`; None when nothing differs."""
+    old = {e["name"]: e for e in recorded.get("files", [])}
+    new = {e["name"]: e for e in current["files"]}
+    names = [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    config = recorded.get("config_sha256") != current["config_sha256"]
+    if not names and not config:
+        return None
+
+    def words(files: dict[str, Any], config_sha: str | None) -> str:  # the side's own files among those that differ
+        present = [n for n in names if n in files]
+        parts = [f"{n} ({files[n]['size']} bytes, header sha256 {files[n]['header_sha256'][:12]})" for n in present[:2]]
+        parts += [f"and {len(present) - 2} more"] if len(present) > 2 else []
+        parts += [f"config.json sha256 {str(config_sha)[:12]}"] if config else []
+        return ", ".join(parts) or f"no {', '.join(names[:2])}"
+    return words(old, recorded.get("config_sha256")), words(new, current["config_sha256"])
+
+
 def _quant_summary(moe: MoEConfig, ranks: tuple[RankPlan, ...]) -> dict[str, Any]:
     """The manifest's `quantization`: the top-level spec, G_eff per layer, and, only when some layer has a spec of
     its own, `layers`: each layer's spec and the rule it came from."""
     q = moe.quant
     summary = {"format": q.format_name, "bits": q.bits, "group_size": q.group_size, "sym": q.symmetric,
                "act_order": q.act_order, "checkpoint_format": q.checkpoint_format,
-               "group_size_eff": {prefix: spec.group_size for prefix, spec in ranks[0].layers.items()}}
+               "group_size_eff": {prefix: spec.group_size if spec.quantized else spec.group_label
+                                  for prefix, spec in ranks[0].layers.items()}}  # float layers: "float bf16"
     plans = ranks[0].plans
     if any(plan.moe.quant != q for plan in plans.values()):
         summary["layers"] = {prefix: spec_summary(plan) for prefix, plan in plans.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool, stream: Any = None) -> None:
         self.stream = stream or sys.stderr
         self.total, self.done, self.enabled, self.last = total, 0, enabled, 0.0
+        self.lock = threading.Lock()  # advanced by the writer thread (tensor bytes) and the main one (kept files)
         self.bar = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             try:
@@ -100,15 +102,16 @@ class Progress:
                 self.bar = None
 
     def advance(self, nbytes: int, label: str) -> None:
-        """Count `nbytes` more bytes done, `label` being the file just finished."""
-        self.done += nbytes
-        if self.bar is not None:
-            self.bar.update(nbytes)
-        elif self.enabled and (time.monotonic() - self.last > 2.0 or self.done >= self.total):
-            self.last = time.monotonic()
-            pct = 100.0 * self.done / max(self.total, 1)
-            print(f"wna16-shard: {human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), last {label}",
-                  file=self.stream)
+        """Count `nbytes` more bytes done (written within a file, or files kept), `label` being that file."""
+        with self.lock:
+            self.done += nbytes
+            if self.bar is not None:
+                self.bar.update(nbytes)
+            elif self.enabled and (time.monotonic() - self.last > 2.0 or self.done >= self.total):
+                self.last = time.monotonic()
+                pct = 100.0 * self.done / max(self.total, 1)
+                print(f"wna16-shard: {human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), {label}",
+                      file=self.stream)
 
     def close(self) -> None:
         """Close the bar."""
@@ -142,20 +145,33 @@ class ShardSummary:
     verified: str = ""  # what verify checked (VerifyReport.text()), when asked and without problems
 
     def table(self) -> str:
-        """The format line, then one row per folder: files, tensors, size, group size (G_eff), files kept by
-        resume, seconds; and a total row."""
+        """The format line, then one row per folder: files, tensors, size, group size (G_eff; `float bf16` for
+        float layers), files kept by resume, seconds and the rank's experts; and a total row."""
         groups = {r.folder: _group_sizes(r) for r in self.plan.ranks}
+        experts = {r.folder: rank_experts(r) for r in self.plan.ranks}
+        width = max([6] + [len(g) for g in groups.values()])
         rows = [f"format: {quant_line(self.plan)}; layout {self.plan.params['layout']}",
-                f"{'folder':<24} {'files':>5} {'tensors':>7} {'size':>10} {'group':>6} {'kept':>4} {'seconds':>8}"]
-        rows += [f"{r.name:<24} {r.files:>5} {r.tensors:>7} {human_size(r.bytes):>10} {groups.get(r.name, '-'):>6} "
-                 f"{r.kept:>4} {r.seconds:>8.2f}" for r in self.ranks]
+                f"{'folder':<24} {'files':>5} {'tensors':>7} {'size':>10} {'group':>{width}} {'kept':>4} "
+                f"{'seconds':>8}  experts"]
+        rows += [f"{r.name:<24} {r.files:>5} {r.tensors:>7} {human_size(r.bytes):>10} "
+                 f"{groups.get(r.name, '-'):>{width}} {r.kept:>4} {r.seconds:>8.2f}  {experts.get(r.name, '-')}"
+                 for r in self.ranks]
         rows.append(f"{'total':<24} {sum(r.files for r in self.ranks):>5} {sum(r.tensors for r in self.ranks):>7} "
-                    f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>6} {sum(r.kept for r in self.ranks):>4} "
-                    f"{sum(r.seconds for r in self.ranks):>8.2f}")
+                    f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>{width}} "
+                    f"{sum(r.kept for r in self.ranks):>4} {sum(r.seconds for r in self.ranks):>8.2f}")
         return "\n".join(rows + padding_lines(self.plan))
 
 
 def _group_sizes(rank: RankPlan) -> str:
-    """The group sizes of a rank's layers as written: G_eff for fused, the source's G for checkpoint slices."""
-    sizes = sorted({spec.group_size for spec in rank.layers.values()})
-    return ",".join("chan" if g == -1 else str(g) for g in sizes) or "-"
+    """The group sizes of a rank's layers as written: G_eff for fused, the source's G for checkpoint slices;
+    `chan` for channelwise, `float bf16` for float layers."""
+    sizes = sorted({spec.group_size for spec in rank.layers.values() if spec.quantized})
+    floats = sorted({spec.group_label for spec in rank.layers.values() if not spec.quantized})
+    return ",".join(["chan" if g == -1 else str(g) for g in sizes] + floats) or "-"
+
+
+def rank_experts(rank: RankPlan) -> str:
+    """The routed experts a rank holds (every MoE layer holds the same ones): `3: 0–2`, `2: 6, 7`."""
+    ids = next(iter(rank.layers.values())).experts if rank.layers else ()
+    text = format_ranges(list(ids))
+    return f"{len(ids)}: {text if len(text) <= 40 else text[:37] + '...'}"

@@ -8,13 +8,28 @@ from typing import Any
 
 from ..errors import PreshardError
 from ..load.presharded import MANIFEST_NAME
-from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start
+from ..storage.hub import resolve_checkpoint
+from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start, warn_starting_over
 from .manifest import build_manifest
-from .plan import COMMON_DIR, ShardPlan, make_plan
+from .plan import COMMON_DIR, ShardPlan, make_plan, warn_plan
 from .progress import RankSummary, ShardSummary
 from .safefiles import copy_file, locked_by_another, make_dir, output_lock, write_json_atomic
 from .verify import verify_report
 from .writing import write_all
+
+
+def shard(src: str | Path, out: str | Path, *, tp: int = 1, ep: int = 1, placement: str = "linear",
+          revision: str | None = None, layout: str = "fused", max_file_size: int = 4 * 2**30,
+          resume: bool = False, force: bool = False, verify: bool = False, dry_run: bool = False,
+          workers: int = 1, mtp: bool = True, progress: bool = True) -> ShardSummary:
+    """The Python twin of `wna16-shard SRC OUT --tp TP --ep EP [...]`, option for option (`mtp=False` is
+    `--no-mtp`; named `shard`, as `preshard` is this package's folder): pre-shard `src` (a folder, or a Hugging Face repo id at `revision`) into `out`, and return
+    the summary the CLI prints (`summary.table()`; `summary.complete` when `out` already held it). Then
+    `load_experts(out, ParallelConfig.from_manifest(out, rank=r))` loads rank r."""
+    return preshard_checkpoint(resolve_checkpoint(src, revision=revision), out, tp_size=tp, ep_size=ep,
+                               placement=placement, max_file_size=max_file_size, resume=resume, verify=verify,
+                               dry_run=dry_run, progress=progress, layout=layout, workers=workers, force=force,
+                               mtp=mtp)
 
 
 def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_size: int = 1,
@@ -37,8 +52,9 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     if workers < 1:
         raise PreshardError(f"workers={workers}: must be at least 1, e.g. --workers 4.")
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
-                     layout=layout, mtp=mtp)
+                     layout=layout, mtp=mtp, warn=False)  # warned below, only when something is written
     if dry_run:
+        warn_plan(plan)
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
     if not force and out.is_dir() and not locked_by_another(out):  # before anything is written (read-only OUT)
         check_existing(out, plan)
@@ -50,6 +66,9 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         if not force and output_complete(out, plan):
             return _complete(out, plan, verify)
         journal: dict[str, dict[str, Any]] = {}
+        if not resume and not force:
+            warn_starting_over(out, plan)
+        warn_plan(plan)
         try:
             journal = start(out, plan, resume)
             summaries = write_all(out, plan, journal, progress, workers)

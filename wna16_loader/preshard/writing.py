@@ -159,8 +159,8 @@ def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
         with nullcontext(index) if index is not None else CheckpointIndex(plan.source) as source_index:
             source = tensor_source(plan, rank, source_index)
             for fp in todo:
-                written = write_temporary(out, fp, source, metadata)
-                futures.append(commits.submit(_commit_file, out, fp, written, state, advance))
+                written = write_temporary(out, fp, source, metadata, advance)
+                futures.append(commits.submit(_commit_file, out, fp, written, state))
     kept = [fp for fp in files if fp.path in journal]
     if advance is not None and kept:
         advance(sum(fp.nbytes for fp in kept), f"{folder} ({len(kept)} files kept)")
@@ -173,16 +173,13 @@ def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
     return summary, futures
 
 
-def _commit_file(out: Path, fp: FilePlan, record: dict[str, Any], state: dict[str, int],
-                 advance: Callable[[int, str], None] | None) -> dict[str, Any]:
+def _commit_file(out: Path, fp: FilePlan, record: dict[str, Any], state: dict[str, int]) -> dict[str, Any]:
     """Make one written file durable under its final name (fsync, rename, fsync the folder), then journal it."""
     final, tmp = _paths(out, fp)
     with writing(final, tmp):
         commit(tmp, final)
     append_journal(out, record)
     _maybe_kill(state)
-    if advance is not None:
-        advance(fp.nbytes, fp.path)
     return record
 
 
@@ -256,19 +253,23 @@ def file_metadata(plan: ShardPlan, rank: str) -> dict[str, str]:
             "rank": rank, "wna16_manifest_schema": str(SCHEMA_VERSION)}
 
 
-def write_temporary(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str]) -> dict[str, Any]:
+def write_temporary(out: Path, fp: FilePlan, source: TensorSource, metadata: dict[str, str],
+                    advance: Callable[[int, str], None] | None = None) -> dict[str, Any]:
     """Write one file under its temporary name (`.NAME.tmp`, next to it), streaming its tensors; its
-    record for the manifest. `_commit_file` then makes it durable under its name."""
+    record for the manifest. `_commit_file` then makes it durable under its name. `advance(bytes, path)` is
+    called as the tensor bytes are written (progress within the file)."""
     final, tmp = _paths(out, fp)
     metas = {name: source.meta(name) for name in sorted(fp.tensors)}
+    written = None if advance is None else (lambda nbytes: advance(nbytes, fp.path))
     with writing(final, tmp):
         with open(tmp, "wb") as handle:
-            records, digest = _serialize(handle, metas, source.fetch, metadata)
+            records, digest = _serialize(handle, metas, source.fetch, metadata, written)
     return {"path": fp.path, "sha256": digest, "tensors": records}
 
 
 def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]],
-               fetch: Callable[[str], torch.Tensor], metadata: dict[str, str]) -> tuple[dict[str, dict[str, Any]], str]:
+               fetch: Callable[[str], torch.Tensor], metadata: dict[str, str],
+               written: Callable[[int], None] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
     """Write the safetensors format: a sorted, byte-stable header computed from `metas` (safetensors' own
     writer orders metadata keys differently from process to process), then each tensor as it is fetched.
     Returns each tensor's manifest record and the sha256 of the bytes written."""
@@ -284,7 +285,7 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
     for chunk in (len(text).to_bytes(8, "little"), text):
         handle.write(chunk)
         digest.update(chunk)
-    with _Pipeline(handle, digest) as pipeline:
+    with _Pipeline(handle, digest, written) as pipeline:
         for name, (shape, dtype) in metas.items():
             tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
             assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
@@ -303,8 +304,8 @@ class _Pipeline:
     digests of it (a file's and a tensor's sha256 share no work); file writes, sha256 and tensor copies
     all release the GIL. At most IN_FLIGHT_BYTES (or one tensor) are held; errors surface in order."""
 
-    def __init__(self, handle: Any, digest: Any) -> None:
-        self.handle, self.digest = handle, digest
+    def __init__(self, handle: Any, digest: Any, written: Callable[[int], None] | None = None) -> None:
+        self.handle, self.digest, self.written = handle, digest, written
         self.pools = [ThreadPoolExecutor(1, f"wna16-{job}") for job in ("write", "digest", "hash")]
         self.pending: deque[tuple[int, tuple[Future[Any], ...]]] = deque()
         self.futures: dict[str, Future[dict[str, Any]]] = {}
@@ -318,7 +319,8 @@ class _Pipeline:
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
         writer, digester, hasher = self.pools
         self.futures[name] = hasher.submit(tensor_record, tensor)
-        jobs = (writer.submit(_emit, self.handle, data), digester.submit(self.digest.update, data), self.futures[name])
+        jobs = (writer.submit(_emit, self.handle, data, self.written), digester.submit(self.digest.update, data),
+                self.futures[name])
         self.pending.append((nbytes, jobs))
         self.held += nbytes
 
@@ -354,8 +356,16 @@ def start_writeback(handle: Any) -> None:
         os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
-def _emit(handle: Any, data: memoryview) -> None:
-    """Write one tensor's bytes, on the writer thread (its hint to start writeback included)."""
-    handle.write(data)
+PROGRESS_BYTES = 16 << 20  # a tensor is written (and its progress counted) this many bytes at a time
+
+
+def _emit(handle: Any, data: memoryview, written: Callable[[int], None] | None = None) -> None:
+    """Write one tensor's bytes, on the writer thread (its hint to start writeback included); `written(bytes)`
+    after every PROGRESS_BYTES of them, so that progress moves within a large tensor too."""
+    for begin in range(0, len(data), PROGRESS_BYTES):
+        chunk = data[begin:begin + PROGRESS_BYTES]
+        handle.write(chunk)
+        if written is not None:
+            written(len(chunk))
     if len(data) >= WRITEBACK_BYTES:
         start_writeback(handle)
