@@ -106,6 +106,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("formats",),    # format declarations and bit packing
     ("models",),     # families table, layer rules, config resolver, tensor names
     ("parallel",),   # ParallelConfig and the rank maths
+    ("layouts",),    # engine MoE methods' parameter layouts (data) and the re-lay maths
     ("storage",),    # file mappings, the checkpoint index, the Hub resolver
     ("load",),       # plan, reads, fused layout and writer, ledger, device policy, load_experts
     ("engine",),     # the weight_loader hook, name mapping, FusedMoEExperts, model-level loading

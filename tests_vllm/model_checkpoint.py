@@ -5,7 +5,8 @@ The config is the real GPTQModel fixture's (tests/fixtures/gptq_w4_g32_zero_edge
 linear method refuses asymmetric GPTQ ("Unsupported quantization config: bits=4, sym=False") and its CPU
 WNA16 linear kernel refuses the router's 4 outputs ("supported sizes are multiples of 32"), so the router
 is kept in float16 through GPTQ's own `dynamic` exclusion. Every quantized tensor is written by the
-package's synthetic writer (random q and scales, exactly representable).
+package's synthetic writer (random q and scales, exactly representable), with the midpoint `qzeros` that
+GPTQModel writes for symmetric layers too (vLLM's AutoGPTQ method loads them and its CPU kernel reads them).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from wna16_loader.formats import resolve_quant_spec
-from wna16_loader.testing.synthetic import encode_projection, quant_config, random_projection
+from wna16_loader.formats import Role, resolve_quant_spec
+from wna16_loader.testing.synthetic import encode_projection, encode_role, quant_config, random_projection
 
 SOURCE_CONFIG = Path(__file__).resolve().parent.parent / "tests/fixtures/gptq_w4_g32_zero_edge/checkpoint/config.json"
 QUANT = {**quant_config("gptq", bits=4, group_size=32, symmetric=True), "dynamic": {r"-:.*\.mlp\.gate$": {}}}
@@ -34,6 +35,7 @@ def write_model(folder: Path, seed: int = 3) -> Path:
     def linear(name: str, n: int, k: int) -> None:
         proj = random_projection(gen, n, k, spec, torch.float16)
         tensors.update({f"{name}.{suffix}": t for suffix, t in encode_projection(spec, proj).items()})
+        tensors[f"{name}.qzeros"] = encode_role(spec, spec.layout(Role.ZEROS), proj)
 
     def plain(name: str, *shape: int) -> None:
         tensors[name] = (torch.randn(*shape, generator=gen) / 8).to(torch.float16)

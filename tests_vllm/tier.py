@@ -22,11 +22,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_group(tp: int, jobs: list[dict], out: Path) -> None:
-    """Start `tp` vLLM ranks over `jobs` and wait for all of them; a rank that dies fails with its log."""
+def run_group(tp: int, jobs: list[dict], out: Path, *, ep: bool = False) -> None:
+    """Start `tp` vLLM ranks over `jobs` and wait for all of them; a rank that dies fails with its log.
+    `ep`: vLLM's enable_expert_parallel (the MoE layers EP `tp`-way, MoE TP 1)."""
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"tp": tp, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out), "jobs": jobs}
-    jobs_file = out / f"jobs-tp{tp}.json"
+    spec = {"tp": tp, "ep": ep, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out), "jobs": jobs}
+    jobs_file = out / f"jobs-tp{tp}{'-ep' if ep else ''}.json"
     jobs_file.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(RANK_SCRIPT.parent), *sys.path])}
     logs = [out / f"tp{tp}-rank{r}.log" for r in range(tp)]

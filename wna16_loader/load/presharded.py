@@ -211,18 +211,25 @@ def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[in
     """The fused tensor `name` (checked against `shape`/`dtype`), read from its file into a new tensor on
     the policy's target: on the CPU, pread into the result; for a GPU, into a pinned host buffer, then one
     non-blocking copy into the result allocated there."""
-    entry = None if located is None else located[1]
-    if entry is None or entry.shape != shape or DTYPES.get(entry.dtype) != dtype:
-        found = None if entry is None else (list(entry.shape), str(DTYPES.get(entry.dtype, entry.dtype)))
-        raise CheckpointError(f"{out}: tensor {name} should be {list(shape)} {dtype}, found {found}; "
-                              f"run `wna16-shard verify {out}` and re-shard.")
+    path, entry = checked_entry(out, name, shape, dtype, located)
     host = policy.host_buffer(shape, dtype)
-    read_into(located[0], entry.begin, host)
+    read_into(path, entry.begin, host)
     if not policy.gpu:
         return host
     target = policy.empty(shape, dtype)
     policy.send(target, host)
     return target
+
+
+def checked_entry(out: str | Path, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  located: Located | None) -> Located:
+    """Where fused tensor `name` lies, after checking it is there with `shape` and `dtype` (CheckpointError)."""
+    entry = None if located is None else located[1]
+    if located is None or entry.shape != shape or DTYPES.get(entry.dtype) != dtype:
+        found = None if entry is None else (list(entry.shape), str(DTYPES.get(entry.dtype, entry.dtype)))
+        raise CheckpointError(f"{out}: tensor {name} should be {list(shape)} {dtype}, found {found}; "
+                              f"run `wna16-shard verify {out}` and re-shard.")
+    return located
 
 
 def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> dict[str, Any]:

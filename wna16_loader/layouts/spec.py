@@ -1,0 +1,168 @@
+"""Engine layouts as data: how one MoE method of an inference engine holds a layer's expert parameters,
+declared against this package's fused layout (load/fused.py: N-major rows, K packed low value first, scales
+[E, N, K/G], zero points packed along N).
+
+A `MethodLayout` is one row per engine MoE method; each of its `ParamDecl`s names one engine parameter,
+the fused tensor it is made from, its logical shape, and how its values are laid out:
+
+| field       | meaning                                                                              |
+|-------------|--------------------------------------------------------------------------------------|
+| `shape`     | logical dims, e.g. ("E", "K/P", "2*I_p"): symbols of `Sizes`, `*` and `/` (exact)    |
+| `order`     | N_MAJOR: the fused orientation [E, N, X]; K_MAJOR: the last two dims swapped [E, X, N] |
+| `packing`   | BYTES: the fused bytes as they are; K_WORDS: int32 words packed along K (the fused bytes read as words); N_WORDS: int32 words packed along N in `slot_order`; NONE: unpacked values |
+| `zero_offset` | what a zero-point word stores: z - offset in every field, subtracted from whole words (GPTQ v1: 1) |
+| `need`      | when the parameter is filled: always, with zero points (asymmetric) or always, filling a symmetric layer's midpoint |
+| `tp_dim`    | the dim the TP cut splits (the one holding I_p, or None: whole on every rank); the EP cut splits dim 0 (E) |
+
+Nothing here branches on a method's name: the loader fills any row through `relayout.fill_param`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LayoutMismatchError
+
+
+class Half(enum.Enum):
+    """Which fused half a parameter comes from: w13 (gate ‖ up, N = 2·I_p) or w2 (down, N = H)."""
+
+    W13 = "w13"
+    W2 = "w2"
+
+
+class Source(enum.Enum):
+    """The fused tensor (of one half) a parameter holds."""
+
+    QWEIGHT = "qweight"
+    SCALES = "scales"
+    ZEROS = "qzeros"
+    WEIGHT = "weight"  # float experts
+    SHAPE = "shape"  # each expert's checkpoint [N, K] (compressed-tensors' weight_shape)
+
+
+class Order(enum.Enum):
+    N_MAJOR = "N-major"  # [E, N, X], as fused
+    K_MAJOR = "K-major"  # [E, X, N]: the checkpoint's own GPTQ/AWQ orientation stacked over experts
+
+
+class Packing(enum.Enum):
+    NONE = "none"  # values as they are (scales, float weights, shapes)
+    BYTES = "bytes"  # the fused uint8 packing (4-bit: byte j = v[2j] | v[2j+1] << 4)
+    K_WORDS = "K words"  # int32 words along K, value i in bits 4i.. (the fused bytes read as little-endian words)
+    N_WORDS = "N words"  # int32 words along N, in the declaration's slot order
+
+
+class Need(enum.Enum):
+    ALWAYS = "always"
+    ZERO_POINTS = "asymmetric"  # only layers with zero points have the parameter filled
+    ZERO_POINTS_ALWAYS = "always, midpoint when symmetric"  # symmetric layers get z = 2^(b-1) everywhere
+
+
+@dataclass(frozen=True)
+class ParamDecl:
+    """One engine parameter of a MoE layer (see the module table)."""
+
+    name: str
+    half: Half
+    source: Source
+    shape: tuple[str, ...]
+    dtype: torch.dtype | None  # None: the layer's scale (or float weight) dtype
+    order: Order = Order.N_MAJOR
+    packing: Packing = Packing.NONE
+    slot_order: tuple[int, ...] | None = None
+    zero_offset: int = 0
+    need: Need = Need.ALWAYS
+    tp_dim: int | None = None
+    ep_dim: int = 0
+
+
+@dataclass(frozen=True)
+class MethodLayout:
+    """The parameters one engine MoE method holds for a layer; `quantized` False: float experts.
+    `fused_as_is`: every parameter is a fused tensor as it is, so a `--layout fused` output (and the
+    loader's own writer) fills it with no conversion."""
+
+    name: str
+    engine: str
+    params: tuple[ParamDecl, ...]
+    quantized: bool = True
+    notes: str = ""
+    reduced_groups: bool = False  # holds a layer whose G_eff is below the checkpoint's G (moe_wna16's halving)
+    padded: bool = False  # holds an I_p with padding columns (an I that TP does not divide)
+    asymmetric: bool = True  # holds layers with zero points (the engine builds the method for them)
+
+    @property
+    def fused_as_is(self) -> bool:
+        return all(p.order is Order.N_MAJOR and p.packing in (Packing.BYTES, Packing.NONE)
+                   and p.source is not Source.SHAPE for p in self.params)
+
+    def filled(self, has_zero_point: bool) -> tuple[ParamDecl, ...]:
+        """The parameters filled for a layer with or without zero points."""
+        return tuple(p for p in self.params if p.need is not Need.ZERO_POINTS or has_zero_point)
+
+
+def accepting(rows: tuple[MethodLayout, ...], *, quantized: bool, padded: bool, reduced: bool,
+              asymmetric: bool) -> str:
+    """Which of `rows` hold a fused layer of this kind, and whether as it is or re-laid (for `--plan`)."""
+    fits = [row for row in rows if row.quantized == quantized and (row.padded or not padded)
+            and (row.reduced_groups or not reduced) and (row.asymmetric or not asymmetric)]
+    if not fits:
+        why = ["padded I"] * padded + ["G_eff < G"] * reduced + ["zero points"] * asymmetric
+        return "none (" + ", ".join(why) + ")"
+    return ", ".join(f"{row.name} ({'as is' if row.fused_as_is else 're-laid'})" for row in fits)
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The symbols of shape expressions for one layer on one rank."""
+
+    E: int  # local experts
+    N13: int  # rows of w13: 2·I_p (gate ‖ up), I_p for non-gated experts
+    H: int
+    I: int  # the model's intermediate size
+    I_p: int  # this rank's
+    bits: int
+    GH: int  # groups along H at the checkpoint's group size (1 channelwise)
+    GI: int  # groups along I_p at it
+    GH_eff: int  # the fused layout's groups along H (G_eff, moe_wna16's halving)
+    GI_eff: int  # the fused layout's groups of w2
+
+    @property
+    def symbols(self) -> dict[str, int]:
+        return {"E": self.E, "N13": self.N13, "H": self.H, "I": self.I, "I_p": self.I_p, "P": 32 // self.bits,
+                "P8": 8 // self.bits, "GH": self.GH, "GI": self.GI, "GH_eff": self.GH_eff, "GI_eff": self.GI_eff}
+
+
+_TERM = re.compile(r"\s*([*/]?)\s*([A-Za-z_][A-Za-z_0-9]*|\d+)\s*")
+
+
+def evaluate(expr: str, sizes: Sizes) -> int:
+    """The value of a shape expression (`2*I_p/P`), left to right; a division that leaves a remainder raises."""
+    value, symbols, pos = None, sizes.symbols, 0
+    while pos < len(expr):
+        match = _TERM.match(expr, pos)
+        assert match is not None and (match.group(1) == "") == (value is None), f"bad shape expression {expr!r}"
+        op, token = match.groups()
+        term = int(token) if token.isdigit() else symbols[token]
+        if op == "/" and (value % term if term else 1):
+            raise LayoutMismatchError(f"shape expression {expr!r}: {value} is not divisible by {token} = {term} "
+                                      f"({sizes}); this layer's sizes do not fit the method's layout")
+        value = term if value is None else value * term if op == "*" else value // term
+        pos = match.end()
+    assert value is not None, f"empty shape expression {expr!r}"
+    return value
+
+
+def shape_of(decl: ParamDecl, sizes: Sizes) -> tuple[int, ...]:
+    """The concrete shape of `decl` for `sizes`."""
+    return tuple(evaluate(dim, sizes) for dim in decl.shape)
+
+
+def nbytes_of(decl: ParamDecl, sizes: Sizes, scale_dtype: torch.dtype) -> int:
+    return math.prod(shape_of(decl, sizes)) * (decl.dtype or scale_dtype).itemsize

@@ -1,0 +1,177 @@
+"""Fill an engine's own MoE parameters in place, a layer at a time, in the layout its MoE method declares
+(`layouts.MethodLayout`): no second set of fused tensors.
+
+| the layer's method layout             | how its rank's slices arrive                                          |
+|---------------------------------------|-----------------------------------------------------------------------|
+| `fused_as_is` (moe_wna16, unquantized) | written straight into the engine's parameters (they are the staging) |
+| any other                             | one layer's fused tensors as scratch, re-laid into the parameters `EXPERT_CHUNK` experts at a time, then freed |
+
+Works from a checkpoint folder (each rank reads only its slices) and from a `wna16-shard --layout fused`
+output (each rank reads only its own files). The load adds at most one layer's fused tensors plus one
+expert chunk's conversion temporaries over the parameters (scripts/bench_inplace.py measures it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from ..errors import ConfigError, LayoutMismatchError
+from ..layouts.relayout import fill_param
+from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, shape_of
+from ..models.config import read_config_files
+from ..parallel.config import ParallelConfig
+from ..storage.filemap import read_into
+from .experts import load_layer, planned
+from .fused import FusedTensors, FusedSpec
+from .presharded import checked_entry, is_presharded, locate_rank, rank_record, rank_specs, read_param
+from .device import DevicePolicy
+
+
+@dataclass(frozen=True)
+class LayerTarget:
+    """An engine layer to fill: its method's layout, its parameters by name, the global expert id of each
+    slot (ascending, as the engine placed them)."""
+
+    layout: MethodLayout
+    params: Mapping[str, torch.Tensor]
+    experts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """What `fill_layers` did: the layers filled (prefix -> method row name), the non-expert tensors it
+    left for the engine (checkpoint folders only), and the most scratch one layer held (bytes)."""
+
+    layers: dict[str, str]
+    ignored: tuple[str, ...]
+    scratch_bytes: int
+
+
+def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
+    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise)."""
+    groups = (lambda d: 1) if group_size == -1 else (lambda d: d // group_size)
+    return Sizes(E=len(spec.experts), N13=spec.w13_rows, H=spec.hidden, I=spec.intermediate, I_p=spec.part,
+                 bits=spec.bits, GH=groups(spec.hidden), GI=groups(spec.part), GH_eff=spec.w13_groups,
+                 GI_eff=spec.w2_groups)
+
+
+def fused_name(decl: ParamDecl) -> str:
+    """The fused tensor a declared parameter is made from (w13_qweight, w2_scales, ...)."""
+    return f"{decl.half.value}_{decl.source.value}"
+
+
+def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: int) -> tuple[ParamDecl, ...]:
+    """The declared parameters the layer fills, after checking the engine's experts and shapes against the
+    rank's fused layer (LayoutMismatchError naming every difference)."""
+    if target.experts != spec.experts:
+        raise LayoutMismatchError(f"{prefix}: the engine holds experts {list(target.experts)} on this rank, the "
+                                  f"load places {list(spec.experts)}; use the same --expert-placement-strategy "
+                                  f"and EP size as the wna16-shard output (or load the checkpoint folder)")
+    if spec.quantized != target.layout.quantized:
+        raise LayoutMismatchError(f"{prefix}: the engine's MoE method is {target.layout.name} but the checkpoint's "
+                                  f"experts here are {'quantized' if spec.quantized else 'float'}")
+    decls, sizes = target.layout.filled(spec.has_zero_point), layer_sizes(spec, group_size)
+    wrong = [f"{d.name} {list(target.params[d.name].shape)} (declared {list(d.shape)} = {list(shape_of(d, sizes))})"
+             for d in decls if d.name in target.params and tuple(target.params[d.name].shape) != shape_of(d, sizes)]
+    missing = [d.name for d in decls if d.name not in target.params]
+    if wrong or missing:
+        raise LayoutMismatchError(f"{prefix}: the engine's {target.layout.name} parameters do not fit this rank's "
+                                  f"layer ({sizes}): {'; '.join(wrong + [f'{m} missing' for m in missing])}; load "
+                                  f"it with the engine's own loader or shard it for the engine's TP/EP sizes")
+    return decls
+
+
+def staging_of(target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...]) -> dict[str, torch.Tensor] | None:
+    """The engine's parameters as the fused writer's staging (every one a fused tensor as it is), or None."""
+    if not target.layout.fused_as_is:
+        return None
+    device = next(iter(target.params.values())).device
+    staging = {fused_name(d): target.params[d.name] for d in decls}
+    staging["expert_ids"] = torch.empty(len(spec.experts), dtype=torch.int32, device=device)
+    return staging
+
+
+def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], fused: FusedTensors) -> None:
+    """Re-lay one layer's fused tensors into the engine's parameters."""
+    spec = fused.spec
+    nk = {Half.W13: (spec.intermediate, spec.hidden), Half.W2: (spec.hidden, spec.intermediate)}
+    with torch.no_grad():
+        for decl in decls:
+            fill_param(target.params[decl.name], decl, fused.tensors.get(fused_name(decl)), bits=spec.bits,
+                       shape_nk=nk[decl.half], label=prefix)
+
+
+def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str, LayerTarget], *,
+                include_mtp: bool = False) -> FillReport:
+    """Fill every target layer (by the source's experts prefix) from a checkpoint folder or a `wna16-shard`
+    output at `path`; a target the source has not raises ConfigError. `include_mtp`: MTP layers are layers
+    of the source too (else their expert tensors are non-expert tensors, left for the engine)."""
+    if is_presharded(path):
+        return _fill_presharded(Path(path), parallel, targets, include_mtp)
+    filled, scratch = {}, 0
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
+        _same_layers(path, [plan.prefix for plan in plans], targets)
+        for plan in (plan for plan in plans if plan.prefix in targets):
+            target = targets[plan.prefix]
+            decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
+            staging = staging_of(target, plan.fused, decls)
+            device = next(iter(target.params.values())).device
+            with torch.no_grad():
+                fused, _, _ = load_layer(index, moe, plan, device, False, staging=staging)
+            if staging is None:
+                relay(plan.prefix, target, decls, fused)
+                scratch = max(scratch, sum(t.numel() * t.element_size() for t in fused.tensors.values()))
+            filled[plan.prefix] = target.layout.name
+            del fused
+        return FillReport(filled, scan.others, scratch)
+
+
+def _read_into_param(out: Path, policy: DevicePolicy, name: str, shape: tuple[tuple[int, ...], torch.dtype],
+                     located: dict, param: torch.Tensor) -> None:
+    """One fused tensor of an output straight into an engine parameter holding it as it is (pread on the
+    CPU; through a host buffer for a device)."""
+    if param.device.type != "cpu":
+        param.copy_(read_param(out, policy, name, *shape, located.get(name)))
+        return
+    path, entry = checked_entry(out, name, *shape, located.get(name))
+    read_into(path, entry.begin, param)
+
+
+def _same_layers(path: str | Path, prefixes: list[str], targets: Mapping[str, LayerTarget]) -> None:
+    """Every target layer is a layer of the source (a source layer with no target is left alone: e.g. the
+    MTP layer, loaded with the engine's draft model)."""
+    if not set(targets) <= set(prefixes):
+        raise ConfigError(f"{path}: the engine's MoE layers {sorted(set(targets) - set(prefixes))} are not among "
+                          f"its experts prefixes {sorted(prefixes)}; load this model with the engine's own loader")
+
+
+def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, LayerTarget],
+                     include_mtp: bool) -> FillReport:
+    """`fill_layers` of a `wna16-shard` output: each fused tensor read (pread) straight into the engine's
+    parameter where the method holds it as it is, else into one layer's scratch and re-laid."""
+    rank, moe = rank_record(out, parallel, include_mtp=include_mtp), read_config_files(out)
+    located, _ = locate_rank(out, rank)
+    specs = rank_specs(rank, include_mtp=include_mtp)
+    _same_layers(out, list(specs), targets)
+    policy, filled, scratch = DevicePolicy.of("cpu"), {}, 0
+    for prefix, spec in ((p, s) for p, s in specs.items() if p in targets):
+        target = targets[prefix]
+        decls = check_target(prefix, target, spec, moe.spec_of(prefix).spec.group_size)
+        staging = staging_of(target, spec, decls)
+        shapes = spec.shapes()
+        if staging is not None:
+            for name, tensor in staging.items():
+                if name != "expert_ids":
+                    _read_into_param(out, policy, f"{prefix}.{name}", shapes[name], located, tensor)
+        else:
+            tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
+                       for name, (shape, dtype) in shapes.items()}
+            relay(prefix, target, decls, FusedTensors(prefix, spec, tensors))
+            scratch = max(scratch, sum(t.numel() * t.element_size() for t in tensors.values()))
+            del tensors  # freed before the next layer's scratch is read
+        filled[prefix] = target.layout.name
+    return FillReport(filled, (), scratch)
