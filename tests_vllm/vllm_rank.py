@@ -32,28 +32,53 @@ CT_NAMES = {"w13_qweight": "w13_weight_packed", "w2_qweight": "w2_weight_packed"
 
 
 def layer_job(job: dict) -> dict[str, torch.Tensor]:
-    """vLLM's fused parameters of one MoE layer, under the moe_wna16 names."""
+    """One MoE layer built by vLLM with the method `job["method"]` picks for it: every parameter as the
+    loader left it ("loaded." names; `job["loader"]`: "default", vLLM's weight loaders over the checkpoint's
+    expert tensors, or "plugin", the plugin's in-place fill), then, where vLLM's backend can prepare the
+    weights here (`workarounds.processes_layer`), its fused parameters after process_weights_after_loading
+    under the moe_wna16 names (compressed-tensors' converted to that layout)."""
     from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
     from vllm.model_executor.layers.quantization import get_quantization_config
 
     folder = Path(job["folder"])
     config = json.loads((folder / "config.json").read_text())["quantization_config"]
     runner = FusedMoEFactory(num_experts=job["experts"], top_k=job["top_k"], hidden_size=job["hidden"],
-                             intermediate_size=job["intermediate"], params_dtype=torch.float16,
+                             intermediate_size=job["intermediate"], params_dtype=getattr(torch, job.get("dtype", "float16")),
                              quant_config=get_quantization_config(job["method"]).from_config(config),
                              prefix=job["prefix"], ckpt_names=tuple(job["ckpt_names"]))
-    head = job["prefix"] + "."
-    weights = [(name[len(head):], t) for name, t in load_file(str(folder / "model.safetensors")).items()
-               if name.startswith(head)]
-    list(runner.load_weights(workarounds.drop_trivial_g_idx(weights, config.get("group_size", -1))))
     layer = runner.routed_experts
+    for param in layer.parameters():  # a sentinel: a parameter no loader writes compares equal, not as garbage
+        param.data.view(torch.uint8).fill_(0x5A)
+    (plugin_fill if job.get("loader") == "plugin" else default_fill)(runner, job, folder, config)
+    tensors = {f"loaded.{name}": p.data.clone() for name, p in layer.named_parameters()}
+    tensors["loaded.method"] = torch.tensor(list(type(layer.quant_method).__name__.encode()), dtype=torch.uint8)
+    if not workarounds.processes_layer(layer):
+        return tensors
     layer.quant_method.process_weights_after_loading(layer)
-    params, tensors = dict(layer.named_parameters()), {}
+    params = dict(layer.named_parameters())
     for ours, ct in CT_NAMES.items():
         param = params.get(ct, params.get(ours))
         if param is not None and param.numel() > 0:  # symmetric GPTQ: moe_wna16 registers empty qzeros
             tensors[ours] = param.data
     return tensors
+
+
+def default_fill(runner, job: dict, folder: Path, config: dict) -> None:
+    """vLLM's own weight loaders over the checkpoint's expert tensors of the layer."""
+    head = job["prefix"] + "."
+    weights = [(name[len(head):], t) for name, t in load_file(str(folder / "model.safetensors")).items()
+               if name.startswith(head)]
+    list(runner.load_weights(workarounds.drop_trivial_g_idx(weights, config.get("group_size", -1))))
+
+
+def plugin_fill(runner, job: dict, folder: Path, config: dict) -> None:
+    """The plugin's in-place fill of the layer, from the checkpoint folder or a wna16-shard output
+    (`job["source"]`, default the folder)."""
+    from wna16_loader.integrations import vllm as plugin
+
+    model = torch.nn.Module()  # the plugin's own path over a model whose one MoE layer this is
+    model.experts = runner.routed_experts
+    plugin.load_experts_into(model, Path(job.get("source", folder)))
 
 
 def model_job(job: dict) -> dict[str, torch.Tensor]:

@@ -64,23 +64,28 @@ def processes_moe_weights() -> bool:
     return has_amx()
 
 
+def processes_layer(layer) -> bool:
+    """Whether a layer job runs its method's process_weights_after_loading: the Triton backend's conversion
+    (pinned for moe_wna16 and compressed-tensors, workaround 2) runs everywhere; the CPU int4 backend's only
+    with AMX."""
+    from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
+
+    backend = getattr(layer.quant_method, "wna16_backend", getattr(layer.quant_method, "wna16_moe_backend", None))
+    return backend is WNA16MoEBackend.TRITON or has_amx()
+
+
 def _cpu_backend_without_amx() -> None:
     """3. The AutoGPTQ and AutoAWQ frontends (the methods vLLM 0.32 picks with no --quantization flag) keep
-    vLLM's own backend choice where it finds one (the CPU int4 kernel, with AMX); without AMX vLLM finds none
-    ("No WNA16 MoE backend supports the deployment configuration") and cannot build the layer, so the same
-    CPU backend is named there. Weight creation and loading do not depend on the backend; its weight
-    preparation (`process_weights_after_loading`) runs only with AMX (`processes_moe_weights`)."""
+    vLLM's own backend selection, whose CPU int4 kernel (`CPUExpertsInt4`) requires AMX tiles: without AMX
+    vLLM finds no backend ("No WNA16 MoE backend supports the deployment configuration") and cannot build the
+    layer. So that kernel's device check answers as on an AMX CPU everywhere: every other rule of vLLM's
+    selection (4-bit only, symmetric or not, ...) decides as it does there. Weight creation and loading do
+    not depend on the backend; its weight preparation runs only with AMX (`processes_layer`)."""
     if has_amx():
         return
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
-    from vllm.model_executor.layers.fused_moe.oracle import int_wna16
-    from vllm.model_executor.layers.quantization import auto_awq, auto_gptq
 
-    def select_cpu(config, weight_key, quant_config, may_have_zp, may_have_bias, allow_tile_padding=False):
-        return int_wna16.WNA16MoEBackend.CPU, CPUExpertsInt4
-
-    auto_gptq.select_wna16_moe_backend = select_cpu
-    auto_awq.select_wna16_moe_backend = select_cpu
+    CPUExpertsInt4._supports_current_device = staticmethod(lambda: True)
 
 
 def _pretend_ampere() -> None:
@@ -102,11 +107,14 @@ def _no_accelerator_cache() -> None:
 def drop_trivial_g_idx(weights: list[tuple[str, torch.Tensor]], group_size: int) -> list[tuple[str, torch.Tensor]]:
     """6. GPTQModel writes a `g_idx` for every module even without act-order; vLLM 0.32's moe_wna16 has no
     g_idx parameter and raises on one ("has no parameter 'w13_g_idx'"). It is dropped here, after checking
-    that it is the trivial arange(K) // G (a real act-order g_idx is refused by vLLM at config time)."""
+    that it is the trivial arange(K) // G for the layer's own G (a `dynamic` override may change it; a real
+    act-order g_idx is refused by vLLM at config time)."""
     kept = []
     for name, tensor in weights:
         if name.endswith(".g_idx"):
-            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // group_size
+            groups = int(tensor.max()) + 1
+            size = tensor.numel() // groups if tensor.numel() % groups == 0 else group_size
+            trivial = torch.arange(tensor.numel(), dtype=torch.int32) // size
             assert torch.equal(tensor, trivial), f"{name} is a real act-order g_idx; vLLM refuses those"
             continue
         kept.append((name, tensor))

@@ -16,37 +16,23 @@ from importlib.metadata import entry_points
 
 import pytest
 import torch
-from model_checkpoint import write_model
-from tier import result, run_group
+from layer_cases import GROUPS, MODEL_GROUPS
+from tier import result
 
 from wna16_loader import ConfigError
 from wna16_loader.integrations import vllm as plugin
 from wna16_loader.layouts import VLLM_LAYOUTS
-from wna16_loader.preshard.run import preshard_checkpoint
 
-GROUPS = {"tp1": (1, False), "tp2": (2, False), "ep2": (2, True)}  # name -> (ranks, enable_expert_parallel)
 LOADS = ("wna16-checkpoint", "wna16-shard", "moe_wna16-wna16")
 
 
 @pytest.fixture(scope="session")
-def loaded(tmp_path_factory):
-    """group -> {job name: each rank's parameters}: "auto" and "moe_wna16-auto" are vLLM's default loader."""
-    root = tmp_path_factory.mktemp("plugin")
-    source = write_model(root / "model")
-    out = {}
-    for group, (ranks, ep) in GROUPS.items():
-        shard = root / f"shard-{group}"
-        preshard_checkpoint(source, shard, tp_size=1 if ep else ranks, ep_size=ranks if ep else 1, progress=False)
-        jobs = [{"kind": "model", "name": "auto", "folder": str(source), "load_format": "auto"},
-                {"kind": "model", "name": "wna16-checkpoint", "folder": str(source), "load_format": "wna16"},
-                {"kind": "model", "name": "wna16-shard", "folder": str(shard), "load_format": "wna16"},
-                {"kind": "model", "name": "moe_wna16-auto", "folder": str(source), "load_format": "auto",
-                 "quantization": "moe_wna16"},
-                {"kind": "model", "name": "moe_wna16-wna16", "folder": str(source), "load_format": "wna16",
-                 "quantization": "moe_wna16"}]
-        run_group(ranks, jobs, root / group, ep=ep)
-        out[group] = {job["name"]: [result(root / group, job["name"], r) for r in range(ranks)] for job in jobs}
-    return out
+def loaded(vllm_out):
+    """group -> {job name: each rank's parameters} of the model jobs (layer_cases.model_jobs, run with the
+    layer jobs by conftest's vllm_out): "auto" and "moe_wna16-auto" are vLLM's default loader."""
+    names = ("auto", *LOADS, "moe_wna16-auto")
+    return {group: {name: [result(vllm_out / group, name, r) for r in range(GROUPS[group][0])] for name in names}
+            for group in MODEL_GROUPS}
 
 
 def test_the_entry_point_names_the_plugin():
@@ -55,7 +41,7 @@ def test_the_entry_point_names_the_plugin():
     assert plugins.get("wna16") == "wna16_loader.integrations.vllm:register"
 
 
-@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("group", MODEL_GROUPS)
 @pytest.mark.parametrize("name", LOADS)
 def test_plugin_equals_default_loader(loaded, group, name):
     baseline = "moe_wna16-auto" if name.startswith("moe_wna16") else "auto"

@@ -71,9 +71,9 @@ AUTO_AWQ = MethodLayout("auto_awq", "vllm", (
     _k_major("w13_scales", W13, Source.SCALES, ("E", "GH", "N13"), None),
     _k_major("w2_scales", W2, Source.SCALES, ("E", "GI", "H"), None),
     _k_major("w13_qzeros", W13, Source.ZEROS, ("E", "GH", "N13/P"), torch.int32, packing=Packing.N_WORDS,
-             slot_order=AWQ_ORDER),
+             slot_order=AWQ_ORDER, need=Need.ZERO_POINTS),
     _k_major("w2_qzeros", W2, Source.ZEROS, ("E", "GI", "H/P"), torch.int32, packing=Packing.N_WORDS,
-             slot_order=AWQ_ORDER),
+             slot_order=AWQ_ORDER, need=Need.ZERO_POINTS),
 ), notes="AWQ GEMM words stacked over experts (packed along N in AWQ's order)")
 
 CT_WNA16 = MethodLayout("ct_wna16", "vllm", (

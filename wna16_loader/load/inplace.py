@@ -172,5 +172,6 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
                        for name, (shape, dtype) in shapes.items()}
             relay(prefix, target, decls, FusedExperts(prefix, spec, tensors))
             scratch = max(scratch, sum(t.numel() * t.element_size() for t in tensors.values()))
+            del tensors  # freed before the next layer's scratch is read
         filled[prefix] = target.layout.name
     return FillReport(filled, (), scratch)

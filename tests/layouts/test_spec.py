@@ -1,0 +1,49 @@
+"""layouts.spec: shape expressions, the rows' derived facts (fused as is, parameters filled)."""
+
+from __future__ import annotations
+
+import pytest
+
+from wna16_loader import LayoutMismatchError
+from wna16_loader.layouts import (AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, VLLM_LAYOUTS, Need, Sizes,
+                                  evaluate, shape_of)
+
+SIZES = Sizes(E=3, N13=2 * 96, H=128, I=192, I_p=96, bits=4, GH=4, GI=3, GH_eff=4, GI_eff=3)
+
+
+@pytest.mark.parametrize("expr, value", [("E", 3), ("2", 2), ("N13/P", 24), ("H/P8", 64), ("2*I_p/P", 24),
+                                         ("I_p / P", 12), ("GI_eff", 3)])
+def test_expressions_evaluate_left_to_right(expr, value):
+    assert evaluate(expr, SIZES) == value
+
+
+def test_a_division_with_a_remainder_raises_with_every_number():
+    with pytest.raises(LayoutMismatchError, match=r"shape expression 'I_p/64': 96 is not divisible by 64 = 64"):
+        evaluate("I_p/64", SIZES)
+
+
+def test_auto_gptq_is_k_major_words():
+    assert [shape_of(p, SIZES) for p in AUTO_GPTQ.params] == [
+        (3, 16, 192), (3, 12, 128), (3, 4, 192), (3, 3, 128), (3, 4, 24), (3, 3, 16)]
+
+
+def test_only_the_fused_rows_take_an_output_as_it_is():
+    assert {row.name for row in VLLM_LAYOUTS if row.fused_as_is} == {MOE_WNA16.name, UNQUANTIZED.name}
+
+
+@pytest.mark.parametrize("row, symmetric", [(MOE_WNA16, 4), (AUTO_GPTQ, 6), (AUTO_AWQ, 4), (CT_WNA16, 6),
+                                            (UNQUANTIZED, 2)])
+def test_zero_points_are_filled_as_declared(row, symmetric):
+    """A symmetric layer fills AutoGPTQ's qzeros (with the midpoint) but not moe_wna16's or CT's."""
+    assert len(row.filled(has_zero_point=False)) == symmetric
+    assert len(row.filled(has_zero_point=True)) == len(row.params)
+    assert all(p.need is Need.ZERO_POINTS_ALWAYS for p in AUTO_GPTQ.params if p.name.endswith("qzeros"))
+
+
+def test_every_row_names_its_tp_dim_on_the_I_p_dimension():
+    """The TP cut splits the dim holding I_p (N13 of w13, I_p of w2); the EP cut dim 0."""
+    for row in VLLM_LAYOUTS:
+        for param in row.params:
+            if param.tp_dim is not None:
+                assert any(s in param.shape[param.tp_dim] for s in ("N13", "I_p", "GI")), (row.name, param)
+            assert param.ep_dim == 0 and param.shape[0] == "E"
