@@ -172,16 +172,14 @@ class Peaks:
         self._thread.join()
 
 
-def rank_main(spec_file: str, rank_arg: str) -> None:
-    """Load the model once as one rank of the group and write what it measured to OUT/rank{R}.json."""
-    spec, rank = json.loads(Path(spec_file).read_text()), int(rank_arg)
+def join_group(spec: dict, rank: int):
+    """This process as rank `rank` of the group's gloo process group, as vLLM's CPU worker sets it up; its
+    vLLM ParallelConfig."""
     import workarounds
 
     workarounds.apply(f"wna16-bench-{spec['tp']}-{rank}")
-    from vllm.config import (DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig,
-                             set_current_vllm_config)
+    from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.model_executor.model_loader import base_loader, get_model_loader
 
     from wna16_loader.integrations import vllm as plugin
 
@@ -191,6 +189,14 @@ def rank_main(spec_file: str, rank_arg: str) -> None:
         init_distributed_environment(world_size=spec["tp"], rank=rank, local_rank=rank,
                                      distributed_init_method=spec["init_method"], backend="gloo")
         initialize_model_parallel(spec["tp"])
+    return parallel
+
+
+def load_measured(spec: dict, parallel) -> dict:
+    """vLLM's load_model of the folder, with the loader's load_weights timed and its memory sampled."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import base_loader, get_model_loader
+
     model_config = ModelConfig(model=spec["folder"], dtype="float16", skip_tokenizer_init=True, enforce_eager=True)
     load_config = LoadConfig(load_format=spec["load_format"])
     config = VllmConfig(model_config=model_config, load_config=load_config, device_config=DeviceConfig("cpu"),
@@ -212,9 +218,14 @@ def rank_main(spec_file: str, rank_arg: str) -> None:
     io, start = proc_io(), time.perf_counter()
     with set_current_vllm_config(config):
         loader.load_model(vllm_config=config, model_config=model_config)
-    measured["get_model_s"] = time.perf_counter() - start
     after = proc_io()
-    measured.update({key: after[key] - io[key] for key in after})
+    return {**measured, "get_model_s": time.perf_counter() - start, **{key: after[key] - io[key] for key in after}}
+
+
+def rank_main(spec_file: str, rank_arg: str) -> None:
+    """Load the model once as one rank of the group and write what it measured to OUT/rank{R}.json."""
+    spec, rank = json.loads(Path(spec_file).read_text()), int(rank_arg)
+    measured = load_measured(spec, join_group(spec, rank))
     Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(measured))
 
 
