@@ -135,16 +135,20 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     write_checkpoint(src, quant_config("gptq", group_size=128), hidden=64, intermediate=704, num_experts=2)
     assert main([str(src), "--plan", "--tp", "3"]) == 0
     out = capsys.readouterr().out
-    rows = {}  # tp -> (marked as requested, fields)
+    rows, methods = {}, {}  # tp -> (marked as requested, fields); tp -> the vLLM methods that take it
     for line in out.splitlines():
-        fields = line.replace("*", " ").split()
+        body, _, taken = line.rpartition("  ")
+        fields = body.replace("*", " ").split()
         if fields and fields[0].isdigit():
-            rows[int(fields[0])] = (line.startswith("*"), fields)
+            rows[int(fields[0])], methods[int(fields[0])] = (line.startswith("*"), fields), taken
     assert sorted(rows) == [1, 2, 3, 4, 8, 16]
     assert rows[8] == (False, ["8", "1", "768", "96", "32", "21320", "14208", "0", "x7,", "64"])
     assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "0", "x2,", "16"])
     assert rows[4][1][2:8] == ["704", "176", "16", "44360", "0", "0"]  # unpadded: the old rule
     assert rows[16][1][-3:] == ["x14,", "16,", "48"]
+    assert methods[8] == "none (padded I, G_eff < G, zero points)"  # from the layout rows (layouts.vllm)
+    assert methods[4] == "moe_wna16 (as is)"  # G_eff 16 < G: only moe_wna16 halves G
+    assert methods[1] == "moe_wna16 (as is), auto_awq (re-laid), ct_wna16 (re-laid)"  # asymmetric: no AutoGPTQ
     assert main([str(src), "--dry-run"]) == 0 and "padding columns per TP rank" in capsys.readouterr().out
     assert main([str(src), "--plan", "--ep", "4"]) == 0
     assert "impossible: ep_size=4 is larger than the expert count 2" in capsys.readouterr().out

@@ -94,7 +94,7 @@ CASES = [
 ]
 # mixed precision: each MoE layer of the three real mixed fixtures (layer 0 base, 1 an 8-bit g64 override,
 # 2 float) with the method vLLM picks for that layer (gptq_dynamic_mixed is asymmetric: only moe_wna16 takes it)
-MIXED = {"gptq_dynamic_mixed": ("moe_wna16", "float16"), "ct_multigroup_mixed": ("compressed-tensors", "bfloat16"),
+MIXED = {"gptq_dynamic_mixed": ("moe_wna16", "float16"), "ct_multigroup_mixed": ("compressed-tensors", "float16"),
          "autoround_layer_config_mixed": ("inc", "bfloat16")}
 CASES += [Case(f"{ckpt}.L{layer}", method, prefix=f"model.layers.{layer}.mlp.experts", sizes=(4, 64, 128), ckpt=ckpt,
                dtype=dtype) for ckpt, (method, dtype) in MIXED.items() for layer in range(3)]

@@ -47,3 +47,18 @@ def test_every_row_names_its_tp_dim_on_the_I_p_dimension():
             if param.tp_dim is not None:
                 assert any(s in param.shape[param.tp_dim] for s in ("N13", "I_p", "GI")), (row.name, param)
             assert param.ep_dim == 0 and param.shape[0] == "E"
+
+
+@pytest.mark.parametrize("kind, text", [
+    (dict(quantized=True, padded=False, reduced=False, asymmetric=False),
+     "moe_wna16 (as is), auto_gptq (re-laid), auto_awq (re-laid), ct_wna16 (re-laid)"),
+    (dict(quantized=True, padded=False, reduced=False, asymmetric=True),
+     "moe_wna16 (as is), auto_awq (re-laid), ct_wna16 (re-laid)"),
+    (dict(quantized=True, padded=False, reduced=True, asymmetric=False), "moe_wna16 (as is)"),
+    (dict(quantized=True, padded=True, reduced=True, asymmetric=True), "none (padded I, G_eff < G, zero points)"),
+    (dict(quantized=False, padded=False, reduced=False, asymmetric=False), "unquantized (as is)"),
+])
+def test_plan_says_which_methods_take_an_output(kind, text):
+    """`wna16-shard --plan`'s last column, derived from the rows (issue 32, row 11)."""
+    from wna16_loader.layouts.spec import accepting
+    assert accepting(VLLM_LAYOUTS, **kind) == text

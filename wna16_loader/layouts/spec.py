@@ -93,6 +93,9 @@ class MethodLayout:
     params: tuple[ParamDecl, ...]
     quantized: bool = True
     notes: str = ""
+    reduced_groups: bool = False  # holds a layer whose G_eff is below the checkpoint's G (moe_wna16's halving)
+    padded: bool = False  # holds an I_p with padding columns (an I that TP does not divide)
+    asymmetric: bool = True  # holds layers with zero points (the engine builds the method for them)
 
     @property
     def fused_as_is(self) -> bool:
@@ -102,6 +105,17 @@ class MethodLayout:
     def filled(self, has_zero_point: bool) -> tuple[ParamDecl, ...]:
         """The parameters filled for a layer with or without zero points."""
         return tuple(p for p in self.params if p.need is not Need.ZERO_POINTS or has_zero_point)
+
+
+def accepting(rows: tuple[MethodLayout, ...], *, quantized: bool, padded: bool, reduced: bool,
+              asymmetric: bool) -> str:
+    """Which of `rows` hold a fused layer of this kind, and whether as it is or re-laid (for `--plan`)."""
+    fits = [row for row in rows if row.quantized == quantized and (row.padded or not padded)
+            and (row.reduced_groups or not reduced) and (row.asymmetric or not asymmetric)]
+    if not fits:
+        why = ["padded I"] * padded + ["G_eff < G"] * reduced + ["zero points"] * asymmetric
+        return "none (" + ", ".join(why) + ")"
+    return ", ".join(f"{row.name} ({'as is' if row.fused_as_is else 're-laid'})" for row in fits)
 
 
 @dataclass(frozen=True)

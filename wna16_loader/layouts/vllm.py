@@ -40,7 +40,8 @@ MOE_WNA16 = MethodLayout("moe_wna16", "vllm", (
     _fused("w2_scales", W2, Source.SCALES, ("E", "H", "GI_eff"), None, packing=Packing.NONE),
     _fused("w13_qzeros", W13, Source.ZEROS, ("E", "N13/P8", "GH_eff"), torch.uint8, need=Need.ZERO_POINTS),
     _fused("w2_qzeros", W2, Source.ZEROS, ("E", "H/P8", "GI_eff"), torch.uint8, need=Need.ZERO_POINTS),
-), notes="the fused layout itself; symmetric layers keep vLLM's empty qzeros and g_idx placeholders")
+), notes="the fused layout itself; symmetric layers keep vLLM's empty qzeros and g_idx placeholders",
+   reduced_groups=True)
 
 
 def _k_major(name: str, half: Half, source: Source, shape: tuple[str, ...], dtype: torch.dtype | None, *,
@@ -61,7 +62,7 @@ AUTO_GPTQ = MethodLayout("auto_gptq", "vllm", (
     _k_major("w2_qzeros", W2, Source.ZEROS, ("E", "GI", "H/P"), torch.int32, packing=Packing.N_WORDS,
              zero_offset=1, need=Need.ZERO_POINTS_ALWAYS),
 ), notes="GPTQ v1 words stacked over experts; zero points stored as z - 1 and read by its CPU kernel even "
-         "when symmetric (midpoint)")
+         "when symmetric (midpoint); vLLM builds it for symmetric layers only", asymmetric=False)
 
 AUTO_AWQ = MethodLayout("auto_awq", "vllm", (
     _k_major("w13_qweight", W13, Source.QWEIGHT, ("E", "H", "N13/P"), torch.int32, packing=Packing.N_WORDS,

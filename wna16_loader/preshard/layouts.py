@@ -3,7 +3,8 @@
 For TP sizes 1, 2, 4, 8, 16 (and the requested one) x the requested EP size: I', I_p, G_eff,
 the padding of every TP rank, and the bytes one rank holds of one MoE layer (the largest rank)
 with the part of them that is padding. Computed from config.json and the safetensors headers
-(for the scale dtype); nothing is read or written.
+(for the scale dtype); nothing is read or written. The last column says which of vLLM 0.32's MoE methods
+(layouts.vllm) take that layout's output: as it is (read straight into their parameters) or re-laid on load.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 from ..errors import WNA16Error
 from ..formats import QuantSpec
+from ..layouts.spec import accepting
+from ..layouts.vllm import VLLM_LAYOUTS
 from ..load.experts import planned
 from ..load.fused import FusedSpec
 from ..load.padfill import padding_bytes
@@ -24,7 +27,8 @@ from ..parallel.config import ParallelConfig
 from ..storage.index import nbytes_of
 
 PLAN_TP_SIZES = (1, 2, 4, 8, 16)
-HEADER = " tp  ep      I'    I_p G_eff    bytes/rank padding bytes  padding columns per TP rank"
+HEADER = (" tp  ep      I'    I_p G_eff    bytes/rank padding bytes  padding columns per TP rank"
+          "   vLLM 0.32 methods that take it")
 
 
 @dataclass(frozen=True)
@@ -97,5 +101,8 @@ def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *
         c = layout_cost(moe, dtype, tp, ep, placement, layer)
     except WNA16Error as exc:
         return f"{head}  impossible: {exc}"
+    methods = accepting(VLLM_LAYOUTS, quantized=moe.quant.quantized, padded=any(c.padding),
+                        reduced=moe.quant.quantized and c.group_eff not in (moe.quant.group_size, -1),
+                        asymmetric=moe.quant.quantized and not moe.quant.symmetric)
     return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {c.group_eff:>5}  {c.rank_bytes:>12} "
-            f"{c.padding_bytes:>13}  {runs(c.padding)}")
+            f"{c.padding_bytes:>13}  {runs(c.padding):<27}  {methods}")
