@@ -24,18 +24,23 @@ SOURCE_CONFIG = Path(__file__).resolve().parent.parent / "tests/fixtures/gptq_w4
 QUANT = {**quant_config("gptq", bits=4, group_size=32, symmetric=True), "dynamic": {r"-:.*\.mlp\.gate$": {}}}
 
 
-def write_model(folder: Path, seed: int = 3) -> Path:
-    """config.json + model.safetensors of the whole model in `folder`."""
+def write_model(folder: Path, seed: int = 3, *, qzeros: bool = True, reference: Path | None = None) -> Path:
+    """config.json + model.safetensors of the whole model in `folder`. `qzeros` False: no qzeros tensors (the
+    symmetric GPTQ spelling the package reads too); `reference`: also write there, as the fixtures'
+    reference.safetensors, every quantized module's float32 `<module>.weight` [N, K]."""
     config = {**json.loads(SOURCE_CONFIG.read_text()), "quantization_config": QUANT}
     spec, gen = resolve_quant_spec(QUANT), torch.Generator().manual_seed(seed)
     h, i, e = config["hidden_size"], config["moe_intermediate_size"], config["num_local_experts"]
     heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     tensors: dict[str, torch.Tensor] = {}
+    references: dict[str, torch.Tensor] = {}
 
     def linear(name: str, n: int, k: int) -> None:
         proj = random_projection(gen, n, k, spec, torch.float16)
         tensors.update({f"{name}.{suffix}": t for suffix, t in encode_projection(spec, proj).items()})
-        tensors[f"{name}.qzeros"] = encode_role(spec, spec.layout(Role.ZEROS), proj)
+        if qzeros:
+            tensors[f"{name}.qzeros"] = encode_role(spec, spec.layout(Role.ZEROS), proj)
+        references[f"{name}.weight"] = proj.dequantize(spec.group_size)
 
     def plain(name: str, *shape: int) -> None:
         tensors[name] = (torch.randn(*shape, generator=gen) / 8).to(torch.float16)
@@ -58,4 +63,6 @@ def write_model(folder: Path, seed: int = 3) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if reference is not None:
+        save_file(references, str(reference))
     return folder
