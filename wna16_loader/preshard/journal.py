@@ -11,6 +11,7 @@ from typing import Any
 from ..errors import PreshardError, ShardInterrupted, format_offenders
 from ..load.presharded import MANIFEST_NAME, PLAN_NAME
 from ..storage.index import DTYPES
+from .manifest import without_tensor_digests
 from .plan import ShardPlan, fingerprint_differences, plan_record
 from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
 
@@ -60,7 +61,8 @@ def start(out: Path, plan: ShardPlan, resume: bool) -> dict[str, dict[str, Any]]
 
 
 def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
-    """path -> record of finished files whose tensors match the plan and whose sha256 still matches."""
+    """path -> record of finished files whose tensors match the plan and whose sha256 still matches (in this
+    version's form: a record an earlier version journaled keeps its file's sha256, not its tensors')."""
     path = out / JOURNAL_NAME
     planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
     kept: dict[str, dict[str, Any]] = {}
@@ -81,7 +83,7 @@ def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
             continue
         file = out / path
         if planned.get(path) == tensors and file.is_file() and sha256_file(file) == digest:
-            kept[path] = rec
+            kept[path] = without_tensor_digests(rec)
     return kept
 
 
