@@ -182,8 +182,10 @@ def measure_once(row: Contender, folders: Folders, cold: bool) -> dict[str, Any]
     return result
 
 
-def measure_contenders(rows: list[Contender], folders: Folders, reps: int) -> dict[str, dict[str, list[dict]]]:
-    """key -> {"warm": [runs], "cold": [runs]}: every row warm, then every row cold, in each repetition."""
+def measure_contenders(rows: list[Contender], folders: Folders, reps: int,
+                       partial: Path | None = None) -> dict[str, dict[str, list[dict]]]:
+    """key -> {"warm": [runs], "cold": [runs]}: every row warm, then every row cold, in each repetition (the
+    runs so far written to `partial` after each one, so that a run stopped early keeps what it measured)."""
     out: dict[str, dict[str, list[dict]]] = {row.key: {"warm": [], "cold": []} for row in rows}
     for rep in range(reps):
         for condition in ("warm", "cold"):
@@ -192,6 +194,8 @@ def measure_contenders(rows: list[Contender], folders: Folders, reps: int) -> di
                 out[row.key][condition].append(result)
                 print(f"rep {rep} {condition} {row.key}: {result['seconds']:.2f} s, read "
                       f"{result['read_bytes'] / 1e9:.2f} GB from storage", flush=True)
+                if partial is not None:
+                    partial.write_text(json.dumps(out, indent=1))
     return out
 
 
@@ -324,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     rows, skipped = runnable(wanted, sum(f.stat().st_size for f in pages.files_of(path)))
     for key, why in skipped.items():
         print(f"{key}: skipped: {why}", flush=True)
-    runs = measure_contenders(rows, folders, args.reps)
+    runs = measure_contenders(rows, folders, args.reps, args.json.with_suffix(".partial.json") if args.json else None)
     shard, rss = {}, {}
     if not args.no_shard:
         scratch = Path(tempfile.mkdtemp(dir=args.workdir))
