@@ -4,6 +4,7 @@ that sample peak RSS, a durable copy, and the conversion rates. Imports no suite
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
@@ -32,6 +33,17 @@ from wna16_loader.storage.index import CheckpointIndex, nbytes_of
 SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # suite_scale: MoE layers of each real-scale size
 # suite_names: DeepSeek-V3's tensor list at tiny sizes (decoder layers, dense ones, experts, H, I, G)
 NAME_SIZES = {"deepseek-names": {"layers": 61, "dense": 3, "experts": 256, "hidden": 64, "inter": 256, "group": 32}}
+
+
+def suite_parser(suite: str, doc: str, sizes: list[str], workdir: str, reps: int) -> argparse.ArgumentParser:
+    """The options every suite with a contender list takes: --size, --workdir, --reps, --only, --json."""
+    parser = argparse.ArgumentParser(prog=f"scripts/bench --suite {suite}", description=doc.split("\n")[0])
+    parser.add_argument("--size", choices=sizes, default=sizes[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / workdir)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    parser.add_argument("--json", type=Path)
+    return parser
 
 
 def plans_for(path: Path, parallel: ParallelConfig) -> tuple[Any, list[LayerPlan]]:

@@ -26,13 +26,11 @@ plain copy of the same bytes.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -54,6 +52,7 @@ from .baselines import (
     expert_tensors,
     release_freed_memory,
     run_floor,
+    suite_parser,
 )
 from .targets import NAME_TARGETS
 
@@ -321,13 +320,8 @@ def report(seconds: dict[str, float], tensors: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="scripts/bench --suite names", description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(NAME_SIZES), default="deepseek-names")
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-names")
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    parser = suite_parser("names", __doc__, sorted(NAME_SIZES), "wna16-names", 2)
     parser.add_argument("--no-conversions", action="store_true", help="skip the conversion GB/s table")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import pages
-from .baselines import SCALE_SIZES
+from .baselines import SCALE_SIZES, suite_parser
 from .contenders import BY_KEY, CONTENDERS, PRESHARDED_RANK, Contender, runnable
 from .targets import SCALE_TARGETS, evaluate, targets_table
 
@@ -307,11 +307,7 @@ def shard_text(shard: dict[str, list[float]], rss: dict[str, float]) -> str:
 # ---------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="scripts/bench --suite scale", description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(SCALE_SIZES), default="qwen3-30b")
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-scale")
-    parser.add_argument("--reps", type=int, default=1)
-    parser.add_argument("--only", default="", help="comma-separated contender keys (default: every row)")
+    parser = suite_parser("scale", __doc__, sorted(SCALE_SIZES), "wna16-scale", 1)  # qwen3-30b first: 48 layers
     parser.add_argument("--skip", default="", help="comma-separated contender keys not to run")
     parser.add_argument("--no-shard", action="store_true", help="skip wna16-shard against a durable copy")
     parser.add_argument("--no-shard-rss", action="store_true", help="skip the peak RSS of wna16-shard (one more run)")
