@@ -265,7 +265,7 @@ def seconds_of(m: dict[str, Any], shard: dict[str, list[float]], rss: dict[str, 
 
 def contender_table(m: dict[str, Any], skipped: dict[str, str], flat: dict[str, float]) -> str:
     """One row per contender: warm and cold side by side, against the best peer of the same condition."""
-    lines = ["| contender | warm s | cold s | warm ÷ best peer | cold ÷ best peer | cold: GB read from storage | "
+    lines = ["| contender | warm s | cold s | warm ÷ best peer | cold ÷ best peer | GB read from storage, warm / cold | "
              "cold: GB of its files brought into the cache | µs / expert tensor (warm) |",
              "|---|---|---|---|---|---|---|---|"]
     for row in CONTENDERS:
@@ -278,7 +278,8 @@ def contender_table(m: dict[str, Any], skipped: dict[str, str], flat: dict[str, 
         ratio = lambda c, v: f"{v['seconds'] / flat[f'best peer {c}']:.2f}" if f"best peer {c}" in flat else ""  # noqa: E731
         per = f"{warm['seconds'] / warm['tensors'] * 1e6:.1f}" if warm.get("tensors") else ""
         lines.append(f"| {row.label} | {warm['seconds']:.2f} | {cold['seconds']:.2f} | {ratio('warm', warm)} | "
-                     f"{ratio('cold', cold)} | {cold['read_bytes'] / 1e9:.2f} | {cold['brought_in'] / 1e9:.2f} | {per} |")
+                     f"{ratio('cold', cold)} | {warm['read_bytes'] / 1e9:.2f} / {cold['read_bytes'] / 1e9:.2f} | "
+                     f"{cold['brought_in'] / 1e9:.2f} | {per} |")
     return "\n".join(lines)
 
 

@@ -146,6 +146,20 @@ def test_verify_catches_flipped_byte_and_missing_file(tmp_path: Path) -> None:
     assert any("missing" in p and gone.name in p for p in problems)
 
 
+def test_verify_source_names_a_file_it_cannot_read(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, progress=False)
+    victim = out / "rank-00000-of-00002" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[:8] = (len(data) * 2).to_bytes(8, "little")  # a header longer than the file
+    victim.write_bytes(bytes(data))
+    problems = verify_output(out, source=src)
+    assert problems[0].startswith("rank-00000-of-00002/model.safetensors: sha256 differs from the manifest; ")
+    assert problems[1].startswith("rank-00000-of-00002/model.safetensors: unreadable (")
+    assert problems[1].endswith("); re-shard to repair it") and len(problems) == 2
+
+
 def test_manifest_holds_one_digest_per_file(tmp_path: Path) -> None:
     """Manifest version 2: each file's sha256 (of the bytes as written, the Hub's LFS object id), tensor
     records with shape and dtype only."""
