@@ -182,13 +182,13 @@ def measure_once(row: Contender, folders: Folders, cold: bool) -> dict[str, Any]
     return result
 
 
-def measure_contenders(rows: list[Contender], folders: Folders, reps: int,
-                       partial: Path | None = None) -> dict[str, dict[str, list[dict]]]:
+def measure_contenders(rows: list[Contender], folders: Folders, reps: int, partial: Path | None = None,
+                       conditions: tuple[str, ...] = ("warm", "cold")) -> dict[str, dict[str, list[dict]]]:
     """key -> {"warm": [runs], "cold": [runs]}: every row warm, then every row cold, in each repetition (the
     runs so far written to `partial` after each one, so that a run stopped early keeps what it measured)."""
     out: dict[str, dict[str, list[dict]]] = {row.key: {"warm": [], "cold": []} for row in rows}
     for rep in range(reps):
-        for condition in ("warm", "cold"):
+        for condition in conditions:
             for row in rows:
                 result = measure_once(row, folders, condition == "cold")
                 out[row.key][condition].append(result)
@@ -274,12 +274,13 @@ def contender_table(m: dict[str, Any], skipped: dict[str, str], flat: dict[str, 
             continue
         if row.key not in m:
             continue
-        warm, cold = m[row.key]["warm"], m[row.key]["cold"]
-        ratio = lambda c, v: f"{v['seconds'] / flat[f'best peer {c}']:.2f}" if f"best peer {c}" in flat else ""  # noqa: E731
+        warm, cold = m[row.key].get("warm", {}), m[row.key].get("cold", {})
+        cell = lambda v, f, scale=1.0: f"{v[f] / scale:.2f}" if f in v else ""  # noqa: E731
+        ratio = lambda c, v: cell(v, "seconds", flat[f"best peer {c}"]) if f"best peer {c}" in flat else ""  # noqa: E731
         per = f"{warm['seconds'] / warm['tensors'] * 1e6:.1f}" if warm.get("tensors") else ""
-        lines.append(f"| {row.label} | {warm['seconds']:.2f} | {cold['seconds']:.2f} | {ratio('warm', warm)} | "
-                     f"{ratio('cold', cold)} | {warm['read_bytes'] / 1e9:.2f} / {cold['read_bytes'] / 1e9:.2f} | "
-                     f"{cold['brought_in'] / 1e9:.2f} | {per} |")
+        lines.append(f"| {row.label} | {cell(warm, 'seconds')} | {cell(cold, 'seconds')} | {ratio('warm', warm)} | "
+                     f"{ratio('cold', cold)} | {cell(warm, 'read_bytes', 1e9)} / {cell(cold, 'read_bytes', 1e9)} | "
+                     f"{cell(cold, 'brought_in', 1e9)} | {per} |")
     return "\n".join(lines)
 
 
@@ -290,7 +291,8 @@ def eviction_text(runs: dict[str, dict[str, list[dict]]], folders: Folders) -> s
     every = pages.Residency.of(folders.every_file())
     lines = [f"cold: before each of {len(cold)} cold runs, os.sync() + posix_fadvise(POSIX_FADV_DONTNEED) on all "
              f"{every.files} files ({every.total / 1e9:.2f} GB: the checkpoint and the wna16-shard output); "
-             f"resident after the eviction (mincore): at most {max(r['evicted_resident'] for r in cold)} bytes"]
+             f"resident after the eviction (mincore): at most {max(r['evicted_resident'] for r in cold)} bytes"] \
+        if cold else []
     if warm:
         least = min(warm, key=lambda r: r["resident_before"] / r["files_bytes"])
         lines.append(f"warm: before each of {len(warm)} warm runs its files were read; the least resident: "
@@ -310,6 +312,7 @@ def shard_text(shard: dict[str, list[float]], rss: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = suite_parser("scale", __doc__, sorted(SCALE_SIZES), "wna16-scale", 1)  # qwen3-30b first: 48 layers
     parser.add_argument("--skip", default="", help="comma-separated contender keys not to run")
+    parser.add_argument("--conditions", default="warm,cold", help="warm,cold (default), or one of them")
     parser.add_argument("--no-shard", action="store_true", help="skip wna16-shard against a durable copy")
     parser.add_argument("--no-shard-rss", action="store_true", help="skip the peak RSS of wna16-shard (one more run)")
     parser.add_argument("--shard2", action="store_true", help="also time wna16-shard over 2 torchrun processes")
@@ -325,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     rows, skipped = runnable(wanted, sum(f.stat().st_size for f in pages.files_of(path)))
     for key, why in skipped.items():
         print(f"{key}: skipped: {why}", flush=True)
-    runs = measure_contenders(rows, folders, args.reps, args.json.with_suffix(".partial.json") if args.json else None)
+    runs = measure_contenders(rows, folders, args.reps, args.json.with_suffix(".partial.json") if args.json else None,
+                              tuple(args.conditions.split(",")))
     shard, rss = {}, {}
     if not args.no_shard:
         scratch = Path(tempfile.mkdtemp(dir=args.workdir))
