@@ -316,7 +316,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-shard", action="store_true", help="skip wna16-shard against a durable copy")
     parser.add_argument("--no-shard-rss", action="store_true", help="skip the peak RSS of wna16-shard (one more run)")
     parser.add_argument("--shard2", action="store_true", help="also time wna16-shard over 2 torchrun processes")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
