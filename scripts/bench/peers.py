@@ -5,8 +5,10 @@ Each is driven in a documented configuration, set before its first read (one run
 - Run:ai Model Streamer (`runai-model-streamer`): RUNAI_STREAMER_CONCURRENCY=16 reading threads (its default
   for file systems), RUNAI_STREAMER_FS_STRATEGY a preference list: `io_uring_buffered,sync_buffered`
   (buffered) or `io_uring_direct,sync_buffered` (O_DIRECT through io_uring), and 16 MiB requests
-  (RUNAI_STREAMER_CHUNK_BYTESIZE for the synchronous reader, RUNAI_STREAMER_FS_CHUNK_BYTESIZE for io_uring);
-  all files in one `stream_files` request, `owned=False` (views into its reused buffers).
+  (RUNAI_STREAMER_CHUNK_BYTESIZE for the synchronous reader, RUNAI_STREAMER_FS_CHUNK_BYTESIZE for io_uring),
+  its CPU buffer capped at MEMORY_LIMIT (RUNAI_STREAMER_MEMORY_LIMIT; unlimited, its default, it holds every
+  file at once: 11.8 GB resident at 48 layers, which pushed the checkpoint out of a 24 GiB machine's page
+  cache); all files in one `stream_files` request, `owned=False` (views into its reused buffers).
 - fastsafetensors: `SafeTensorsFileLoader(..., nogds=True)` (no GPUDirect Storage on a CPU machine), 16 threads
   (`max_threads`, its default) with 16 MiB bounce buffers (`bbuf_size_kb`), FASTSAFETENSORS_ODIRECT=0
   (buffered) or 1 (O_DIRECT); FILES_PER_BATCH files per `copy_files_to_device`, as vLLM's iterator takes a
@@ -42,8 +44,10 @@ class Peer:
 RUNAI = Peer("runai_model_streamer", "runai-model-streamer")
 FASTSAFETENSORS = Peer("fastsafetensors", "fastsafetensors")
 
+MEMORY_LIMIT = 2 << 30  # Run:ai's CPU buffer: unlimited by default, i.e. the size of every file requested
 RUNAI_ENV = {"RUNAI_STREAMER_CONCURRENCY": "16", "RUNAI_STREAMER_CHUNK_BYTESIZE": str(CHUNK),
-             "RUNAI_STREAMER_FS_CHUNK_BYTESIZE": str(CHUNK), "RUNAI_STREAMER_LOG_LEVEL": "WARNING"}
+             "RUNAI_STREAMER_FS_CHUNK_BYTESIZE": str(CHUNK), "RUNAI_STREAMER_MEMORY_LIMIT": str(MEMORY_LIMIT),
+             "RUNAI_STREAMER_LOG_LEVEL": "WARNING"}
 RUNAI_STRATEGY = {"buffered": "io_uring_buffered,sync_buffered", "direct": "io_uring_direct,sync_buffered"}
 FST_ODIRECT = {"buffered": "0", "direct": "1"}
 
