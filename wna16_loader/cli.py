@@ -52,7 +52,7 @@ exit codes: 0 ok, 1 verify found problems, 2 bad usage or bad input, 130 interru
 
 VERIFY_EPILOG = """\
 examples:
-  wna16-shard verify ./out                    # every file's and tensor's sha256 vs the manifest
+  wna16-shard verify ./out                    # every file's sha256 vs the manifest
   wna16-shard verify ./out --source ./ckpt    # also: every tensor equals a fresh conversion, common/ identical
   wna16-shard verify ./out --source ./ckpt --reassemble   # also: dequantised experts stitched over TP (slow)
 exit codes: 0 no problems, 1 problems found (listed on stderr), 2 bad usage.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -122,26 +123,101 @@ def test_killed_run_then_resume_is_byte_identical(tmp_path: Path) -> None:
 
 
 def test_verify_catches_flipped_byte_and_missing_file(tmp_path: Path) -> None:
+    """`verify` names the file whose sha256 differs; `verify --source` also names the tensor holding the byte."""
     src = make_source(tmp_path / "src")
     out = tmp_path / "out"
     preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
     assert verify_output(out) == []
     victim = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[0]
+    with safe_open(str(victim), framework="pt") as handle:
+        last = sorted(handle.keys())[-1]  # the writer's order: the file's last bytes are its last tensor's
     data = bytearray(victim.read_bytes())
     data[-3] ^= 0x10
     victim.write_bytes(bytes(data))
-    problems = verify_output(out)
-    assert len(problems) == 1 and victim.name in problems[0] and "sha256" in problems[0]
+    path = f"rank-00001-of-00002/{victim.name}"
+    file_problem = (f"{path}: sha256 differs from the manifest; `wna16-shard verify OUT --source SRC` names the "
+                    f"tensors that differ; re-shard to repair it")
+    assert verify_output(out) == [file_problem]
+    assert verify_output(out, source=src) == [
+        file_problem, f"{path}: tensor {last} differs from a fresh conversion of the source; re-shard to repair it"]
     gone = sorted((out / "common").glob("*.safetensors"))[-1]
     gone.unlink()
     problems = verify_output(out, source=src)
     assert any("missing" in p and gone.name in p for p in problems)
 
 
+def test_verify_source_names_a_file_it_cannot_read(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, progress=False)
+    victim = out / "rank-00000-of-00002" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[:8] = (len(data) * 2).to_bytes(8, "little")  # a header longer than the file
+    victim.write_bytes(bytes(data))
+    problems = verify_output(out, source=src)
+    assert problems[0].startswith("rank-00000-of-00002/model.safetensors: sha256 differs from the manifest; ")
+    assert problems[1].startswith("rank-00000-of-00002/model.safetensors: unreadable (")
+    assert problems[1].endswith("); re-shard to repair it") and len(problems) == 2
+
+
+def test_manifest_holds_one_digest_per_file(tmp_path: Path) -> None:
+    """Manifest version 2: each file's sha256 (of the bytes as written, the Hub's LFS object id), tensor
+    records with shape and dtype only."""
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, max_file_size=20_000, progress=False)
+    manifest = read_manifest(out)
+    assert manifest["manifest_version"] == 2 and manifest["schema_version"] == 1
+    records = manifest["common"]["files"] + [rec for rank in manifest["ranks"] for rec in rank["files"]]
+    assert len(records) == len(list(out.rglob("*.safetensors"))) > 5
+    for rec in records:
+        assert rec["sha256"] == hashlib.sha256((out / rec["path"]).read_bytes()).hexdigest(), rec["path"]
+        with safe_open(str(out / rec["path"]), framework="pt") as handle:
+            assert rec["tensors"] == {name: {"shape": list(handle.get_slice(name).get_shape()),
+                                             "dtype": str(handle.get_tensor(name).dtype).removeprefix("torch.")}
+                                      for name in handle.keys()}
+
+
+def as_version_1(out: Path) -> None:
+    """Rewrite OUT's manifest as manifest version 1 wrote it (commit 624795d and before): no
+    "manifest_version" key, and every tensor record with the sha256 of the tensor's raw bytes. The files
+    themselves are the same in both versions."""
+    text = (out / MANIFEST_NAME).read_text()
+    manifest = json.loads(text)
+    del manifest["manifest_version"]
+    for rec in manifest["common"]["files"] + [rec for rank in manifest["ranks"] for rec in rank["files"]]:
+        with safe_open(str(out / rec["path"]), framework="pt") as handle:
+            for name, tensor_rec in rec["tensors"].items():
+                raw = handle.get_tensor(name).contiguous().reshape(-1).view(torch.uint8).numpy()
+                tensor_rec["sha256"] = hashlib.sha256(memoryview(raw)).hexdigest()
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def test_version_1_output_verifies_loads_and_resumes(tmp_path: Path) -> None:
+    """An output written by manifest version 1 (per-tensor sha256s) verifies, with and without the source,
+    loads, and on `--force --resume` keeps every file and gets a version 2 manifest."""
+    src = make_source(tmp_path / "src", "awq")
+    out = tmp_path / "out"
+    preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False)
+    files = tree_bytes(out)
+    as_version_1(out)
+    assert "manifest_version" not in read_manifest(out)
+    assert verify_output(out) == [] and verify_output(out, source=src) == []
+    for pc in ParallelConfig.all_ranks(tp_size=2, ep_size=2):
+        loaded, direct = load_experts(out, pc), load_experts(src, pc)
+        assert all(torch.equal(loaded[p].tensors[n], t) for p, layer in direct.items() for n, t in layer.tensors.items())
+    summary = preshard_checkpoint(src, out, tp_size=2, ep_size=2, progress=False, force=True, resume=True)
+    assert all(r.kept == r.files for r in summary.ranks)
+    manifest = read_manifest(out)
+    assert manifest["manifest_version"] == 2
+    assert not any("sha256" in t for rank in manifest["ranks"] for rec in rank["files"] for t in rec["tensors"].values())
+    assert tree_bytes(out) == files
+
+
 @pytest.mark.parametrize("layout", ["fused", "checkpoint"])
 def test_verify_compares_every_rank_tensor_with_a_fresh_conversion(tmp_path: Path, layout: str) -> None:
-    """verify --source re-makes every rank tensor through the writer's path and compares it with the manifest's
-    record (which the file hashes vouch for): a record that the source does not give is named."""
+    """verify --source re-makes every rank tensor through the writer's path and compares its bytes with the
+    file's, and its shape and dtype with the manifest's record: a tensor or record that differs is named."""
     from wna16_loader.preshard.verify import _verify_converted
 
     src = make_source(tmp_path / "src", "awq")
@@ -151,7 +227,7 @@ def test_verify_compares_every_rank_tensor_with_a_fresh_conversion(tmp_path: Pat
     assert _verify_converted(out, manifest, src) == []
     file_rec = manifest["ranks"][1]["files"][0]
     name = sorted(file_rec["tensors"])[1]
-    file_rec["tensors"][name]["sha256"] = "0" * 64
+    file_rec["tensors"][name]["shape"] = [1] + file_rec["tensors"][name]["shape"]
     made = "conversion" if layout == "fused" else "slice"
     assert _verify_converted(out, manifest, src) == [
         f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the source; re-shard to repair it"]

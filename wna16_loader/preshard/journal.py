@@ -12,6 +12,7 @@ from ..errors import PreshardError, ShardInterrupted
 from ..load.presharded import MANIFEST_NAME, PLAN_NAME
 from ..logs import log
 from ..storage.index import DTYPES
+from .manifest import without_tensor_digests
 from .plan import ShardPlan, fingerprint_differences, plan_record, source_change
 from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
 
@@ -101,7 +102,8 @@ def warn_starting_over(out: Path, plan: ShardPlan) -> None:
 
 
 def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
-    """path -> record of finished files whose tensors match the plan and whose sha256 still matches."""
+    """path -> record of finished files whose tensors match the plan and whose sha256 still matches (in this
+    version's form: a record an earlier version journaled keeps its file's sha256, not its tensors')."""
     planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
     kept: dict[str, dict[str, Any]] = {}
     records = _recorded_files(out)
@@ -112,7 +114,7 @@ def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
             continue
         file = out / path
         if planned.get(path) == tensors and file.is_file() and sha256_file(file) == digest:
-            kept[path] = rec
+            kept[path] = without_tensor_digests(rec)
     return kept
 
 

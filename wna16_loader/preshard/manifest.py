@@ -1,9 +1,8 @@
 """The manifest of a pre-shard output (written last): versions, source, quantization, layout, every
-file's sha256 and tensor records, and where each source tensor went."""
+file's sha256 (the Hub's LFS object id of the file) and tensor records, and where each source tensor went."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -13,11 +12,26 @@ from ..version import __version__
 from .plan import RankPlan, ShardPlan
 
 
-def tensor_record(tensor: torch.Tensor) -> dict[str, Any]:
-    """shape, dtype and sha256 of a tensor's raw bytes."""
-    raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-    return {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-            "sha256": hashlib.sha256(memoryview(raw)).hexdigest()}
+# 2: one digest per byte, each file's sha256 (taken while the file is written); tensor records hold shape and
+# dtype only. 1 (no "manifest_version" key): each tensor record also held the sha256 of the tensor's bytes.
+# What a loader reads (SCHEMA_VERSION: layers, files, params) is the same in both.
+MANIFEST_VERSION = 2
+
+
+def tensor_record(shape: tuple[int, ...], dtype: torch.dtype) -> dict[str, Any]:
+    """A tensor's manifest record: shape and dtype (its bytes are vouched for by its file's sha256)."""
+    return {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+
+
+def manifest_version(manifest: dict[str, Any]) -> int:
+    """The manifest's version: 1 for outputs written before the key existed."""
+    return int(manifest.get("manifest_version", 1))
+
+
+def without_tensor_digests(record: dict[str, Any]) -> dict[str, Any]:
+    """A file record of any version as this version writes it (a version 1 record's tensor sha256s dropped)."""
+    tensors = {name: {"shape": t["shape"], "dtype": t["dtype"]} for name, t in record["tensors"].items()}
+    return {**record, "tensors": tensors}
 
 
 def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:
@@ -39,7 +53,8 @@ def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[
     ranks = [{"rank": r.parallel.rank, "tp_rank": r.parallel.tp_rank, "ep_rank": r.parallel.ep_rank,
               "folder": r.folder, "layers": _layers_record(plan, r),
               "files": [records[f.path] for f in r.files]} for r in plan.ranks]
-    return {"schema_version": SCHEMA_VERSION, "package_version": __version__, "params": plan.params,
+    return {"schema_version": SCHEMA_VERSION, "manifest_version": MANIFEST_VERSION, "package_version": __version__,
+            "params": plan.params,
             "parallel": {"tp": plan.params["tp"], "ep": plan.params["ep"], "placement": plan.params["placement"]},
             "source": plan.fingerprint, "quantization": plan.quant,
             "common": {"files": [records[f.path] for f in plan.common]}, "ranks": ranks,

@@ -1,6 +1,6 @@
-"""Verifying a pre-shard output: every file against its manifest hash and, with the source, every
-tensor against the source: common bytes, and every rank tensor against a fresh conversion of the source by
-the writer's own path (one layer at a time, hashed as it is made: about the cost of writing); optionally
+"""Verifying a pre-shard output: every file against its manifest sha256 (one digest per byte) and, with the
+source, every tensor against the source: common bytes, and every rank tensor's bytes against a fresh
+conversion of the source by the writer's own path (one layer at a time: about the cost of writing); optionally
 (`reassemble=True`) the fused experts dequantised and stitched over TP against a TP 1 load."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .writing import TensorSource, tensor_source
 class VerifyReport:
     """What a verification checked and every problem it found.
 
-    files, tensors, nbytes: checked against the manifest's sha256s; experts: (layer, expert) pairs
+    files, tensors, nbytes: the files checked against the manifest's sha256s; experts: (layer, expert) pairs
     compared with the source (0 without a source); common: common tensors compared byte for byte.
     """
 
@@ -46,8 +46,9 @@ class VerifyReport:
     reassembled: bool = False  # the fused experts were also dequantised and stitched over TP
 
     def text(self) -> str:
-        """One line saying what was checked, e.g. `18 files, 42 tensors (1.2 MiB) match their sha256`."""
-        line = (f"{self.out}: ok: {self.files} files ({human_size(self.nbytes)} on disk), {self.tensors} tensors "
+        """One line saying what was checked, e.g. `ok: 18 files (1.2 MiB on disk, 42 tensors) match the manifest's
+        sha256`."""
+        line = (f"{self.out}: ok: {self.files} files ({human_size(self.nbytes)} on disk, {self.tensors} tensors) "
                 f"match the manifest's sha256")
         if self.source is not None:
             how = "converted afresh from" if self.layout == "fused" else "sliced afresh from"
@@ -58,8 +59,9 @@ class VerifyReport:
 
 
 def verify_output(out: str | Path, source: str | Path | None = None) -> list[str]:
-    """Every problem with a pre-shard output: missing files, hash mismatches; with `source`, also
-    expert weights that do not reassemble exactly and common tensors that differ from the source.
+    """Every problem with a pre-shard output: missing files, files whose sha256 differs from the manifest's;
+    with `source`, also each rank tensor that differs from a fresh conversion (named), expert weights that do
+    not reassemble exactly and common tensors that differ from the source.
     An unreadable output or a source it was not written from is one problem."""
     try:
         return list(verify_report(out, source).problems)
@@ -82,9 +84,10 @@ def verify_report(out: str | Path, source: str | Path | None = None, *, reassemb
     layout = manifest["params"].get("layout", "fused")
     report = VerifyReport(out, layout, len(records), sum(len(rec["tensors"]) for rec in records),
                           sum((out / rec["path"]).stat().st_size for rec in records if (out / rec["path"]).is_file()))
-    if source is None or problems:
+    if source is None:
         return replace(report, problems=tuple(problems))
-    _check_common(out, manifest, Path(source))
+    if not any(problem.startswith(f"{rec['path']}: ") for rec in manifest["common"]["files"] for problem in problems):
+        _check_common(out, manifest, Path(source))  # (a damaged common/ file is named above, not blamed on SRC)
     problems += verify_mtp(manifest)
     problems += _verify_converted(out, manifest, Path(source))
     reassemble = reassemble and layout == "fused"
@@ -114,19 +117,22 @@ def check_source_matches(out: Path, manifest: dict[str, Any], source: Path) -> N
 
 
 def _verify_file(out: Path, rec: dict[str, Any]) -> list[str]:
+    """The file is there and its sha256 is the manifest's (the file is named; `verify --source` names the tensor)."""
     path = out / rec["path"]
     if not path.is_file():
         return [f"{rec['path']}: missing (re-run wna16-shard with --resume to rewrite it)"]
     if sha256_file(path) == rec["sha256"]:
         return []
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            found = {name: tensor_record(handle.get_tensor(name)) for name in handle.keys()}
-    except Exception as exc:  # safetensors raises its own types for corrupt files
-        return [f"{rec['path']}: sha256 differs from the manifest and the file is unreadable ({exc})"]
-    bad = [name for name, want in rec["tensors"].items() if found.get(name) != want]
-    detail = f"tensors differ: {bad[:5]}" if bad else "header or padding bytes differ"
-    return [f"{rec['path']}: sha256 differs from the manifest ({detail}); re-shard to repair it"]
+    return [f"{rec['path']}: sha256 differs from the manifest; `wna16-shard verify OUT --source SRC` names the tensors "
+            f"that differ; re-shard to repair it"]
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaNs and signed zeros compared as bytes, not as numbers)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    raw = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(raw(a), raw(b))
 
 
 def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
@@ -138,7 +144,7 @@ def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
             with safe_open(str(out / rec["path"]), framework="pt") as handle:
                 for name in handle.keys():
                     ref = index.refs.get(name)
-                    if ref is None or tensor_record(index.read(ref)) != tensor_record(handle.get_tensor(name)):
+                    if ref is None or not same_tensor(index.read(ref), handle.get_tensor(name)):
                         differ.append(name)
     if differ:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
@@ -147,9 +153,9 @@ def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
 
 
 def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
-    """Every rank tensor equals (sha256, shape, dtype) the one the writer makes from the source now: fused
-    layers through the loader's per-layer path, one at a time, or --layout checkpoint slices. The files
-    were checked against the manifest's hashes already, so the manifest's records stand for the files."""
+    """Every rank tensor equals, byte for byte, the one the writer makes from the source now (fused layers
+    through the loader's per-layer path, one at a time, or --layout checkpoint slices), and its manifest
+    record (shape, dtype) is that tensor's. The files were checked against the manifest's sha256s already."""
     p = manifest["params"]
     plan = make_plan(source, tp_size=p["tp"], ep_size=p["ep"], placement=p["placement"],
                      max_file_size=p["max_file_size"], layout=p.get("layout", "fused"), mtp=p.get("mtp", True),
@@ -160,19 +166,35 @@ def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list
         for rank, rec in zip(plan.ranks, manifest["ranks"]):
             fresh = tensor_source(plan, rank, index)
             for file_rec in rec["files"]:
-                for name, want in file_rec["tensors"].items():
-                    if _record_or_none(fresh, name) != want:
-                        problems.append(f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the "
-                                        f"source; re-shard to repair it")
+                problems += _differing_tensors(out, file_rec, fresh, made)
     return problems
 
 
-def _record_or_none(source: TensorSource, name: str) -> dict[str, Any] | None:
-    """The manifest record of tensor `name` made afresh, or None when the plan has no such tensor."""
+def _differing_tensors(out: Path, file_rec: dict[str, Any], fresh: TensorSource, made: str) -> list[str]:
+    """A problem naming each tensor of one output file that differs from its fresh make (none for a missing
+    file, which the file check names)."""
+    path = out / file_rec["path"]
+    if not path.is_file():
+        return []
     try:
-        return tensor_record(source.fetch(name))
-    except KeyError:
-        return None
+        opened = safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own types for corrupt files
+        return [f"{file_rec['path']}: unreadable ({exc}); re-shard to repair it"]
+    with opened as handle:
+        held = set(handle.keys())
+        return [f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the source; re-shard to "
+                f"repair it" for name, want in file_rec["tensors"].items()
+                if name not in held or not _matches_fresh(fresh, name, want, handle)]
+
+
+def _matches_fresh(source: TensorSource, name: str, want: dict[str, Any], handle: Any) -> bool:
+    """Whether tensor `name` of the open output file `handle` equals its fresh make, which `want` describes."""
+    try:
+        made = source.fetch(name)
+    except KeyError:  # the plan has no such tensor
+        return False
+    described = tensor_record(tuple(made.shape), made.dtype) == {"shape": want["shape"], "dtype": want["dtype"]}
+    return described and same_tensor(made, handle.get_tensor(name))
 
 
 def _verify_experts(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:

@@ -1,5 +1,5 @@
 """Writing the output files: safetensors serialised with a byte-stable header and streamed one tensor
-at a time (hashed while written), fused layers produced one at a time, folders in parallel processes."""
+at a time (each file's sha256 taken while it is written), fused layers produced one at a time, folders in parallel processes."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def _write_serial(out: Path, plan: ShardPlan, groups: list[int | None], journal:
     return [(summary, [future.result() for future in futures]) for summary, futures in pending]
 
 
-HASHING_THREADS = 2  # per file being written: the file's sha256 and the tensors' sha256 (see _Pipeline)
+HASHING_THREADS = 1  # per file being written: the file's sha256 (see _Pipeline)
 
 
 @contextmanager
@@ -272,7 +272,7 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
                written: Callable[[int], None] | None = None) -> tuple[dict[str, dict[str, Any]], str]:
     """Write the safetensors format: a sorted, byte-stable header computed from `metas` (safetensors' own
     writer orders metadata keys differently from process to process), then each tensor as it is fetched.
-    Returns each tensor's manifest record and the sha256 of the bytes written."""
+    Returns each tensor's manifest record and the sha256 of the bytes written (taken as they are written)."""
     header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
     offset = 0
     for name, (shape, dtype) in metas.items():
@@ -289,38 +289,34 @@ def _serialize(handle: Any, metas: dict[str, tuple[tuple[int, ...], torch.dtype]
         for name, (shape, dtype) in metas.items():
             tensor = fetch(name).detach().cpu().contiguous()  # a whole source tensor stays a view of its mapping
             assert (tuple(tensor.shape), tensor.dtype) == (tuple(shape), dtype), f"{name}: planned {shape} {dtype}"
-            pipeline.submit(name, tensor)
-        records = pipeline.records()
-    return records, digest.hexdigest()
+            pipeline.submit(tensor)
+        pipeline.drain()
+    return {name: tensor_record(shape, dtype) for name, (shape, dtype) in metas.items()}, digest.hexdigest()
 
 
 IN_FLIGHT_BYTES = 96 << 20  # tensors fetched but not yet written and hashed: bounds the writer's extra memory
 
 
 class _Pipeline:
-    """The three consumers of each fetched tensor, one thread each, so that the caller produces the next
-    tensors (the next fused layer) meanwhile: the file write, the file's running sha256 (both in order)
-    and the tensor's own sha256 for its record. Every byte is hashed twice, as the manifest records two
-    digests of it (a file's and a tensor's sha256 share no work); file writes, sha256 and tensor copies
-    all release the GIL. At most IN_FLIGHT_BYTES (or one tensor) are held; errors surface in order."""
+    """The two consumers of each fetched tensor, one thread each and both in order, so that the caller
+    produces the next tensors (the next fused layer) meanwhile: the file write and the file's running
+    sha256, the one digest of every byte the manifest records. File writes and sha256 release the GIL.
+    At most IN_FLIGHT_BYTES (or one tensor) are held; errors surface in order."""
 
     def __init__(self, handle: Any, digest: Any, written: Callable[[int], None] | None = None) -> None:
         self.handle, self.digest, self.written = handle, digest, written
-        self.pools = [ThreadPoolExecutor(1, f"wna16-{job}") for job in ("write", "digest", "hash")]
+        self.pools = [ThreadPoolExecutor(1, f"wna16-{job}") for job in ("write", "digest")]
         self.pending: deque[tuple[int, tuple[Future[Any], ...]]] = deque()
-        self.futures: dict[str, Future[dict[str, Any]]] = {}
         self.held = 0
 
-    def submit(self, name: str, tensor: torch.Tensor) -> None:
-        """Hand one tensor to the three threads (after waiting for older ones while too much is held)."""
+    def submit(self, tensor: torch.Tensor) -> None:
+        """Hand one tensor to both threads (after waiting for older ones while too much is held)."""
         nbytes = tensor.numel() * tensor.element_size()
         while self.pending and self.held + nbytes > IN_FLIGHT_BYTES:
             self._retire()
         data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-        writer, digester, hasher = self.pools
-        self.futures[name] = hasher.submit(tensor_record, tensor)
-        jobs = (writer.submit(_emit, self.handle, data, self.written), digester.submit(self.digest.update, data),
-                self.futures[name])
+        writer, digester = self.pools
+        jobs = (writer.submit(_emit, self.handle, data, self.written), digester.submit(self.digest.update, data))
         self.pending.append((nbytes, jobs))
         self.held += nbytes
 
@@ -330,11 +326,10 @@ class _Pipeline:
             job.result()
         self.held -= nbytes
 
-    def records(self) -> dict[str, dict[str, Any]]:
-        """Every tensor's manifest record, once all of them are written and hashed."""
+    def drain(self) -> None:
+        """Wait until every tensor handed over is written and hashed."""
         while self.pending:
             self._retire()
-        return {name: future.result() for name, future in self.futures.items()}
 
     def __enter__(self) -> _Pipeline:
         return self

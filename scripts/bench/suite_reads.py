@@ -1,9 +1,9 @@
-"""Per GiB of a rank's share: ways to read the column slice of K-major qweight words [K/8, N] that a TP rank
+"""Suite reads, per GiB of a rank's share: ways to read the column slice of K-major qweight words [K/8, N] that a TP rank
 of a GPTQ checkpoint needs, out of the page cache, transposed into [N/tp, K/8] (what the fused writer does).
 
 A column slice of row-major words has a few hundred bytes of every row, so as a view of the file mapping it
 faults in every page of the tensor (tp x its bytes). The contenders, on the gate and up qweights of the
-first file of `scripts/bench.py --size full`'s GPTQ checkpoint (one thread, CPU seconds, best of --reps):
+first file of suite small's `--size full` GPTQ checkpoint (one thread, CPU seconds, best of --reps):
 
 | mapping view        | the loader's way: a transposing copy straight from a fresh mapping               |
 | preadv covering     | one preadv of the range from the slice's first to its last byte into a reused     |
@@ -15,7 +15,7 @@ first file of `scripts/bench.py --size full`'s GPTQ checkpoint (one thread, CPU 
 
 each into fresh output memory (first touch, as a load's fused parameters) and into output already mapped;
 also the fresh output under MADV_HUGEPAGE, and the raw cost per GiB of faulting in a mapping and of pread.
-Usage: python scripts/bench_reads.py [--workdir /tmp/wna16-bench] [--tp 4] [--reps 5]
+Usage: python scripts/bench --suite reads [--workdir /tmp/wna16-bench] [--tp 4] [--reps 5]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import ctypes
 import json
 import mmap
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -34,10 +33,9 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402  (the checkpoint of --size full)
+from wna16_loader.load.copies import copy_transposing
 
-from wna16_loader.load.copies import copy_transposing  # noqa: E402
+from .suite_small import build_checkpoint
 
 MADV_HUGEPAGE = 14  # Linux
 HUGE = 2 << 20
@@ -176,14 +174,14 @@ def raw_rates(path: Path, reps: int) -> dict[str, float]:
             "pread (per GiB read)": best_rate(pread, size, reps)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="scripts/bench --suite reads", description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-bench")
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    folder = bench.build_checkpoint(args.workdir, "gptq", "full")
+    folder = build_checkpoint(args.workdir, "gptq", "full")
     path = sorted(folder.glob("*.safetensors"))[0]
     case = Case(path, args.tp, 1 if args.tp > 1 else 0)
     print(f"{path.name}: {len(case.begins)} gate/up qweights [{case.rows}, {case.n}], TP {args.tp} rank share "
@@ -194,6 +192,3 @@ def main() -> None:
     for label, rate in raw_rates(path, args.reps).items():
         print(f"{label}: {rate:.3f} s/GiB")
 
-
-if __name__ == "__main__":
-    main()

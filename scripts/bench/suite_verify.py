@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""`wna16-shard verify OUT --source SRC` against writing the same output (target: verify / write <= 1.5).
+"""Suite verify: `wna16-shard verify OUT --source SRC` against writing the same output (target: verify / write <= 1.5).
 
-Usage: python scripts/bench_verify.py [--workdir /tmp/wna16-bench-verify] [--experts 64] [--layers 2] [--tp 4]
+Usage: python scripts/bench --suite verify [--workdir /tmp/wna16-bench-verify] [--experts 64] [--layers 2] [--tp 4]
        [--reps 2] [--json out.json]
 
 A synthetic Qwen3-MoE-shaped GPTQ 4-bit G 128 checkpoint (H 2048, I 768) is written once into the workdir.
@@ -16,16 +15,13 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from wna16_loader.preshard import preshard_checkpoint  # noqa: E402
-from wna16_loader.preshard.progress import human_size  # noqa: E402
-from wna16_loader.preshard.verify import verify_report  # noqa: E402
-from wna16_loader.testing.synthetic import quant_config, write_checkpoint  # noqa: E402
+from wna16_loader.preshard import preshard_checkpoint
+from wna16_loader.preshard.progress import human_size
+from wna16_loader.preshard.verify import verify_report
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 
 def build(folder: Path, experts: int, layers: int) -> Path:
@@ -44,15 +40,16 @@ def timed(fn) -> tuple[float, object]:  # noqa: ANN001
     return time.perf_counter() - start, result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/bench --suite verify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/wna16-bench-verify"))
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tp", type=int, default=4)
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.getLogger("wna16_loader").setLevel(logging.ERROR)  # the reduced-group warning of every write
     src = build(args.workdir / f"src-e{args.experts}-l{args.layers}", args.experts, args.layers)
     out = args.workdir / f"out-tp{args.tp}"
@@ -73,6 +70,3 @@ def main() -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
-"""Lower bounds of the name-scale targets (issue 21): what `load_experts` would take at TP 8 and EP 8 if the
+"""Suite bounds: lower bounds of the name-scale targets (issue 21): what `load_experts` would take at TP 8 and EP 8 if the
 checkpoint index's JSON parse, its parse and tiling check, or the whole index cost nothing (a native reader).
 
-Usage: python scripts/bench_bounds.py --workdir /tmp/wna16-names --reps 3 --json out.json
+Usage: python scripts/bench --suite bounds --workdir /tmp/wna16-names --reps 3 --json out.json
 
-The checkpoint is scripts/bench_names.py's (DeepSeek-V3's tensor list at tiny sizes, 178,176 expert tensors).
+The checkpoint is suite names (DeepSeek-V3's tensor list at tiny sizes, 178,176 expert tensors).
 A free parse: every `json.loads` of a load (61 headers and the index file's weight map) is made before the
 clock and handed over in call order; the parsed objects stay referenced until the next run is prepared, so
 their freeing is outside the clock too. A free check: `header._tiles` (the whole-header span check) answers
@@ -20,26 +19,21 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+import torch
 
-import torch  # noqa: E402
-from bench_common import expert_tensors, release_freed_memory, run_floor  # noqa: E402
-from bench_names import build, run_headers  # noqa: E402
+from wna16_loader import ParallelConfig, load_experts
+from wna16_loader.load import experts
+from wna16_loader.storage import header, index
 
-from wna16_loader import ParallelConfig, load_experts  # noqa: E402
-from wna16_loader.load import experts  # noqa: E402
-from wna16_loader.storage import header, index  # noqa: E402
-
-TARGETS = {"tp8": ("floor", 0.5, "headers", 5.0), "ep8": ("floor", 0.15)}  # issue 21's name-scale targets
+from .baselines import expert_tensors, release_freed_memory, run_floor
+from .suite_names import build, run_headers
+from .targets import NAME_TARGETS
 
 
 class HandedOver:
@@ -161,8 +155,7 @@ def report(cpu: dict[str, list[float]]) -> str:
     lines = ["| contender | CPU s (median) | min | ÷ floor | ÷ headers | target | pass? |",
              "|---|---|---|---|---|---|---|"]
     for label, seconds in med.items():
-        target = TARGETS.get(label.split()[0]) if label not in ("floor", "headers") else None
-        checks = list(zip(target[::2], target[1::2])) if target else []
+        checks = list(NAME_TARGETS.get(label.split()[0], ())) if label not in ("floor", "headers") else []
         text = "; ".join(f"≤ {limit}× {base}" for base, limit in checks)
         ok = "" if not checks else "PASS" if all(seconds / med[b] <= limit for b, limit in checks) else "FAIL"
         lines.append(f"| {label} | {seconds:.3f} | {min(cpu[label]):.3f} | {seconds / med['floor']:.3f} | "
@@ -171,7 +164,7 @@ def report(cpu: dict[str, list[float]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="scripts/bench --suite bounds", description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-names")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json", type=Path)
@@ -191,6 +184,3 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps({"reps": args.reps, "cpu": cpu, "table": report(cpu)}, indent=2))
 
-
-if __name__ == "__main__":
-    main()

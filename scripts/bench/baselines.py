@@ -1,14 +1,13 @@
-"""What scripts/bench.py and scripts/bench_scale.py both measure: the contenders (the read floors, our
-load, the whole-tensor loader), child processes that sample peak RSS, page-cache eviction and residency,
-and a durable copy. Imported by both; imports neither.
+"""What the suites share: the baselines (the read floors, our load, the whole-tensor loader), child processes
+that sample peak RSS, a durable copy, and the conversion rates. Imports no suite.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import json
-import mmap
 import os
 import subprocess
 import sys
@@ -19,8 +18,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.formats import Role
@@ -33,9 +30,20 @@ from wna16_loader.models.config import read_config_files
 from wna16_loader.models.names import Proj
 from wna16_loader.storage.index import CheckpointIndex, nbytes_of
 
-SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # scripts/bench_scale.py: MoE layers of each real-scale size
-# scripts/bench_names.py: DeepSeek-V3's tensor list at tiny sizes (decoder layers, dense ones, experts, H, I, G)
+SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # suite_scale: MoE layers of each real-scale size
+# suite_names: DeepSeek-V3's tensor list at tiny sizes (decoder layers, dense ones, experts, H, I, G)
 NAME_SIZES = {"deepseek-names": {"layers": 61, "dense": 3, "experts": 256, "hidden": 64, "inter": 256, "group": 32}}
+
+
+def suite_parser(suite: str, doc: str, sizes: list[str], workdir: str, reps: int) -> argparse.ArgumentParser:
+    """The options every suite with a contender list takes: --size, --workdir, --reps, --only, --json."""
+    parser = argparse.ArgumentParser(prog=f"scripts/bench --suite {suite}", description=doc.split("\n")[0])
+    parser.add_argument("--size", choices=sizes, default=sizes[0])
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / workdir)
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    parser.add_argument("--json", type=Path)
+    return parser
 
 
 def plans_for(path: Path, parallel: ParallelConfig) -> tuple[Any, list[LayerPlan]]:
@@ -186,8 +194,8 @@ def release_freed_memory() -> None:
 
 CHILD = """
 import json, sys, threading, time
-sys.path.insert(0, {here!r})
-import bench_common as bench
+sys.path[:0] = [{here!r}, {root!r}]
+from bench import baselines as bench
 peaks = {{"RssAnon": 0, "RssFile": 0}}
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
@@ -232,39 +240,11 @@ def run_preshard(path: Path, tp: int) -> None:
 
 def run_child(mode: str, path: Path, tp: int = 1, rank: int = 0, ep: int = 1, ep_rank: int = 0) -> dict[str, int]:
     """Run one load in a fresh interpreter; its RSS just before the load and its ru_maxrss after, in KiB."""
-    code = CHILD.format(here=str(Path(__file__).parent), mode=mode, path=str(path), tp=tp, rank=rank, ep=ep,
+    code = CHILD.format(here=str(Path(__file__).resolve().parent.parent), root=str(Path(__file__).resolve().parents[2]),
+                        mode=mode, path=str(path), tp=tp, rank=rank, ep=ep,
                         ep_rank=ep_rank)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def evict(files: list[Path]) -> None:
-    """Drop the files' pages from the page cache."""
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(file: Path) -> int:
-    """Bytes of `file` in the page cache, by mincore over a private mapping."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    size, page = file.stat().st_size, mmap.PAGESIZE
-    pages = (size + page - 1) // page
-    with open(file, "rb") as handle:
-        mapped = mmap.mmap(handle.fileno(), size, access=mmap.ACCESS_COPY)
-    anchor = ctypes.c_char.from_buffer(mapped)
-    vec = (ctypes.c_ubyte * pages)()
-    rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
-    err = ctypes.get_errno()
-    del anchor
-    mapped.close()
-    if rc != 0:
-        raise OSError(err, "mincore failed")
-    return sum(v & 1 for v in vec) * page
 
 
 def durable_copy(src: Path, dst: Path) -> float:
@@ -331,7 +311,7 @@ def conversion_cases(shape: tuple[int, int, int] = CONVERSION_SHAPE) -> dict[str
             each(lambda c: copy_transposing(out[c], gptq[c].transpose(1, 2))), nbytes),
         "AWQ nibble transpose [K, N/8] -> [N, K/8]": (
             lambda: [transpose_nibble_words(awq[c], slot_order=order, out=out[c]) for c in nibble_chunks], nbytes),
-        "sha256 (wna16-shard hashes every byte twice)": (lambda: hashlib.sha256(data).digest(), nbytes),
+        "sha256 (wna16-shard hashes every byte once)": (lambda: hashlib.sha256(data).digest(), nbytes),
     }
 
 

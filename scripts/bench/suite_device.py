@@ -1,9 +1,8 @@
-#!/usr/bin/env python3
-"""Device benchmark: host-to-device bandwidth and per-rank device loads (CUDA or ROCm), each checked exact.
+"""Suite device: host-to-device bandwidth and per-rank device loads (CUDA or ROCm), each checked exact.
 
-Usage: python scripts/bench_device.py --workdir /tmp/wna16-bench --size small --reps 3 --json device.json
+Usage: python scripts/bench --suite device --workdir /tmp/wna16-bench --size small --reps 3 --json device.json
 
-Measures, on one checkpoint per format (the ones scripts/bench.py builds), on one device (default: the
+Measures, on one checkpoint per format (the ones suite small builds), on one device (default: the
 last visible GPU, cuda:{count-1}):
   h2d        GB/s of sending every expert tensor of the checkpoint to the device,
              (a) staged: one copy out of the file mapping into pinned host memory, then the transfer
@@ -23,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -32,20 +30,18 @@ from typing import Any, Callable
 import torch
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+from wna16_loader import LoadedExperts, ParallelConfig, load_experts
+from wna16_loader.load.device import DevicePolicy
+from wna16_loader.preshard import preshard_checkpoint
+from wna16_loader.testing.standin import StandIn
 
-import bench  # noqa: E402  (the checkpoint builder of the CPU benchmark)
-
-from wna16_loader import LoadedExperts, ParallelConfig, load_experts  # noqa: E402
-from wna16_loader.load.device import DevicePolicy  # noqa: E402
-from wna16_loader.preshard import preshard_checkpoint  # noqa: E402
-from wna16_loader.testing.standin import StandIn  # noqa: E402
+from . import suite_small as bench
+from .baselines import expert_tensors, release_freed_memory
 
 
 def empty_caches(policy: DevicePolicy) -> None:
     """Free what earlier repetitions left: Python garbage, glibc's heap, the device and pinned-host caches."""
-    bench.release_freed_memory()
+    release_freed_memory()
     if policy.gpu:
         policy.synchronize()
         torch.cuda.empty_cache()
@@ -70,7 +66,7 @@ def timed(fn: Callable[[], Any], policy: DevicePolicy, reps: int) -> tuple[dict[
 def mapped_tensors(path: Path) -> list[torch.Tensor]:
     """Every expert tensor of the checkpoint as a view of its file mapping."""
     out = []
-    for file, names in bench.expert_tensors(path).items():
+    for file, names in expert_tensors(path).items():
         handle = safe_open(str(path / file), framework="pt")
         out += [handle.get_tensor(name) for name in names]
     return out
@@ -197,8 +193,8 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="scripts/bench --suite device", description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/wna16-bench"))
     parser.add_argument("--size", choices=sorted(bench.SIZES), default="small")
     parser.add_argument("--formats", default="gptq,awq,ct", help="comma-separated subset of gptq,awq,ct")
@@ -209,7 +205,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new TP size after this many seconds (the rest is recorded as skipped)")
     parser.add_argument("--stand-in", action="store_true", help="dry run on 2 simulated GPUs (no GPU needed)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.stand_in:
         with StandIn(count=2, forbid_mapped=False):  # the benchmark measures a direct copy from the mapping
             run(args)
@@ -244,6 +240,3 @@ def run(args: argparse.Namespace) -> None:
     if results["other_devices"]:
         raise SystemExit(f"memory allocated on other GPUs than {policy.target}: {results['other_devices']}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,8 @@
-#!/usr/bin/env python3
-"""Name-scale benchmark: DeepSeek-V3's tensor list (61 layers, 3 dense, 256 experts, GPTQ 4-bit G 32 with g_idx
+"""Suite names, the name scale: DeepSeek-V3's tensor list (61 layers, 3 dense, 256 experts, GPTQ 4-bit G 32 with g_idx
 stored, as GPTQModel writes it) at tiny sizes (H 64, I 256): 178,176 routed-expert tensors whose bytes hardly
 count, so what a loader spends per tensor decides its speed.
 
-Usage: python scripts/bench_names.py --workdir /tmp/wna16-names --reps 2 --json out.json
-       (also reached as `scripts/bench.py --size deepseek-names`)
+Usage: python scripts/bench --size deepseek-names --workdir /tmp/wna16-names --reps 2 --json out.json
 
 The checkpoint is written directly in seconds (constant words and scales, g_idx = k // G, one file per decoder
 layer, tensors in safetensors' writer order), with the config from tests/fixtures/configs/deepseek_v3.json at
@@ -22,47 +20,43 @@ Each is timed in wall-clock seconds and in this process's CPU seconds (one torch
 work done, which other processes sharing the machine disturb far less than the wall clock), with the full
 collections of the cyclic GC it ran and their CPU seconds (`gc.callbacks`).
 
-Then the conversions (scripts/bench_common.conversion_rates): GB/s of each on one and two threads against a
+Then the conversions (baselines.conversion_rates): GB/s of each on one and two threads against a
 plain copy of the same bytes.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import shutil
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
+import torch
+from safetensors import safe_open
 
-import torch  # noqa: E402
-from bench_common import (  # noqa: E402
+from wna16_loader import FusedMoEExperts, ParallelConfig, load_experts, load_model_experts, read_moe_config
+from wna16_loader.engine.mapping import expert_param_mapping
+from wna16_loader.engine.model import check_model_complete
+from wna16_loader.storage.bulk import gc_paused
+from wna16_loader.storage.index import CheckpointIndex
+from wna16_loader.testing.synthetic import quant_config
+
+from .baselines import (
     NAME_SIZES,
     conversion_rates,
     conversion_table,
     expert_tensors,
     release_freed_memory,
     run_floor,
+    suite_parser,
 )
-from safetensors import safe_open  # noqa: E402
+from .targets import NAME_TARGETS
 
-from wna16_loader import FusedMoEExperts, ParallelConfig, load_experts, load_model_experts, read_moe_config  # noqa: E402
-from wna16_loader.engine.mapping import expert_param_mapping  # noqa: E402
-from wna16_loader.engine.model import check_model_complete  # noqa: E402
-from wna16_loader.storage.bulk import gc_paused  # noqa: E402
-from wna16_loader.storage.index import CheckpointIndex  # noqa: E402
-from wna16_loader.testing.synthetic import quant_config  # noqa: E402
-
-CONFIG = HERE.parent / "tests" / "fixtures" / "configs" / "deepseek_v3.json"
+CONFIG = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs" / "deepseek_v3.json"
 ROLES = ("g_idx", "qweight", "qzeros", "scales")  # GPTQModel stores all four for every module
 PROJS = ("down_proj", "gate_proj", "up_proj")
 
@@ -303,11 +297,11 @@ def report(seconds: dict[str, float], tensors: int) -> str:
             ("headers", "the headers alone", None),
             ("header json", "json.loads of every header (a bound of any parse in Python)", None),
             ("index", "CheckpointIndex (every header parsed and checked, the weight map compared)", None),
-            ("tp8", "load_experts, TP 8 rank 0", ("floor", 0.5, "headers", 5.0)),
-            ("ep8", "load_experts, EP 8 rank 0", ("floor", 0.15)),
-            ("model", "load_model_experts, TP 8 rank 0", ("tp8", 1.2)),
-            ("hook tp8", "weight_loader loop, TP 8 rank 0", ("floor", 2.0)),
-            ("hook tp1", "weight_loader loop, TP 1", ("floor", 2.0))]
+            ("tp8", "load_experts, TP 8 rank 0", NAME_TARGETS["tp8"]),
+            ("ep8", "load_experts, EP 8 rank 0", NAME_TARGETS["ep8"]),
+            ("model", "load_model_experts, TP 8 rank 0", NAME_TARGETS["model"]),
+            ("hook tp8", "weight_loader loop, TP 8 rank 0", NAME_TARGETS["hook tp8"]),
+            ("hook tp1", "weight_loader loop, TP 1", NAME_TARGETS["hook tp1"])]
     lines = ["| path | seconds | ÷ floor | ÷ headers | µs / tensor above the floor | target | pass? |",
              "|---|---|---|---|---|---|---|"]
     for key, label, target in rows:
@@ -316,7 +310,7 @@ def report(seconds: dict[str, float], tensors: int) -> str:
         s = seconds[key]
         ratio = lambda base: f"{s / seconds[base]:.2f}" if seconds.get(base) else ""  # noqa: E731
         above = f"{1e6 * (s - floor) / tensors:.1f}" if floor is not None and key != "floor" else ""
-        checks = [(base, limit) for base, limit in zip(target[::2], target[1::2])] if target else []
+        checks = list(target or ())
         text = "; ".join(f"≤ {limit}× {base}" for base, limit in checks)
         ok = all(s / seconds[base] <= limit for base, limit in checks if base in seconds) if checks else None
         lines.append(f"| {label} | {s:.3f} | {ratio('floor')} | {ratio('headers')} | {above} | {text} | "
@@ -326,13 +320,8 @@ def report(seconds: dict[str, float], tensors: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(NAME_SIZES), default="deepseek-names")
-    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "wna16-names")
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--only", default="", help="comma-separated contenders (default: all)")
+    parser = suite_parser("names", __doc__, sorted(NAME_SIZES), "wna16-names", 2)
     parser.add_argument("--no-conversions", action="store_true", help="skip the conversion GB/s table")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
@@ -355,6 +344,3 @@ def main(argv: list[str] | None = None) -> None:
         args.json.write_text(json.dumps({"size": args.size, "reps": args.reps, "tensors": tensors, "seconds": seconds,
                                          "table": text, "conversions": rates}, indent=2))
 
-
-if __name__ == "__main__":
-    main()

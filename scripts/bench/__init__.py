@@ -1,0 +1,19 @@
+"""The benchmark of wna16_loader: one package, one entry point (`python scripts/bench`, see cli.py), one
+contender table (contenders.py) and one target table (targets.py). Suites:
+
+  scale    the real-scale run (Qwen3-30B-A3B-shaped GPTQ, 48 or 8 layers): ours, the read floors, the
+           whole-tensor loader and the peers (Run:ai Model Streamer, fastsafetensors), warm and cold
+  small    the 550 MB shape and smaller synthetic checkpoints of every format (GPTQ, AWQ, CT)
+  names    DeepSeek-V3's 178,176 expert tensors at tiny sizes: the cost per tensor; then the conversions
+  bounds   the name-scale loads with parts of the checkpoint index made free (their lower bounds)
+  reads    mapping against preadv for a TP rank's column slices
+  verify   `wna16-shard verify --source` against writing the same output
+  device   host-to-device bandwidth and every rank's device load (CUDA or ROCm)
+"""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run from a checkout without installing
