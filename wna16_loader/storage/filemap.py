@@ -79,17 +79,25 @@ class MappedFile:
 
     def rebased(self, view: torch.Tensor) -> torch.Tensor:
         """`view` (of this file's mapping) as the same elements of the overlay's region that holds all its
-        bytes, once read; `view` itself without an overlay, or when no region holds it whole."""
+        bytes, once read; where no region holds it whole but one holds each `view[i]`, those stacked (a copy);
+        `view` itself without an overlay, or where neither holds."""
         if self.overlay is None or not view.numel():
             return view
         size = view.element_size()
         low = view.data_ptr() - self.flat(torch.uint8, 0).data_ptr()
         high = low + size * (1 + sum((n - 1) * step for n, step in zip(view.shape, view.stride())))
         region = self.overlay.covering(self.path, low, high)
-        if region is None or (low - region.begin) % size:
-            return view
-        flat = region.flat(view.dtype)
-        return flat.as_strided(view.shape, view.stride(), flat.storage_offset() + (low - region.begin) // size)
+        if region is not None and (low - region.begin) % size == 0:
+            flat = region.flat(view.dtype)
+            return flat.as_strided(view.shape, view.stride(), flat.storage_offset() + (low - region.begin) // size)
+        if region is None and view.dim() > 1 and len(view) > 1 and self.overlay.holds(self.path):
+            parts = []  # e.g. experts in two regions: each from its own
+            for part in view.unbind(0):
+                if (found := self.rebased(part)) is part:
+                    return view
+                parts.append(found)
+            return torch.stack(parts)
+        return view
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:

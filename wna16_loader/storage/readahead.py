@@ -12,7 +12,9 @@ one) and cut into requests of at most `request_bytes`:
 |                       | them: each page read from storage once per node. Pages already resident are skipped   |
 | a range of the rank's | read into a buffer of our own (`Region`: O_DIRECT where the file system takes it,      |
 | own                   | 4 KiB aligned; buffered where it refuses), which the caller reads views of instead of  |
-|                       | the mapping (`MappedFile.rebased`): no page cache, no page faults                      |
+|                       | the mapping (`MappedFile.rebased`): no page cache, no page faults. Own ranges in a     |
+|                       | file where the group also has shared ones (a TP rank's rows of w2 between w13's       |
+|                       | columns) go to the page cache with those: views of several experts span both kinds    |
 
 | ReadAhead.start(i)       | group i is about to be read: groups i..i+ahead submitted, groups before i released     |
 | ReadAhead.covering(...)  | the `Region` holding file bytes [lo, hi), once read (waits for it), or None            |
@@ -66,7 +68,7 @@ class ReadOptions:
 
     threads: int = 8
     request_bytes: int = 16 << 20
-    gap_bytes: int = 1 << 20
+    gap_bytes: int = 256 << 10
     ahead: int = 2
     direct: bool = True
     min_bytes: int = 64 << 20
@@ -204,11 +206,17 @@ class ReadAhead:
         region.wait()
         return region
 
+    def holds(self, path: Path) -> bool:
+        """Whether any region of `path` is submitted and not released."""
+        return path in self._files
+
     def _submit(self, group: int) -> None:
         own: dict[Path, list[tuple[int, int]]] = {}
         shared: dict[Path, list[tuple[int, int]]] = {}
         for planned in self.groups[group]:
             (shared if planned.shared else own).setdefault(planned.file, []).append((planned.begin, planned.end))
+        for path in own.keys() & shared.keys():  # between shared ranges: the mapping reads them (views span both)
+            shared[path] += own.pop(path)
         regions = self._regions.setdefault(group, [])
         for path, spans in own.items():
             for begin, end in coalesced(spans, self.options.gap_bytes):
