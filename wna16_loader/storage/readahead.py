@@ -76,9 +76,10 @@ class ReadOptions:
     fill: CacheFill = CacheFill.READ
 
     def __post_init__(self) -> None:
-        if self.threads < 1 or self.ahead < 1 or self.request_bytes < ALIGN or self.gap_bytes < 0:
-            raise ValueError(f"ReadOptions: threads ({self.threads}) and ahead ({self.ahead}) must be >= 1, "
-                             f"request_bytes ({self.request_bytes}) >= {ALIGN}, gap_bytes ({self.gap_bytes}) >= 0.")
+        for name, least in (("threads", 1), ("ahead", 1), ("request_bytes", ALIGN), ("gap_bytes", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
+                                 f"(a request is whole {ALIGN}-byte pages); pass {name}>={least}.")
 
 
 def coalesced(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
