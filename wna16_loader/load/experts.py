@@ -76,7 +76,7 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
     path = resolve_checkpoint(path, revision=revision, rank=parallel.rank)
     if is_presharded(path):
-        return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
+        return load_presharded(path, parallel, device=device, include_mtp=include_mtp, reads=reads)
     return _load_checkpoint(path, parallel, policy, device, allow_nonfinite_scales, convert_on_device, include_mtp,
                             reads)
 
