@@ -122,12 +122,18 @@ def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
 def test_direct_io_refused_falls_back_to_buffered(checkpoint, monkeypatch) -> None:
     """A file system that refuses O_DIRECT (tmpfs, some FUSE mounts: EINVAL at open) is read buffered."""
     path, tensors = checkpoint
-    real_open = os.open
+    real_open, refused = os.open, []
 
     def refusing(file, flags, *args):
         if flags & readahead.DIRECT:
+            refused.append(file)
             raise OSError(22, "Invalid argument")
         return real_open(file, flags, *args)
+
+    fd = os.open(path, os.O_RDONLY)  # out of the page cache, so that the read would be direct
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
 
     monkeypatch.setattr(readahead, "DIRECT", os.O_DIRECT if hasattr(os, "O_DIRECT") else 0o40000)
     monkeypatch.setattr(readahead.os, "open", refusing)
@@ -136,10 +142,12 @@ def test_direct_io_refused_falls_back_to_buffered(checkpoint, monkeypatch) -> No
     ahead = ReadAhead([[PlannedRange(path, begin, begin + ROWS * COLS * 4, False)]], ReadOptions(min_bytes=0))
     mapped.overlay = ahead
     try:
+        cold = not ahead._cached(path, begin, begin + ROWS * COLS * 4)  # a file system that drops pages
         ahead.start(0)
         got = mapped.view(begin, (ROWS, COLS), torch.int32)
         assert torch.equal(got, tensors["t05"])
         assert got.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+        assert refused == ([path] if cold else [])
     finally:
         mapped.overlay = None
         ahead.close()
@@ -168,7 +176,7 @@ def test_coalesced_covers_every_range_and_bridges_only_short_gaps(ranges, gap) -
         assert len(missing) <= len(runs) * max(gap - 1, 0)
 
 
-@given(begin=st.integers(0, 10_000), length=st.integers(0, 100_000), size=st.integers(1, 9_000))
+@given(begin=st.integers(0, 10_000), length=st.integers(0, 100_000), size=st.integers(64, 9_000))
 def test_pieces_tile_the_span(begin, length, size) -> None:
     cut = pieces(begin, begin + length, size)
     assert [a for a, _ in cut[1:]] == [b for _, b in cut[:-1]]

@@ -7,11 +7,12 @@ group it is on. Each group's ranges are coalesced file by file (ranges less than
 one) and cut into requests of at most `request_bytes`:
 
 | a range marked shared | bytes other ranks of the node read too (a TP cut of a GPTQ w13 row: every 4 KiB page  |
-| (`PlannedRange`)      | holds every rank's columns): read buffered into a scratch buffer and dropped, so they |
-|                       | land in the page cache, where the caller's file mapping (and the other ranks) find    |
-|                       | them: each page read from storage once per node. Pages already resident are skipped   |
+| (`PlannedRange`)      | holds every rank's columns): brought into the page cache (`CacheFill`), where the     |
+|                       | caller's file mapping (and the other ranks) find them: each page read from storage    |
+|                       | once per node                                                                         |
 | a range of the rank's | read into a buffer of our own (`Region`: O_DIRECT where the file system takes it,      |
-| own                   | 4 KiB aligned; buffered where it refuses), which the caller reads views of instead of  |
+| own                   | 4 KiB aligned, when most of its pages are not cached already; buffered where they are |
+|                       | or where the file system refuses O_DIRECT), which the caller reads views of instead of |
 |                       | the mapping (`MappedFile.rebased`): no page cache, no page faults. Own ranges in a     |
 |                       | file where the group also has shared ones (a TP rank's rows of w2 between w13's       |
 |                       | columns) go to the page cache with those: views of several experts span both kinds    |
@@ -26,6 +27,9 @@ next `start` (a load copies every view into its output before it moves on to the
 from __future__ import annotations
 
 import bisect
+import ctypes
+import ctypes.util
+import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,13 +42,16 @@ import torch
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
 
 
 class CacheFill(Enum):
     """How shared bytes are brought into the page cache ahead of the mapping's reads."""
 
-    READ = "read"  # a buffered preadv into a worker's scratch buffer: the worker waits for the storage
-    ADVISE = "advise"  # posix_fadvise(WILLNEED): the kernel queues the reads and returns
+    ADVISE = "advise"  # posix_fadvise(WILLNEED): the kernel queues the reads and returns; pages already
+    #                    cached cost a lookup (the default: on 2 busy cores READ's copies cost 7 CPU s warm)
+    READ = "read"  # a buffered preadv into a worker's scratch buffer, dropped: the worker waits for the
+    #                storage (for file systems that ignore WILLNEED)
 
 
 class PlannedRange(NamedTuple):
@@ -64,7 +71,8 @@ class ReadOptions:
     one; `ahead` groups (layers) submitted beyond the one being read; `direct`: O_DIRECT for the rank's own
     bytes (buffered where the file system refuses it, or with False); `min_bytes`: loads planning fewer
     bytes than this read through the mapping alone (threads would cost more than they save);
-    `enabled=False` reads everything through the mapping, as before read-ahead existed."""
+    `enabled=False` reads everything through the mapping, as before read-ahead existed; `fill`: how
+    shared bytes reach the page cache (`CacheFill`)."""
 
     threads: int = 8
     request_bytes: int = 16 << 20
@@ -73,7 +81,7 @@ class ReadOptions:
     direct: bool = True
     min_bytes: int = 64 << 20
     enabled: bool = True
-    fill: CacheFill = CacheFill.READ
+    fill: CacheFill = CacheFill.ADVISE
 
     def __post_init__(self) -> None:
         for name, least in (("threads", 1), ("ahead", 1), ("request_bytes", ALIGN), ("gap_bytes", 0)):
@@ -171,6 +179,8 @@ class ReadAhead:
         self._regions: dict[int, list[Region]] = {}  # group -> its regions, while submitted and not released
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
         self._fds: dict[tuple[Path, bool], int] = {}
+        self._maps: dict[Path, mmap.mmap] = {}  # for mincore
+        self._lock = threading.Lock()
         self._fills: list[Future[None]] = []
         self._submitted = 0
         self._scratch = threading.local()
@@ -257,15 +267,36 @@ class ReadAhead:
         return self._fds[key]
 
     def _read(self, region: Region, begin: int, end: int) -> None:
-        """File bytes [begin, end) into the region's buffer (direct, then buffered where refused)."""
+        """File bytes [begin, end) into the region's buffer: direct when most of them are not in the page
+        cache (buffered where the file system refuses it), else buffered (a copy from memory)."""
         view = memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin]
-        direct = self.options.direct and bool(DIRECT)
+        direct = self.options.direct and bool(DIRECT) and not self._cached(region.path, begin, end)
         try:
             _read_fully(self._fd(region.path, direct), view, begin, direct)
         except OSError:
             if not direct:
                 raise
             _read_fully(self._fd(region.path, False), view, begin)
+
+    def _cached(self, path: Path, begin: int, end: int) -> bool:
+        """Whether most pages of file bytes [begin, end) are in the page cache (mincore over a private
+        mapping of the file; False where mincore is not to be had)."""
+        with self._lock:
+            if path not in self._maps:
+                with open(path, "rb") as handle:
+                    self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapped = self._maps[path]
+        end = min(end, len(mapped))
+        if end <= begin or LIBC is None:
+            return False
+        pages = (end - begin + ALIGN - 1) // ALIGN
+        vector = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mapped, begin)
+        try:
+            failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
+        finally:
+            del anchor
+        return not failed and 2 * sum(bytes(vector)) >= pages  # (each entry 0 or 1)
 
     def _fill(self, path: Path, begin: int, end: int) -> None:
         """File bytes [begin, end) into the page cache (read into a scratch buffer and dropped, or advised)."""
@@ -286,6 +317,9 @@ class ReadAhead:
         for fd in set(self._fds.values()):
             os.close(fd)
         self._fds.clear()
+        for mapped in self._maps.values():
+            mapped.close()
+        self._maps.clear()
 
 
 def _read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> None:
