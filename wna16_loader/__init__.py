@@ -23,6 +23,7 @@ from .load.results import LoadedExperts, LoadReport
 from .models.config import MoEConfig
 from .parallel.config import ExpertPlacement, ParallelConfig
 from .storage.hub import resolve_checkpoint
+from .storage.readahead import CacheFill, ReadOptions
 from .version import __version__
 
 __all__ = [
@@ -36,3 +37,4 @@ __all__ += [
     "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "parallel_config",
     "read_manifest", "reference_forward", "resolve_checkpoint",
 ]
+__all__ += ["CacheFill", "ReadOptions"]
