@@ -33,7 +33,7 @@ from wna16_loader.load.reads import planned_ranges
 from wna16_loader.storage.readahead import ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
-EVERY_READ_AHEAD = ReadOptions(min_bytes=0)  # read ahead whatever the size (the default skips small loads)
+EVERY_READ_AHEAD = ReadOptions(min_bytes=0, min_tensor_bytes=0)  # whatever the size (the default skips small loads)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +60,13 @@ def test_an_ep_rank_reads_its_experts_whole_tensors_as_its_own(gptq) -> None:
     assert not any(r.shared for group in groups for r in group)
 
 
+def test_layers_of_tiny_tensors_plan_no_ranges(gptq) -> None:
+    """Experts whose largest tensor (the 128 x 128 4-bit qweight: 8 KiB) is under `min_tensor_bytes`."""
+    with planned(gptq, ParallelConfig(1, 0)) as (_, index, _, plans):
+        assert all(planned_ranges(index, plan, min_tensor_bytes=8192) for plan in plans)
+        assert not any(planned_ranges(index, plan, min_tensor_bytes=8193) for plan in plans)
+
+
 def test_a_tp_rank_shares_w13_column_cuts_and_owns_w2_rows(gptq) -> None:
     groups, spans, _ = ranges_of(gptq, ParallelConfig(2, 1))
     shared: dict[tuple[str, str], set[bool]] = {}  # (projection, suffix) -> the `shared` flags of its ranges
@@ -78,8 +85,8 @@ def test_a_tp_rank_shares_w13_column_cuts_and_owns_w2_rows(gptq) -> None:
        direct=st.booleans())
 def test_read_ahead_loads_are_byte_identical(gptq, parallel, request, gap, threads, direct) -> None:
     before = load_experts(gptq, parallel, reads=ReadOptions(enabled=False))
-    options = ReadOptions(min_bytes=0, request_bytes=4096 * request, gap_bytes=gap, threads=threads, direct=direct,
-                          ahead=1)
+    options = ReadOptions(min_bytes=0, min_tensor_bytes=0, request_bytes=4096 * request, gap_bytes=gap,
+                          threads=threads, direct=direct, ahead=1)
     after = load_experts(gptq, parallel, reads=options)
     assert before.keys() == after.keys()
     for prefix, layer in before.items():

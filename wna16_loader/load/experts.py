@@ -89,7 +89,8 @@ def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy,
     ahead while earlier layers convert (`storage.readahead`)."""
     start = time.perf_counter()
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans), \
-            index.reading_ahead([planned_ranges(index, plan) for plan in plans], reads, pin=policy.gpu) as ahead:
+            index.reading_ahead([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans],
+                                reads, pin=policy.gpu) as ahead:
         result = LoadedExperts()
         written = tensors = 0
         for number, plan in enumerate(plans):

@@ -14,9 +14,14 @@ from .params import rank_spans, storage_index
 from .plan import LayerPlan
 
 
-def planned_ranges(index: CheckpointIndex, plan: LayerPlan) -> list[PlannedRange]:
-    """The file byte ranges `plan`'s load reads (see the module table), in plan order."""
+def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes: int = 0) -> list[PlannedRange]:
+    """The file byte ranges `plan`'s load reads (see the module table), in plan order; none when the layer's
+    first source holds no tensor of `min_tensor_bytes` (tiny experts: working out a range per tensor would
+    cost more than the mapping's reads of them)."""
     quant, out = plan.moe.quant, []
+    first = next(iter(plan.sources.values()), None)
+    if first is None or max(ref.nbytes for ref in first.tensors.values()) < min_tensor_bytes:
+        return []
     for (_, proj), src in plan.sources.items():
         spans, _ = rank_spans(src, plan.geometry.slice(proj))
         for role, ref in src.tensors.items():

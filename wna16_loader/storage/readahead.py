@@ -70,7 +70,8 @@ class ReadOptions:
     `threads` requests in flight, each at most `request_bytes`; ranges closer than `gap_bytes` are read as
     one; `ahead` groups (layers) submitted beyond the one being read; `direct`: O_DIRECT for the rank's own
     bytes (buffered where the file system refuses it, or with False); `min_bytes`: loads planning fewer
-    bytes than this read through the mapping alone (threads would cost more than they save);
+    bytes than this read through the mapping alone (threads would cost more than they save), and so do
+    layers whose expert tensors are all under `min_tensor_bytes` (a range per tiny tensor costs more);
     `enabled=False` reads everything through the mapping, as before read-ahead existed; `fill`: how
     shared bytes reach the page cache (`CacheFill`)."""
 
@@ -80,6 +81,7 @@ class ReadOptions:
     ahead: int = 2
     direct: bool = True
     min_bytes: int = 64 << 20
+    min_tensor_bytes: int = 64 << 10
     enabled: bool = True
     fill: CacheFill = CacheFill.ADVISE
 
