@@ -11,11 +11,12 @@ one) and cut into requests of at most `request_bytes`:
 |                       | caller's file mapping (and the other ranks) find them: each page read from storage    |
 |                       | once per node                                                                         |
 | a range of the rank's | read into a buffer of our own (`Region`: O_DIRECT where the file system takes it,      |
-| own                   | 4 KiB aligned, when most of its pages are not cached already; buffered where they are |
-|                       | or where the file system refuses O_DIRECT), which the caller reads views of instead of |
-|                       | the mapping (`MappedFile.rebased`): no page cache, no page faults. Own ranges in a     |
-|                       | file where the group also has shared ones (a TP rank's rows of w2 between w13's       |
-|                       | columns) go to the page cache with those: views of several experts span both kinds    |
+| own                   | 4 KiB aligned; buffered where it refuses O_DIRECT), which the caller reads views of    |
+|                       | instead of the mapping (`MappedFile.rebased`): no page cache, no page faults. Ranges  |
+|                       | whose pages are mostly cached already (mincore) are left to the mapping, which reads  |
+|                       | them from memory as before. Own ranges in a file where the group also has shared ones |
+|                       | (a TP rank's rows of w2 between w13's columns) go to the page cache with those: views |
+|                       | of several experts span both kinds                                                    |
 
 | ReadAhead.start(i)       | group i is about to be read: groups i..i+ahead submitted, groups before i released     |
 | ReadAhead.covering(...)  | the `Region` holding file bytes [lo, hi), once read (waits for it), or None            |
@@ -231,9 +232,9 @@ class ReadAhead:
         for path in own.keys() & shared.keys():  # between shared ranges: the mapping reads them (views span both)
             shared[path] += own.pop(path)
         regions = self._regions.setdefault(group, [])
-        for path, spans in own.items():
-            for begin, end in coalesced(spans, self.options.gap_bytes):
-                regions.append(self._region(path, begin // ALIGN * ALIGN, end))
+        for path, spans in own.items():  # what the page cache holds already the mapping reads as it is
+            regions += [self._region(path, begin // ALIGN * ALIGN, end)
+                        for begin, end in coalesced(spans, self.options.gap_bytes) if not self._cached(path, begin, end)]
         for path, spans in shared.items():
             for begin, end in coalesced(spans, self.options.gap_bytes):
                 self._fills += [self._workers.submit(self._fill, path, *piece)
@@ -269,10 +270,10 @@ class ReadAhead:
         return self._fds[key]
 
     def _read(self, region: Region, begin: int, end: int) -> None:
-        """File bytes [begin, end) into the region's buffer: direct when most of them are not in the page
-        cache (buffered where the file system refuses it), else buffered (a copy from memory)."""
+        """File bytes [begin, end) into the region's buffer: direct (buffered where the file system refuses
+        it, or with `direct=False`)."""
         view = memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin]
-        direct = self.options.direct and bool(DIRECT) and not self._cached(region.path, begin, end)
+        direct = self.options.direct and bool(DIRECT)
         try:
             _read_fully(self._fd(region.path, direct), view, begin, direct)
         except OSError:
