@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..storage.index import CheckpointIndex
 from ..storage.readahead import PlannedRange, span_of
 from .params import rank_spans, storage_index
@@ -22,13 +24,18 @@ def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes:
     first = next(iter(plan.sources.values()), None)
     if first is None or max(ref.nbytes for ref in first.tensors.values()) < min_tensor_bytes:
         return []
+    spans: dict[tuple, tuple[int, int, int]] = {}  # one cut per (projection, source, role, header): experts share it
+    paths: dict[str, Path] = {}
     for (_, proj), src in plan.sources.items():
-        spans, _ = rank_spans(src, plan.geometry.slice(proj))
         for role, ref in src.tensors.items():
-            layout = quant.layout(role)
-            begin = ref.begin if ref.begin >= 0 else index.begin(ref.name)
-            cut = storage_index(layout, spans, quant.pack_factor, src.expert_row)
-            low, high, nbytes = span_of(begin, ref.shape, ref.dtype.itemsize, cut)
+            key = (proj, src.source, src.expert_row, role, ref.shape, ref.dtype)
+            if key not in spans:
+                cut = storage_index(quant.layout(role), rank_spans(src, plan.geometry.slice(proj))[0],
+                                    quant.pack_factor, src.expert_row)
+                spans[key] = span_of(0, ref.shape, ref.dtype.itemsize, cut)
+            low, high, nbytes = spans[key]
             if nbytes:
-                out.append(PlannedRange(index.folder / ref.file, low, high, high - low > nbytes))
+                begin = ref.begin if ref.begin >= 0 else index.begin(ref.name)
+                path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
+                out.append(PlannedRange(path, begin + low, begin + high, high - low > nbytes))
     return out
