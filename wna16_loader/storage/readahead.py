@@ -289,7 +289,7 @@ class ReadAhead:
                 with open(path, "rb") as handle:
                     self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
             mapped = self._maps[path]
-        end = min(end, len(mapped))
+        begin, end = begin // ALIGN * ALIGN, min(end, len(mapped))  # mincore takes a page-aligned address
         if end <= begin or LIBC is None:
             return False
         pages = (end - begin + ALIGN - 1) // ALIGN
