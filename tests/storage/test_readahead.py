@@ -100,7 +100,8 @@ def test_views_hold_the_mapping_bytes_in_any_chunking(checkpoint, plan) -> None:
                 begin = mapped.entries.begin(name)
                 got = mapped.view(begin, (ROWS, COLS), torch.int32, (rows, cols))
                 assert torch.equal(got, tensors[name][rows, cols])
-                if own_only and cold:  # from a buffer of its own, not the file's pages
+                if own_only and cold and number == 0:  # from a buffer of its own, not the file's pages (later
+                    #                                    groups may find pages that earlier reads cached)
                     assert got.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
     finally:
         mapped.overlay = None
