@@ -54,6 +54,7 @@ from .models.config import MoEConfig
 from .parallel.config import ExpertPlacement, ParallelConfig
 from .preshard import ShardSummary, shard
 from .storage.hub import resolve_checkpoint
+from .storage.readahead import CacheFill, ReadOptions
 from .version import __version__
 
 __all__ = [
@@ -69,3 +70,4 @@ __all__ += [
     "read_manifest", "reference_forward", "resolve_checkpoint",
 ]
 __all__ += ["ShardSummary", "shard"]
+__all__ += ["CacheFill", "ReadOptions"]

@@ -16,11 +16,13 @@ from ..parallel.config import ParallelConfig
 from ..storage.bulk import paused_gc_call
 from ..storage.hub import resolve_checkpoint
 from ..storage.index import CheckpointIndex
+from ..storage.readahead import ReadOptions
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
 from .plan import LayerPlan, plan_layers
+from .reads import planned_ranges
 from .presharded import is_presharded, load_presharded, output_prefixes
 from .results import LoadedExperts, LoadReport
 from .scan import CheckpointScan
@@ -51,7 +53,8 @@ def read_moe_config(path: str | Path, *, revision: str | None = None) -> MoEConf
 
 def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | None = None,
                  device: torch.device | str = "cpu", allow_nonfinite_scales: bool = False,
-                 convert_on_device: bool = True, include_mtp: bool = False) -> LoadedExperts:
+                 convert_on_device: bool = True, include_mtp: bool = False,
+                 reads: ReadOptions = ReadOptions()) -> LoadedExperts:
     """Load `parallel`'s share of every routed-expert layer of the checkpoint at `path`.
 
     Tensors of non-local experts are never read; each local projection is read as
@@ -67,23 +70,31 @@ def load_experts(path: str | Path, parallel: ParallelConfig, *, revision: str | 
     MTP (multi-token-prediction) layers are left alone by default, their expert tensors counted as
     non-expert tensors (an engine loads its draft layer separately); `include_mtp=True` loads them too,
     each with `mtp=True`.
+    `reads`: how the planned bytes are read ahead of their conversion (`storage.readahead.ReadOptions`:
+    threads, request size, direct I/O; `ReadOptions(enabled=False)` reads through the file mappings alone).
     """
     policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
     path = resolve_checkpoint(path, revision=revision, rank=parallel.rank)
     if is_presharded(path):
-        return load_presharded(path, parallel, device=device, include_mtp=include_mtp)
-    return _load_checkpoint(path, parallel, policy, device, allow_nonfinite_scales, convert_on_device, include_mtp)
+        return load_presharded(path, parallel, device=device, include_mtp=include_mtp, reads=reads)
+    return _load_checkpoint(path, parallel, policy, device, allow_nonfinite_scales, convert_on_device, include_mtp,
+                            reads)
 
 
 @paused_gc_call  # the index, scan and plans are freed before the GC is back on: see storage/bulk.py
 def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy, device: torch.device | str,
-                     allow_nonfinite: bool, convert_on_device: bool, include_mtp: bool) -> LoadedExperts:
-    """`load_experts` of a checkpoint folder (not pre-sharded)."""
+                     allow_nonfinite: bool, convert_on_device: bool, include_mtp: bool,
+                     reads: ReadOptions) -> LoadedExperts:
+    """`load_experts` of a checkpoint folder (not pre-sharded): layer by layer, each layer's bytes read
+    ahead while earlier layers convert (`storage.readahead`)."""
     start = time.perf_counter()
-    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans), \
+            index.reading_ahead([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans],
+                                reads, pin=policy.gpu) as ahead:
         result = LoadedExperts()
         written = tensors = 0
-        for plan in plans:
+        for number, plan in enumerate(plans):
+            ahead.start(number)
             layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite,
                                               convert_on_device=convert_on_device)
             result[plan.prefix] = layer

@@ -8,8 +8,9 @@ writing lives in the `preshard` package. A load reads a rank at the cost of read
 | the rank's record    | `read_rank_manifest`: the manifest's head and that record, sliced by their   |
 |                      | lines and parsed alone (not the other ranks, not the source account)         |
 | where tensors lie    | `locate_rank`: each rank file's header parsed and every span checked          |
-| each tensor          | `read_param`: shape/dtype checked against the FusedSpec, then one pread into  |
-|                      | the result (CPU) or a pinned buffer and one non-blocking copy (GPU)           |
+| each tensor          | `queued_param`: shape/dtype checked against the FusedSpec, then preads (on   |
+|                      | worker threads, several at once) into the result (CPU) or a pinned buffer    |
+|                      | and one non-blocking copy (GPU)                                              |
 
 `read_rank` / `put_layer` (views of the file mappings, copied into existing parameters) serve
 `load_model_experts`, which fills a model's modules in place.
@@ -23,9 +24,10 @@ import json
 import mmap
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -36,6 +38,7 @@ from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import read_into
 from ..storage.header import HeaderEntry, read_header
 from ..storage.index import DTYPES, ITEMSIZES
+from ..storage.readahead import ReadOptions, pieces
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .results import LoadedExperts, LoadReport
@@ -156,28 +159,57 @@ def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
 
 
 def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
-                    include_mtp: bool = False) -> LoadedExperts:
+                    include_mtp: bool = False, reads: ReadOptions = ReadOptions()) -> LoadedExperts:
     """Load `parallel`'s fused tensors from a pre-shard output: no slicing, no conversion. Each tensor is
-    located by its file's validated header and read (pread) straight into its parameter on the CPU; for a
-    GPU into a pinned buffer, then one non-blocking copy into the parameter allocated there (never DMA
-    from a mapping). The load synchronises once, at its end. MTP layers only with `include_mtp`."""
+    located by its file's validated header and read (pread, in pieces of at most `reads.request_bytes`,
+    `reads.threads` at once, `reads.ahead` layers beyond the one being finished) straight into its
+    parameter on the CPU; for a GPU into a pinned buffer, then one non-blocking copy into the parameter
+    allocated there (never DMA from a mapping). The load synchronises once, at its end. MTP layers only
+    with `include_mtp`."""
     start = time.perf_counter()
     policy = DevicePolicy.of(device)
     rank = rank_record(out, parallel, include_mtp=include_mtp)
     located, nbytes = locate_rank(out, rank)
     result = LoadedExperts()
     mtp = mtp_layers(rank)
-    for prefix, spec in rank_specs(rank, include_mtp=include_mtp).items():
-        with policy.scope():
-            tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
-                       for name, (shape, dtype) in spec.shapes().items()}
-        result[prefix] = FusedExperts(prefix, spec, tensors, mtp=prefix in mtp)
+    pending: list[tuple[str, FusedSpec, dict[str, QueuedParam]]] = []
+    with ThreadPoolExecutor(reads.threads if reads.enabled else 1, thread_name_prefix="wna16-read") as workers:
+        for prefix, spec in rank_specs(rank, include_mtp=include_mtp).items():
+            with policy.scope():
+                pending.append((prefix, spec, {name: queued_param(out, policy, f"{prefix}.{name}", shape, dtype,
+                                                                  located.get(f"{prefix}.{name}"), workers, reads)
+                                               for name, (shape, dtype) in spec.shapes().items()}))
+            while len(pending) > reads.ahead:
+                finish_layer(result, policy, *pending.pop(0), mtp=mtp)
+        while pending:
+            finish_layer(result, policy, *pending.pop(0), mtp=mtp)
     policy.synchronize()
     result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
                                tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
                                seconds=time.perf_counter() - start)
     rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
     return result
+
+
+class QueuedParam(NamedTuple):
+    """A fused tensor's host memory and the reads that fill it."""
+
+    host: torch.Tensor
+    reads: list[Future[None]]
+
+
+def finish_layer(result: LoadedExperts, policy: DevicePolicy, prefix: str, spec: FusedSpec,
+                 queued: dict[str, QueuedParam], *, mtp: frozenset[str]) -> None:
+    """Wait for a layer's reads; its tensors into `result` (on a GPU: each sent from its pinned buffer)."""
+    tensors = {}
+    with policy.scope():
+        for name, param in queued.items():
+            for read in param.reads:
+                read.result()
+            tensors[name] = param.host if not policy.gpu else policy.empty(tuple(param.host.shape), param.host.dtype)
+            if policy.gpu:
+                policy.send(tensors[name], param.host)
+    result[prefix] = FusedExperts(prefix, spec, tensors, mtp=prefix in mtp)
 
 
 Located = tuple[Path, HeaderEntry]
@@ -219,6 +251,18 @@ def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[in
     target = policy.empty(shape, dtype)
     policy.send(target, host)
     return target
+
+
+def queued_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 located: Located | None, workers: ThreadPoolExecutor, reads: ReadOptions) -> QueuedParam:
+    """The fused tensor `name` (checked against `shape`/`dtype`): its host memory (the result on the CPU, a
+    pinned buffer for a GPU) and the preads into it, queued on `workers` in pieces of at most
+    `reads.request_bytes`."""
+    path, entry = checked_entry(out, name, shape, dtype, located)
+    host = policy.host_buffer(shape, dtype)
+    flat = host.view(-1).view(torch.uint8) if host.numel() else host.view(torch.uint8)
+    return QueuedParam(host, [workers.submit(read_into, path, entry.begin + begin, flat[begin:end])
+                              for begin, end in pieces(0, len(flat), reads.request_bytes)])
 
 
 def checked_entry(out: str | Path, name: str, shape: tuple[int, ...], dtype: torch.dtype,

@@ -10,7 +10,10 @@ a file: no per-tensor call into safetensors.
 | stacked_view(file, begins, shape, dtype, i) | the same as one strided VIEW, when evenly spaced       |
 
 A view keeps the mapping alive (it holds a reference) but is file memory: copy it into ordinary
-(pinned) memory before keeping it or handing it to a device copy.
+(pinned) memory before keeping it or handing it to a device copy. While a `readahead.ReadAhead` is the
+file's `overlay`, every view whose bytes one of its regions holds is made over that region's buffer
+instead (`rebased`: the same elements, read ahead with large requests; valid until the overlay's next
+`start`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from ..errors import CheckpointError
 from .header import read_checked_header
+from .readahead import ReadAhead
 
 Index = tuple[slice | int, ...]
 
@@ -42,6 +46,7 @@ class MappedFile:
             self.size = os.fstat(handle.fileno()).st_size
             self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
         self._flat: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self.overlay: ReadAhead | None = None
 
     def dtype_names(self) -> set[str]:
         """The dtype names of the header's entries."""
@@ -62,10 +67,37 @@ class MappedFile:
         return self._flat[key]
 
     def view(self, begin: int, shape: tuple[int, ...], dtype: torch.dtype, index: Index = ()) -> torch.Tensor:
-        """`tensor[index]` of the tensor of `shape`/`dtype` at byte `begin`, as a view of the mapping."""
+        """`tensor[index]` of the tensor of `shape`/`dtype` at byte `begin`, as a view of the mapping (or
+        of the overlay's region that holds it: `rebased`)."""
+        return self.rebased(self.mapped(begin, shape, dtype, index))
+
+    def mapped(self, begin: int, shape: tuple[int, ...], dtype: torch.dtype, index: Index = ()) -> torch.Tensor:
+        """`view`, always of the mapping (never rebased)."""
         phase, element = begin % dtype.itemsize, begin // dtype.itemsize
         whole = self.flat(dtype, phase).as_strided(shape, _row_major(shape), element)
         return whole[index] if index else whole
+
+    def rebased(self, view: torch.Tensor) -> torch.Tensor:
+        """`view` (of this file's mapping) as the same elements of the overlay's region that holds all its
+        bytes, once read; where no region holds it whole but one holds each `view[i]`, those stacked (a copy);
+        `view` itself without an overlay, or where neither holds."""
+        if self.overlay is None or not view.numel():
+            return view
+        size = view.element_size()
+        low = view.data_ptr() - self.flat(torch.uint8, 0).data_ptr()
+        high = low + size * (1 + sum((n - 1) * step for n, step in zip(view.shape, view.stride())))
+        region = self.overlay.covering(self.path, low, high)
+        if region is not None and (low - region.begin) % size == 0:
+            flat = region.flat(view.dtype)
+            return flat.as_strided(view.shape, view.stride(), flat.storage_offset() + (low - region.begin) // size)
+        if region is None and view.dim() > 1 and len(view) > 1 and self.overlay.holds(self.path):
+            parts = []  # e.g. experts in two regions: each from its own
+            for part in view.unbind(0):
+                if (found := self.rebased(part)) is part:
+                    return view
+                parts.append(found)
+            return torch.stack(parts)
+        return view
 
 
 def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -99,12 +131,13 @@ def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...],
                 index: Index) -> list[torch.Tensor]:
     """`t[index]` of tensors of one shape at `begins`: the first view's shape and strides are reused, so each
     further view is one `as_strided` (offsets on one element phase; else one `view` each)."""
-    first = file.view(begins[0], shape, dtype, index)
     if any((begin - begins[0]) % dtype.itemsize for begin in begins):
-        return [first] + [file.view(begin, shape, dtype, index) for begin in begins[1:]]
+        return [file.view(begin, shape, dtype, index) for begin in begins]
+    first = file.mapped(begins[0], shape, dtype, index)
     flat, size, stride, at = file.flat(dtype, begins[0] % dtype.itemsize), first.shape, first.stride(), \
         first.storage_offset() - begins[0] // dtype.itemsize
-    return [first] + [flat.as_strided(size, stride, at + begin // dtype.itemsize) for begin in begins[1:]]
+    views = [first] + [flat.as_strided(size, stride, at + begin // dtype.itemsize) for begin in begins[1:]]
+    return views if file.overlay is None else list(map(file.rebased, views))
 
 
 def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
@@ -115,10 +148,11 @@ def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...]
     if step <= 0 or step % dtype.itemsize or \
             list(begins) != list(range(begins[0], begins[0] + step * len(begins), step)):  # evenly spaced, in C
         return None
-    first = file.view(begins[0], shape, dtype)
+    first = file.mapped(begins[0], shape, dtype)
     stacked = first.as_strided((len(begins), *shape), (step // dtype.itemsize, *first.stride()),
                                first.storage_offset())
-    return stacked[(slice(None), *index)] if index else stacked
+    return file.rebased(stacked[(slice(None), *index)] if index else stacked)
+
 
 def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
     """Fill the contiguous CPU tensor `out` with the bytes of `path` from byte `begin` (pread: the kernel

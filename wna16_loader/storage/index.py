@@ -10,12 +10,15 @@ mappings (`view`, `gather`); whole files are never loaded, nothing is copied unt
 | view(ref, index)          | file pages: valid while kept, never for a device copy or to keep  |
 | gather(refs, indices)     | [E, ...] stacked into ordinary memory (or the caller's `out`)     |
 | view_stacked(refs, ...)   | [E, ...] as one strided view of file pages, when evenly spaced    |
+| reading_ahead(groups, ..) | planned byte ranges read ahead in parallel; views come from those |
+|                           | buffers while it runs (`readahead.py`)                            |
 """
 
 from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from functools import partial
 from itertools import repeat
 from operator import attrgetter
@@ -27,6 +30,7 @@ import torch
 from ..errors import CheckpointError, format_offenders
 from .bulk import gc_paused
 from .filemap import Index, MappedFile, gather, stacked_view
+from .readahead import PlannedRange, ReadAhead, ReadOptions
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -161,6 +165,21 @@ class CheckpointIndex:
         """Drop the mappings (each is unmapped once no view of it is left)."""
         self._maps.clear()
 
+    @contextmanager
+    def reading_ahead(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, *,
+                      pin: bool = False) -> Iterator[ReadAhead]:
+        """A `ReadAhead` of `groups` (in use order; call its `start(i)` before reading group i) whose regions
+        this index's views come from while the block runs (`MappedFile.rebased`); closed after it."""
+        ahead = ReadAhead(groups, options, pin=pin)
+        for mapped in self._maps.values() if ahead.active else ():
+            mapped.overlay = ahead
+        try:
+            yield ahead
+        finally:
+            for mapped in self._maps.values():
+                mapped.overlay = None
+            ahead.close()
+
     def view(self, ref: TensorRef, index: Index = ()) -> torch.Tensor:
         """`ref[index]` (basic slices and ints) as a VIEW of the file mapping: copy it before keeping it,
         and never hand it to a device copy."""
@@ -182,7 +201,7 @@ class CheckpointIndex:
             return together
         located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
         begin, file, shape, dtype, index = located[0]
-        one = self._maps[file].view(begin, shape, dtype, index)
+        one = self._maps[file].mapped(begin, shape, dtype, index)
         out = torch.empty((len(located), *one.shape), dtype=dtype, pin_memory=pin)
         if all(loc[1:] == located[0][1:] for loc in located):
             gather(self._maps[file], [loc[0] for loc in located], shape, dtype, index, out)
@@ -199,7 +218,7 @@ class CheckpointIndex:
             return None
         first, index = refs[0], indices[0]
         mapped = self._maps[first.file]
-        one = mapped.view(begins[0], first.shape, first.dtype, index)
+        one = mapped.mapped(begins[0], first.shape, first.dtype, index)
         out = torch.empty((len(refs), *one.shape), dtype=first.dtype, pin_memory=pin)
         gather(mapped, begins, first.shape, first.dtype, index, out)
         self.bytes_read += out.numel() * out.element_size()

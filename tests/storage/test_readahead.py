@@ -1,0 +1,226 @@
+"""Read-ahead of planned byte ranges (storage/readahead.py): the views a reader gets while a `ReadAhead`
+overlays a file hold exactly the bytes of the file's mapping, whatever the requests' size, the gaps bridged,
+the grouping of ranges into layers and the mix of own and shared ranges; the rank's own bytes come from
+buffers of its own (not the mapping), and O_DIRECT refused by the file system falls back to buffered reads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from wna16_loader.storage import readahead
+from wna16_loader.storage.filemap import MappedFile
+from wna16_loader.storage.index import ITEMSIZES
+from wna16_loader.storage.readahead import (
+    ALIGN,
+    BufferPool,
+    CacheFill,
+    PlannedRange,
+    ReadAhead,
+    ReadOptions,
+    coalesced,
+    pieces,
+    span_of,
+)
+
+ROWS, COLS = 40, 300  # 40 int32 tensors of [ROWS, COLS]: 48,000 bytes each, at offsets that are not page-aligned
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """One safetensors file of identifiable int32 words (tensor t, element i holds t * 1e6 + i)."""
+    path = tmp_path_factory.mktemp("readahead") / "model.safetensors"
+    tensors = {f"t{t:02d}": torch.arange(ROWS * COLS, dtype=torch.int32).reshape(ROWS, COLS) + t * 1_000_000
+               for t in range(40)}
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+def evict(path: Path) -> bool:
+    """Drop `path`'s pages from the page cache; whether they are gone (some file systems keep them)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    probe = ReadAhead([], ReadOptions())
+    try:
+        return not probe._cached(path, 0, path.stat().st_size)
+    finally:
+        probe.close()
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> tuple[list[list[tuple[str, slice, slice, bool]]], ReadOptions]:
+    """Groups of (tensor, rows, columns, shared) reads and the options they are read ahead with."""
+    groups = []
+    for _ in range(draw(st.integers(1, 4))):
+        reads = []
+        for _ in range(draw(st.integers(1, 6))):
+            r0 = draw(st.integers(0, ROWS - 1))
+            c0 = draw(st.integers(0, COLS - 1))
+            rows = slice(r0, draw(st.integers(r0 + 1, ROWS)))
+            cols = draw(st.sampled_from([slice(None), slice(c0, draw(st.integers(c0 + 1, COLS)))]))
+            reads.append((f"t{draw(st.integers(0, 39)):02d}", rows, cols, draw(st.booleans())))
+        groups.append(reads)
+    options = ReadOptions(threads=draw(st.integers(1, 4)), request_bytes=ALIGN * draw(st.integers(1, 40)),
+                          gap_bytes=draw(st.sampled_from([0, 1, 5000, 1 << 20])), ahead=draw(st.integers(1, 3)),
+                          direct=draw(st.booleans()), min_bytes=0, fill=draw(st.sampled_from(list(CacheFill))))
+    return groups, options
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=plans())
+def test_views_hold_the_mapping_bytes_in_any_chunking(checkpoint, plan) -> None:
+    path, tensors = checkpoint
+    groups, options = plan
+    mapped = MappedFile(path, ITEMSIZES)
+    planned = []
+    for reads in groups:
+        ranges = []
+        for name, rows, cols, shared in reads:
+            (shape, _), begin = mapped.entries.shape_dtype(name), mapped.entries.begin(name)
+            low, high, _ = span_of(begin, shape, 4, (rows, cols))
+            ranges.append(PlannedRange(path, low, high, shared))
+        planned.append(ranges)
+    ahead = ReadAhead(planned, options)
+    mapped.overlay = ahead
+    try:
+        cold = evict(path) if options.direct else False  # else warm: the mapping's own reads are checked
+        for number, reads in enumerate(groups):
+            ahead.start(number)
+            own_only = not any(shared for *_, shared in reads)
+            for name, rows, cols, _ in reads:
+                begin = mapped.entries.begin(name)
+                got = mapped.view(begin, (ROWS, COLS), torch.int32, (rows, cols))
+                assert torch.equal(got, tensors[name][rows, cols])
+                if own_only and cold and number == 0:  # from a buffer of its own, not the file's pages (later
+                    #                                    groups may find pages that earlier reads cached)
+                    assert got.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
+def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
+    """A stacked view over tensors 0 and 2 (evenly spaced) when only those two are read ahead, in two
+    regions: each row comes from its region, none from the mapping, the elements those of the file."""
+    path, tensors = checkpoint
+    mapped = MappedFile(path, ITEMSIZES)
+    begins = [mapped.entries.begin(name) for name in ("t00", "t02")]
+    nbytes = ROWS * COLS * 4
+    ahead = ReadAhead([[PlannedRange(path, b, b + nbytes, False) for b in begins]],
+                      ReadOptions(min_bytes=0, gap_bytes=0))
+    mapped.overlay = ahead
+    try:
+        if not evict(path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
+        ahead.start(0)
+        step = (begins[1] - begins[0]) // 4
+        first = mapped.mapped(begins[0], (ROWS, COLS), torch.int32)
+        both = mapped.rebased(first.as_strided((2, ROWS, COLS), (step, COLS, 1), first.storage_offset()))
+        assert torch.equal(both, torch.stack([tensors["t00"], tensors["t02"]]))
+        assert both.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
+def test_direct_io_refused_falls_back_to_buffered(checkpoint, monkeypatch) -> None:
+    """A file system that refuses O_DIRECT (tmpfs, some FUSE mounts: EINVAL at open) is read buffered."""
+    path, tensors = checkpoint
+    real_open, refused = os.open, []
+
+    def refusing(file, flags, *args):
+        if flags & readahead.DIRECT:
+            refused.append(file)
+            raise OSError(22, "Invalid argument")
+        return real_open(file, flags, *args)
+
+    cold = evict(path)  # out of the page cache, so that the read is direct
+
+    monkeypatch.setattr(readahead, "DIRECT", os.O_DIRECT if hasattr(os, "O_DIRECT") else 0o40000)
+    monkeypatch.setattr(readahead.os, "open", refusing)
+    mapped = MappedFile(path, ITEMSIZES)
+    begin = mapped.entries.begin("t05")
+    ahead = ReadAhead([[PlannedRange(path, begin, begin + ROWS * COLS * 4, False)]], ReadOptions(min_bytes=0))
+    mapped.overlay = ahead
+    try:
+        ahead.start(0)
+        got = mapped.view(begin, (ROWS, COLS), torch.int32)
+        assert torch.equal(got, tensors["t05"])
+        if cold:
+            assert refused == [path]
+            assert got.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
+def test_small_or_disabled_loads_read_through_the_mapping(checkpoint) -> None:
+    path, _ = checkpoint
+    ranges = [[PlannedRange(path, 0, 1000, False)]]
+    assert not ReadAhead(ranges, ReadOptions()).active  # under min_bytes
+    assert not ReadAhead(ranges, ReadOptions(min_bytes=0, enabled=False)).active
+    assert ReadAhead(ranges, ReadOptions(min_bytes=0)).active
+
+
+@given(ranges=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 300)), max_size=20),
+       gap=st.integers(0, 500))
+def test_coalesced_covers_every_range_and_bridges_only_short_gaps(ranges, gap) -> None:
+    spans = [(begin, begin + length) for begin, length in ranges]
+    merged = coalesced(spans, gap)
+    assert all(a < b for a, b in merged) and all(b1 + gap <= a2 for (_, b1), (a2, _) in zip(merged, merged[1:]))
+    assert all(any(a <= b0 and e0 <= b for a, b in merged) for b0, e0 in spans if e0 > b0)
+    covered = {i for b0, e0 in spans for i in range(b0, e0)}
+    for a, b in merged:  # every byte of a span is read, or lies in a bridged gap shorter than `gap`
+        assert a in covered and b - 1 in covered
+        missing = sorted(set(range(a, b)) - covered)
+        runs = [m for i, m in enumerate(missing) if i == 0 or missing[i - 1] != m - 1]
+        assert len(missing) <= len(runs) * max(gap - 1, 0)
+
+
+@given(begin=st.integers(0, 10_000), length=st.integers(0, 100_000), size=st.integers(64, 9_000))
+def test_pieces_tile_the_span(begin, length, size) -> None:
+    cut = pieces(begin, begin + length, size)
+    assert [a for a, _ in cut[1:]] == [b for _, b in cut[:-1]]
+    assert (cut[0][0], cut[-1][1]) == (begin, begin + length) if length else cut == []
+    assert all(0 < b - a <= size for a, b in cut)
+
+
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), data=st.data())
+def test_span_of_is_the_extent_of_the_selected_elements(shape, data) -> None:
+    tensor = torch.arange(torch.Size(shape).numel(), dtype=torch.int32).reshape(shape)
+    index = []
+    for size in shape[:data.draw(st.integers(0, len(shape)))]:
+        start = data.draw(st.integers(0, size - 1))
+        index.append(data.draw(st.sampled_from([start, slice(start, data.draw(st.integers(start, size)))])))
+    picked = tensor[tuple(index)]
+    low, high, nbytes = span_of(100, tuple(shape), 4, index)
+    if not picked.numel():
+        assert (low, high, nbytes) == (100, 100, 0)
+        return
+    assert (low, high, nbytes) == (100 + 4 * int(picked.min()), 100 + 4 * int(picked.max()) + 4, 4 * picked.numel())
+
+
+def test_buffers_are_aligned_and_reused() -> None:
+    pool = BufferPool(pin=False)
+    first = pool.take(3 * ALIGN)
+    assert first.data_ptr() % ALIGN == 0 and len(first) == 3 * ALIGN
+    pool.release(first)
+    assert pool.take(2 * ALIGN).data_ptr() == first.data_ptr()  # the smallest free one that fits
+    assert pool.take(ALIGN).data_ptr() != first.data_ptr()
+
+
+def test_options_refuse_sizes_that_cannot_work() -> None:
+    with pytest.raises(ValueError, match=r"^ReadOptions: threads=0 but at least 1 is needed .*; pass threads>=1\.$"):
+        ReadOptions(threads=0)
+    with pytest.raises(ValueError, match=r"ReadOptions: request_bytes=100 but at least 4096 is needed \(a request "
+                                         r"is whole 4096-byte pages\); pass request_bytes>=4096\."):
+        ReadOptions(request_bytes=100)

@@ -1,0 +1,337 @@
+"""Reading a load's planned byte ranges ahead of their use: large requests, several in flight.
+
+A load knows which bytes of which files it will read before it reads any (`load/plan.py`). `ReadAhead`
+takes them as groups in use order (a layer each) and keeps the next `ahead` groups in flight on
+`threads` workers (`os.preadv` and `os.posix_fadvise` release the GIL) while the caller converts the
+group it is on. Each group's ranges are coalesced file by file (ranges less than `gap_bytes` apart read as
+one) and cut into requests of at most `request_bytes`:
+
+| a range marked shared | bytes other ranks of the node read too (a TP cut of a GPTQ w13 row: every 4 KiB page  |
+| (`PlannedRange`)      | holds every rank's columns): brought into the page cache (`CacheFill`), where the     |
+|                       | caller's file mapping (and the other ranks) find them: each page read from storage    |
+|                       | once per node                                                                         |
+| a range of the rank's | read into a buffer of our own (`Region`: O_DIRECT where the file system takes it,      |
+| own                   | 4 KiB aligned; buffered where it refuses O_DIRECT), which the caller reads views of    |
+|                       | instead of the mapping (`MappedFile.rebased`): no page cache, no page faults. Ranges  |
+|                       | whose pages are mostly cached already (mincore) are left to the mapping, which reads  |
+|                       | them from memory as before. Own ranges in a file where the group also has shared ones |
+|                       | (a TP rank's rows of w2 between w13's columns) go to the page cache with those: views |
+|                       | of several experts span both kinds                                                    |
+
+| ReadAhead.start(i)       | group i is about to be read: groups i..i+ahead submitted, groups before i released     |
+| ReadAhead.covering(...)  | the `Region` holding file bytes [lo, hi), once read (waits for it), or None            |
+
+A region's buffer is reused for later groups once its group is released: views of it are valid until the
+next `start` (a load copies every view into its output before it moves on to the next layer).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import ctypes.util
+import mmap
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Iterable, NamedTuple, Sequence
+
+import torch
+
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
+DIRECT = getattr(os, "O_DIRECT", 0)
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
+
+
+class CacheFill(Enum):
+    """How shared bytes are brought into the page cache ahead of the mapping's reads."""
+
+    ADVISE = "advise"  # posix_fadvise(WILLNEED): the kernel queues the reads and returns; pages already
+    #                    cached cost a lookup (the default: on 2 busy cores READ's copies cost 7 CPU s warm)
+    READ = "read"  # a buffered preadv into a worker's scratch buffer, dropped: the worker waits for the
+    #                storage (for file systems that ignore WILLNEED)
+
+
+class PlannedRange(NamedTuple):
+    """File bytes [begin, end) a load will read; `shared`: other ranks of the node read these pages too."""
+
+    file: Path
+    begin: int
+    end: int
+    shared: bool
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a load reads its planned bytes ahead (the knobs of `load_experts(..., reads=)`).
+
+    `threads` requests in flight, each at most `request_bytes`; ranges closer than `gap_bytes` are read as
+    one; `ahead` groups (layers) submitted beyond the one being read; `direct`: O_DIRECT for the rank's own
+    bytes (buffered where the file system refuses it, or with False); `min_bytes`: loads planning fewer
+    bytes than this read through the mapping alone (threads would cost more than they save), and so do
+    layers whose expert tensors are all under `min_tensor_bytes` (a range per tiny tensor costs more);
+    `enabled=False` reads everything through the mapping, as before read-ahead existed; `fill`: how
+    shared bytes reach the page cache (`CacheFill`)."""
+
+    threads: int = 8
+    request_bytes: int = 16 << 20
+    gap_bytes: int = 256 << 10
+    ahead: int = 2
+    direct: bool = True
+    min_bytes: int = 64 << 20
+    min_tensor_bytes: int = 64 << 10
+    enabled: bool = True
+    fill: CacheFill = CacheFill.ADVISE
+
+    def __post_init__(self) -> None:
+        for name, least in (("threads", 1), ("ahead", 1), ("request_bytes", ALIGN), ("gap_bytes", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
+                                 f"(a request is whole {ALIGN}-byte pages); pass {name}>={least}.")
+
+
+def coalesced(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted, merged [begin, end) spans covering `ranges` (empty ones dropped); spans less than `gap`
+    bytes apart merge (the bytes between are read too)."""
+    out: list[list[int]] = []
+    for begin, end in sorted(r for r in ranges if r[1] > r[0]):
+        if out and begin - out[-1][1] < gap:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([begin, end])
+    return [(begin, end) for begin, end in out]
+
+
+def pieces(begin: int, end: int, size: int) -> list[tuple[int, int]]:
+    """[begin, end) cut into consecutive pieces of at most `size` bytes."""
+    return [(at, min(at + size, end)) for at in range(begin, end, size)]
+
+
+class Region:
+    """File bytes [begin, end) of `path` (begin a multiple of ALIGN) read into `buffer` (uint8, at least
+    end - begin long), request by request; `wait()` returns once every request is done (raising the first
+    error of any)."""
+
+    def __init__(self, path: Path, begin: int, end: int, buffer: torch.Tensor) -> None:
+        self.path, self.begin, self.end, self.buffer = path, begin, end, buffer
+        self.futures: list[Future[None]] = []
+        self._flat: dict[torch.dtype, torch.Tensor] = {}
+
+    def wait(self) -> None:
+        for future in self.futures:
+            future.result()
+
+    def flat(self, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer as 1-D `dtype` elements, element 0 at file byte `begin`."""
+        if dtype not in self._flat:
+            self._flat[dtype] = self.buffer[:len(self.buffer) // dtype.itemsize * dtype.itemsize].view(dtype)
+        return self._flat[dtype]
+
+
+class BufferPool:
+    """uint8 buffers of ALIGN-aligned memory (pinned with `pin`), handed back by `release` and reused."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._free: list[torch.Tensor] = []  # sorted by length
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least `nbytes`: the smallest free one that fits, else a new one."""
+        with self._lock:
+            at = bisect.bisect_left([len(b) for b in self._free], nbytes)
+            if at < len(self._free):
+                return self._free.pop(at)
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        skip = -raw.data_ptr() % ALIGN
+        return raw[skip:skip + nbytes]
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            bisect.insort(self._free, buffer, key=len)
+
+
+def span_of(begin: int, shape: tuple[int, ...], itemsize: int, index: Sequence[slice | int]) -> tuple[int, int, int]:
+    """(first byte, end byte, bytes) of `tensor[index]` (basic slices of step 1 and ints over the leading dims)
+    for a row-major tensor of `shape` at file byte `begin`: the span covering every element it selects,
+    and how many bytes of that span it selects. (begin, begin, 0) when it selects nothing."""
+    low = high = 0
+    count, stride = 1, itemsize
+    bounds = list(index) + [slice(None)] * (len(shape) - len(index))
+    for size, cut in reversed(list(zip(shape, bounds))):
+        start, stop = (cut, cut + 1) if isinstance(cut, int) else cut.indices(size)[:2]
+        if stop <= start:
+            return begin, begin, 0
+        low, high, count = low + start * stride, high + (stop - 1) * stride, count * (stop - start)
+        stride *= size
+    return begin + low, begin + high + itemsize, count * itemsize
+
+
+class ReadAhead:
+    """Reads `groups` of `PlannedRange`s (one a layer, in use order) ahead of the caller (module table)."""
+
+    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, *, pin: bool = False) -> None:
+        self.options = options
+        planned = sum(r.end - r.begin for group in groups for r in group)
+        self.groups = list(groups) if options.enabled and planned >= options.min_bytes else []
+        self._workers = ThreadPoolExecutor(options.threads, thread_name_prefix="wna16-read") if self.groups else None
+        self._buffers = BufferPool(pin)
+        self._regions: dict[int, list[Region]] = {}  # group -> its regions, while submitted and not released
+        self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
+        self._fds: dict[tuple[Path, bool], int] = {}
+        self._maps: dict[Path, mmap.mmap] = {}  # for mincore
+        self._lock = threading.Lock()
+        self._fills: list[Future[None]] = []
+        self._submitted = 0
+        self._scratch = threading.local()
+        self._step = max(ALIGN, options.request_bytes // ALIGN * ALIGN)
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is read ahead (False: every read goes through the mapping)."""
+        return bool(self.groups)
+
+    def start(self, group: int) -> None:
+        """Group `group` is about to be read: it and the `ahead` groups after it are submitted, and the
+        buffers of the groups before it go back to the pool (their views must no longer be used)."""
+        if not self.groups:
+            return
+        while self._submitted < min(group + 1 + self.options.ahead, len(self.groups)):
+            self._submit(self._submitted)
+            self._submitted += 1
+        for done in [g for g in self._regions if g < group]:
+            for region in self._regions.pop(done):
+                region.wait()
+                self._buffers.release(region.buffer)
+        self._reindex()
+
+    def covering(self, path: Path, low: int, high: int) -> Region | None:
+        """The region of `path` holding bytes [low, high), once its reads are done; None when none does."""
+        found = self._files.get(path)
+        if found is None:
+            return None
+        at = bisect.bisect_right(found[0], low) - 1
+        if at < 0 or found[1][at].end < high:
+            return None
+        region = found[1][at]
+        region.wait()
+        return region
+
+    def holds(self, path: Path) -> bool:
+        """Whether any region of `path` is submitted and not released."""
+        return path in self._files
+
+    def _submit(self, group: int) -> None:
+        own: dict[Path, list[tuple[int, int]]] = {}
+        shared: dict[Path, list[tuple[int, int]]] = {}
+        for planned in self.groups[group]:
+            (shared if planned.shared else own).setdefault(planned.file, []).append((planned.begin, planned.end))
+        for path in own.keys() & shared.keys():  # between shared ranges: the mapping reads them (views span both)
+            shared[path] += own.pop(path)
+        regions = self._regions.setdefault(group, [])
+        for path, spans in own.items():  # what the page cache holds already the mapping reads as it is
+            regions += [self._region(path, begin // ALIGN * ALIGN, end)
+                        for begin, end in coalesced(spans, self.options.gap_bytes) if not self._cached(path, begin, end)]
+        for path, spans in shared.items():
+            for begin, end in coalesced(spans, self.options.gap_bytes):
+                self._fills += [self._workers.submit(self._fill, path, *piece)
+                                for piece in pieces(begin, end, self._step)]
+
+    def _region(self, path: Path, begin: int, end: int) -> Region:
+        """A region of file bytes [begin, end) (begin aligned), its requests submitted."""
+        length = -(-(end - begin) // ALIGN) * ALIGN
+        region = Region(path, begin, end, self._buffers.take(length))
+        region.futures = [self._workers.submit(self._read, region, at, stop)
+                          for at, stop in pieces(begin, begin + length, self._step)]
+        return region
+
+    def _reindex(self) -> None:
+        files: dict[Path, list[Region]] = {}
+        for regions in self._regions.values():
+            for region in regions:
+                files.setdefault(region.path, []).append(region)
+        self._files = {path: ([r.begin for r in found], found)
+                       for path, found in ((p, sorted(rs, key=lambda r: r.begin)) for p, rs in files.items())}
+
+    def _fd(self, path: Path, direct: bool) -> int:
+        """A shared descriptor of `path` (O_DIRECT with `direct`, when the file system takes it)."""
+        key = (path, direct)
+        if key not in self._fds:
+            try:
+                fd = os.open(path, os.O_RDONLY | (DIRECT if direct else 0))
+            except OSError:
+                if not direct:
+                    raise
+                fd = self._fd(path, False)
+            self._fds.setdefault(key, fd)
+        return self._fds[key]
+
+    def _read(self, region: Region, begin: int, end: int) -> None:
+        """File bytes [begin, end) into the region's buffer: direct (buffered where the file system refuses
+        it, or with `direct=False`)."""
+        view = memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin]
+        direct = self.options.direct and bool(DIRECT)
+        try:
+            _read_fully(self._fd(region.path, direct), view, begin, direct)
+        except OSError:
+            if not direct:
+                raise
+            _read_fully(self._fd(region.path, False), view, begin)
+
+    def _cached(self, path: Path, begin: int, end: int) -> bool:
+        """Whether most pages of file bytes [begin, end) are in the page cache (mincore over a private
+        mapping of the file; False where mincore is not to be had)."""
+        with self._lock:
+            if path not in self._maps:
+                with open(path, "rb") as handle:
+                    self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapped = self._maps[path]
+        begin, end = begin // ALIGN * ALIGN, min(end, len(mapped))  # mincore takes a page-aligned address
+        if end <= begin or LIBC is None:
+            return False
+        pages = (end - begin + ALIGN - 1) // ALIGN
+        vector = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mapped, begin)
+        try:
+            failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
+        finally:
+            del anchor
+        return not failed and 2 * sum(bytes(vector)) >= pages  # (each entry 0 or 1)
+
+    def _fill(self, path: Path, begin: int, end: int) -> None:
+        """File bytes [begin, end) into the page cache (read into a scratch buffer and dropped, or advised)."""
+        if self.options.fill is CacheFill.ADVISE:
+            os.posix_fadvise(self._fd(path, False), begin, end - begin, os.POSIX_FADV_WILLNEED)
+            return
+        scratch = getattr(self._scratch, "buffer", None)
+        if scratch is None:
+            scratch = self._scratch.buffer = bytearray(self._step)
+        _read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
+
+    def close(self) -> None:
+        """Stop reading ahead (requests not started are dropped), wait for those running, close the files."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=True, cancel_futures=True)
+        self._regions.clear()
+        self._files.clear()
+        for fd in set(self._fds.values()):
+            os.close(fd)
+        self._fds.clear()
+        for mapped in self._maps.values():
+            mapped.close()
+        self._maps.clear()
+
+
+def _read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> None:
+    """Fill `view` from byte `at` of `fd`, stopping early only at the end of the file (a direct read that
+    comes back short has reached it: its next offset would not be aligned)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], at + done)
+        if got <= 0 or (direct and got % ALIGN):
+            return
+        done += got
+
