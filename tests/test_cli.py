@@ -374,6 +374,27 @@ def edited_mixed(tmp_path: Path, edit) -> Path:
     return folder
 
 
+def test_the_summary_says_which_vllm_methods_take_the_output(tmp_path: Path) -> None:
+    """Row 11: the summary says, per layer and rank, which vLLM 0.32 MoE methods take the output (from the layout
+    rows): the mixed fixture's quantized layers and its float layer apart; GPTQ I 128 at --tp 3, where rank 2's
+    share is padded (I' 144) and no method but moe_wna16 takes G_eff 16, and none takes padding."""
+    mixed = cli(str(MIXED), str(tmp_path / "mixed"), "--tp", "2")
+    assert mixed.returncode == 0, mixed.stderr
+    lines = [line for line in mixed.stdout.splitlines() if line.startswith("vLLM 0.32 methods")]
+    assert lines == ["vLLM 0.32 methods that take this output: moe_wna16 (as is), auto_awq (re-laid), ct_wna16 "
+                     "(re-laid): model.layers.0.mlp.experts on every rank; model.layers.1.mlp.experts on every rank",
+                     "vLLM 0.32 methods that take this output: unquantized (as is): model.layers.2.mlp.experts on "
+                     "every rank"]
+    edge = ROOT / "tests" / "fixtures" / "gptq_w4_g32_zero_edge" / "checkpoint"
+    padded = cli(str(edge), str(tmp_path / "tp3"), "--tp", "3")
+    assert padded.returncode == 0, padded.stderr
+    assert [line for line in padded.stdout.splitlines() if line.startswith("vLLM 0.32 methods")] == [
+        "vLLM 0.32 methods that take this output: moe_wna16 (as is): model.layers.0.mlp.experts on "
+        "rank-00000-of-00003, rank-00001-of-00003",
+        "vLLM 0.32 methods that take this output: none (padded I, G_eff < G, zero points): "
+        "model.layers.0.mlp.experts on rank-00002-of-00003"]
+
+
 def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> None:
     """Rows 5 and 12: the mixed fixture (its layer 2 in float16, 4 experts) at --ep 3: the summary's group column
     says `float fp16` (not `chan`), --plan's G_eff column `float` (not -1), --dry-run and the manifest `float fp16`;

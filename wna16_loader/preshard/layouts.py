@@ -9,6 +9,7 @@ with the part of them that is padding. Computed from config.json and the safeten
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +98,31 @@ def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: in
     return "\n".join(lines)
 
 
+def vllm_methods(quant: QuantSpec, *, group_eff: int, padded: bool) -> str:
+    """Which of vLLM 0.32's MoE methods take a fused layer of source spec `quant` written with `group_eff`
+    (and padding, when `padded`): as it is, or re-laid on load; `none (why)` when none does."""
+    return accepting(VLLM_LAYOUTS, quantized=quant.quantized, padded=padded,
+                     reduced=quant.quantized and group_eff not in (quant.group_size, -1),
+                     asymmetric=quant.quantized and not quant.symmetric)
+
+
+def method_lines(ranks: Iterable[tuple[str, Iterable[LayerPlan]]]) -> list[str]:
+    """`vLLM 0.32 methods: auto_gptq (re-laid), moe_wna16 (as is): every layer of every rank`, one line per
+    distinct answer over the (rank name, layer plans) given, naming the layers and ranks where they differ."""
+    where: dict[str, dict[str, list[str]]] = {}
+    ranks = list(ranks)
+    for rank, plans in ranks:
+        for plan in plans:
+            answer = vllm_methods(plan.moe.quant, group_eff=plan.fused.group_size, padded=bool(plan.fused.padding))
+            where.setdefault(answer, {}).setdefault(plan.prefix, []).append(rank)
+    if len(where) == 1:
+        return [f"vLLM 0.32 methods that take this output: {next(iter(where))}: every layer of every rank"]
+    return [f"vLLM 0.32 methods that take this output: {answer}: "
+            + "; ".join(f"{prefix} on {'every rank' if len(on) == len(ranks) else ', '.join(on)}"
+                        for prefix, on in layers.items())
+            for answer, layers in where.items()]
+
+
 def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *, mark: bool,
          layer: int | None = None) -> str:
     head = f"{'*' if mark else ' '} {tp:>3} {ep:>3}"
@@ -105,8 +131,6 @@ def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *
     except WNA16Error as exc:
         return f"{head}  impossible: {exc}"
     group = c.group_eff if moe.quant.quantized else "float"  # float experts have no groups
-    methods = accepting(VLLM_LAYOUTS, quantized=moe.quant.quantized, padded=any(c.padding),
-                        reduced=moe.quant.quantized and c.group_eff not in (moe.quant.group_size, -1),
-                        asymmetric=moe.quant.quantized and not moe.quant.symmetric)
+    methods = vllm_methods(moe.quant, group_eff=c.group_eff, padded=any(c.padding))
     return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {group:>5}  {c.rank_bytes:>12} "
             f"{c.padding_bytes:>13}  {runs(c.experts):<15}  {runs(c.padding):<27}  {methods}")

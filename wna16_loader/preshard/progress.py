@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import format_ranges
+from .layouts import method_lines
 from .plan import COMMON_DIR, RankPlan, ShardPlan, paddings
 
 
@@ -159,7 +160,13 @@ class ShardSummary:
         rows.append(f"{'total':<24} {sum(r.files for r in self.ranks):>5} {sum(r.tensors for r in self.ranks):>7} "
                     f"{human_size(sum(r.bytes for r in self.ranks)):>10} {'':>{width}} "
                     f"{sum(r.kept for r in self.ranks):>4} {sum(r.seconds for r in self.ranks):>8.2f}")
-        return "\n".join(rows + padding_lines(self.plan))
+        return "\n".join(rows + padding_lines(self.plan) + self._methods())
+
+    def _methods(self) -> list[str]:
+        """Which vLLM methods take the output (a fused one; --layout checkpoint holds source tensors)."""
+        if self.plan.params["layout"] != "fused":
+            return []
+        return method_lines((rank.folder, rank.plans.values()) for rank in self.plan.ranks)
 
 
 def _group_sizes(rank: RankPlan) -> str:
