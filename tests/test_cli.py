@@ -247,10 +247,12 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds", "experts"]
     assert lines[3].split()[:6] == ["rank-00000-of-00002", "1", "7", "13.9", "KiB", "32"]
     assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
-    assert lines[6].startswith(f"verified: {out}: ok: 3 files (") and lines[6].endswith(
+    assert lines[6] == ("vLLM 0.32 methods that take this output: moe_wna16 (as is), auto_awq (re-laid), ct_wna16 "
+                        "(re-laid): every layer of every rank")
+    assert lines[7].startswith(f"verified: {out}: ok: 3 files (") and lines[7].endswith(
         f"19 tensors) match the manifest's sha256; 4 experts in 1 layer(s) equal their tensors converted afresh from "
         f"{source}, 5 common tensors byte-identical")
-    assert lines[7] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=RANK))"
+    assert lines[8] == f"load: load_experts({str(out)!r}, ParallelConfig.from_manifest({str(out)!r}, rank=RANK))"
     assert main(["verify", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "ok: 3 files (" in lines[0] and "KiB on disk, 19 tensors) match" in lines[0]
