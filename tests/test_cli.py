@@ -1,8 +1,11 @@
-"""wna16-shard: --help, exit codes 0/1/2 and messages (through subprocess), plus in-process checks."""
+"""wna16-shard: --help, exit codes 0/1/2 and messages, run as the console script runs `main` (in this
+interpreter; in a fresh one where the process itself is what is tested: the wrapper, a closed pipe, signals)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -12,8 +15,9 @@ from pathlib import Path
 import pytest
 from processes import sigint_default
 
-from wna16_loader import __version__
+from wna16_loader import ParallelConfig, __version__, load_experts
 from wna16_loader.cli import main, parse_size
+from wna16_loader.errors import CheckpointError
 from wna16_loader.formats import FORMATS
 from wna16_loader.preshard import MANIFEST_NAME
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
@@ -21,12 +25,21 @@ from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def cli(*args: str, script: bool = False) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh interpreter (module, or the scripts/ wrapper)."""
-    entry = [str(ROOT / "scripts" / "shard_checkpoint.py")] if script else ["-m", "wna16_loader.cli"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+def cli(*args: str, process: bool = False, script: bool = False) -> subprocess.CompletedProcess:
+    """Run the CLI as the console script does (`main`, its exit code, stdout and stderr): in this interpreter
+    with both streams captured, or with `process` (or `script`: the scripts/ wrapper) in a fresh one."""
+    if process or script:
+        entry = [str(ROOT / "scripts" / "shard_checkpoint.py")] if script else ["-m", "wna16_loader.cli"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.run([sys.executable, *entry, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's --help, --version and usage errors
+            code = exc.code
+    return subprocess.CompletedProcess(["wna16-shard", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture()
@@ -279,7 +292,7 @@ def test_no_quantization_config_names_folder_and_formats(source: Path, tmp_path:
 
 
 def test_version_usage_and_closed_pipe(source: Path, tmp_path: Path) -> None:
-    run = cli("--version")
+    run = cli("--version", process=True)
     assert run.returncode == 0 and run.stdout.strip() == f"wna16-shard (wna16_loader) {__version__}"
     run = cli()
     assert run.returncode == 2 and "wna16-shard verify OUT [--source SRC]" in run.stderr.splitlines()[1]
@@ -430,7 +443,6 @@ def test_include_mtp_on_an_output_written_with_no_mtp(tmp_path: Path, caplog: py
 
     from sources import mtp_checkpoint
 
-    from wna16_loader import ParallelConfig, load_experts
     mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp")
     out = tmp_path / "out"
     assert main([str(tmp_path / "src"), str(out), "--tp", "2", "--no-mtp", "--quiet"]) == 0
@@ -498,12 +510,10 @@ def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     victim = out / "rank-00001-of-00002" / "model.safetensors"
     victim.write_bytes(victim.read_bytes()[:1000])
-    code = ("import sys; from wna16_loader import ParallelConfig, load_experts; "
-            "load_experts(sys.argv[1], ParallelConfig.from_manifest(sys.argv[1], rank=1))")
-    run = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and run.stderr.strip().splitlines()[-1] == (
-        f"wna16_loader.errors.CheckpointError: {victim}: truncated or corrupt (1000 bytes on disk): a file of the "
+    with pytest.raises(CheckpointError) as raised:
+        load_experts(out, ParallelConfig.from_manifest(out, rank=1))
+    assert str(raised.value) == (
+        f"{victim}: truncated or corrupt (1000 bytes on disk): a file of the "
         f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then the wna16-shard "
         f"command that wrote {out} again with --resume: it keeps the intact files and rewrites only the damaged ones.")
     assert f"{victim.relative_to(out)}: " in cli("verify", str(out)).stderr  # what the message says to run

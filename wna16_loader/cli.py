@@ -201,10 +201,21 @@ def run() -> None:
     sys.exit(code)
 
 
+class _StderrLines(logging.Handler):
+    """A log record as one line on the `sys.stderr` of the moment it is emitted (so a caller that redirects
+    stderr around `main()` gets the warnings too; a `StreamHandler` keeps the stream it was made with)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:  # logging's own contract: a failing handler reports, never raises
+            self.handleError(record)
+
+
 def _log_warnings_to_stderr() -> None:
     """Package warnings (e.g. a reduced group size) as `wna16-shard: warning: ...` lines on stderr."""
     if not any(getattr(h, "wna16_cli", False) for h in log.handlers):
-        handler = logging.StreamHandler()
+        handler = _StderrLines()
         handler.setFormatter(logging.Formatter("wna16-shard: warning: %(message)s"))
         handler.setLevel(logging.WARNING)
         handler.wna16_cli = True  # type: ignore[attr-defined]
