@@ -20,7 +20,6 @@ Nothing here branches on a method's name: the loader fills any row through `rela
 from __future__ import annotations
 
 import enum
-import math
 import re
 from dataclasses import dataclass
 
@@ -162,7 +161,3 @@ def evaluate(expr: str, sizes: Sizes) -> int:
 def shape_of(decl: ParamDecl, sizes: Sizes) -> tuple[int, ...]:
     """The concrete shape of `decl` for `sizes`."""
     return tuple(evaluate(dim, sizes) for dim in decl.shape)
-
-
-def nbytes_of(decl: ParamDecl, sizes: Sizes, scale_dtype: torch.dtype) -> int:
-    return math.prod(shape_of(decl, sizes)) * (decl.dtype or scale_dtype).itemsize

@@ -49,6 +49,7 @@ from ..formats.packing import NibbleWords, pack_bytes
 from ..formats.spec import UNQUANTIZED_BITS
 from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, Span, values_per_byte
+from ..storage.index import nbytes_of
 from .copies import place
 from .dequant import DequantizedExperts, dequantize
 from .device import DevicePolicy
@@ -135,6 +136,11 @@ class FusedSpec:
             kind = f"{self.group_label} (not quantized)"
         return (f"{kind}, experts {format_ranges(list(self.experts)) or 'none'}, I {self.intermediate}, "
                 f"I_p {self.part}, padding {self.padding}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every parameter present in this layout (`shapes()`), expert_ids included."""
+        return sum(nbytes_of(shape, dtype) for shape, dtype in self.shapes().values())
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""
