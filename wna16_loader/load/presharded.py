@@ -206,9 +206,7 @@ def finish_layer(result: LoadedExperts, policy: DevicePolicy, prefix: str, spec:
         for name, param in queued.items():
             for read in param.reads:
                 read.result()
-            tensors[name] = param.host if not policy.gpu else policy.empty(tuple(param.host.shape), param.host.dtype)
-            if policy.gpu:
-                policy.send(tensors[name], param.host)
+            tensors[name] = policy.upload(param.host)
     result[prefix] = FusedExperts(prefix, spec, tensors, mtp=prefix in mtp)
 
 
@@ -246,11 +244,7 @@ def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[in
     path, entry = checked_entry(out, name, shape, dtype, located)
     host = policy.host_buffer(shape, dtype)
     read_into(path, entry.begin, host)
-    if not policy.gpu:
-        return host
-    target = policy.empty(shape, dtype)
-    policy.send(target, host)
-    return target
+    return policy.upload(host)
 
 
 def queued_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -271,9 +265,15 @@ def checked_entry(out: str | Path, name: str, shape: tuple[int, ...], dtype: tor
     entry = None if located is None else located[1]
     if located is None or entry.shape != shape or DTYPES.get(entry.dtype) != dtype:
         found = None if entry is None else (list(entry.shape), str(DTYPES.get(entry.dtype, entry.dtype)))
-        raise CheckpointError(f"{out}: tensor {name} should be {list(shape)} {dtype}, found {found}; "
-                              f"run `wna16-shard verify {out}` and re-shard.")
+        raise wrong_tensor(out, name, shape, dtype, found)
     return located
+
+
+def wrong_tensor(out: str | Path, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 found: tuple[list[int], str] | None) -> CheckpointError:
+    """The error for fused tensor `name` of an output that is missing (`found` None) or of another shape/dtype."""
+    return CheckpointError(f"{out}: tensor {name} should be {list(shape)} {dtype}, found {found}; "
+                           f"run `wna16-shard verify {out}` and re-shard.")
 
 
 def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> dict[str, Any]:
@@ -361,8 +361,7 @@ def put_layer(out: str | Path, writer: FusedWriter, tensors: dict[str, torch.Ten
         tensor = tensors.get(f"{prefix}.{name}")
         if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
             found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
-            raise CheckpointError(f"{out}: tensor {prefix}.{name} should be {list(shape)} {dtype}, found {found}; "
-                                  f"run `wna16-shard verify {out}` and re-shard.")
+            raise wrong_tensor(out, f"{prefix}.{name}", shape, dtype, found)
         writer.put_whole(name, tensor)
 
 
