@@ -41,6 +41,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from ..errors import WNA16Error
+
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
@@ -87,10 +89,12 @@ class ReadOptions:
     fill: CacheFill = CacheFill.ADVISE
 
     def __post_init__(self) -> None:
-        for name, least in (("threads", 1), ("ahead", 1), ("request_bytes", ALIGN), ("gap_bytes", 0)):
+        for name, least, why in (("threads", 1, "one request in flight"), ("ahead", 1, "the next layer read ahead"),
+                                 ("request_bytes", ALIGN, f"a request is whole {ALIGN}-byte pages"),
+                                 ("gap_bytes", 0, "a distance in bytes")):
             if getattr(self, name) < least:
-                raise ValueError(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
-                                 f"(a request is whole {ALIGN}-byte pages); pass {name}>={least}.")
+                raise WNA16Error(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
+                                 f"({why}); pass {name}>={least}.")
 
 
 def coalesced(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
