@@ -46,7 +46,7 @@ import torch
 from ..errors import FormatError, format_ranges
 from ..formats import QuantSpec
 from ..formats.packing import NibbleWords, pack_bytes
-from ..formats.spec import UNQUANTIZED_BITS
+from ..formats.spec import UNQUANTIZED_BITS, group_words
 from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, Span, values_per_byte
 from ..storage.index import nbytes_of
@@ -123,15 +123,14 @@ class FusedSpec:
         experts, which have no groups."""
         if not self.quantized:
             return f"float {SHORT_DTYPES.get(self.scale_dtype, str(self.scale_dtype).removeprefix('torch.'))}"
-        return "channelwise" if self.group_size == -1 else str(self.group_size)
+        return group_words(self.group_size, "")
 
     def describe(self) -> str:
         """The layout in words, for reprs: `4-bit quantized, group 32, asymmetric, act-order, experts 0–3, I 768,
         I_p 160, padding 32` (float experts: `float bf16 (not quantized), ...`)."""
         if self.quantized:
-            group = "channelwise" if self.group_size == -1 else f"group {self.group_size}"
-            kind = (f"{self.bits}-bit quantized, {group}, {'asymmetric' if self.has_zero_point else 'symmetric'}"
-                    f"{', act-order' if self.act_order else ''}")
+            kind = (f"{self.bits}-bit quantized, {group_words(self.group_size)}, "
+                    f"{'asymmetric' if self.has_zero_point else 'symmetric'}{', act-order' if self.act_order else ''}")
         else:
             kind = f"{self.group_label} (not quantized)"
         return (f"{kind}, experts {format_ranges(list(self.experts)) or 'none'}, I {self.intermediate}, "
