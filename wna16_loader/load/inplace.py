@@ -78,7 +78,9 @@ def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: 
                                   f"and EP size as the wna16-shard output (or load the checkpoint folder)")
     if spec.quantized != target.layout.quantized:
         raise LayoutMismatchError(f"{prefix}: the engine's MoE method is {target.layout.name} but the checkpoint's "
-                                  f"experts here are {'quantized' if spec.quantized else 'float'}")
+                                  f"experts here are {'quantized' if spec.quantized else 'float'}; load it with the "
+                                  f"engine's own loader (the engine and this checkpoint disagree on which layers "
+                                  f"are quantized)")
     decls, sizes = target.layout.filled(spec.has_zero_point), layer_sizes(spec, group_size)
     wrong = [f"{d.name} {list(target.params[d.name].shape)} (declared {list(d.shape)} = {list(shape_of(d, sizes))})"
              for d in decls if d.name in target.params and tuple(target.params[d.name].shape) != shape_of(d, sizes)]
