@@ -170,11 +170,23 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     policy = DevicePolicy.of(device)
     rank = rank_record(out, parallel, include_mtp=include_mtp)
     located, nbytes = locate_rank(out, rank)
+    result = read_layers(out, policy, rank_specs(rank, include_mtp=include_mtp), located, reads, mtp=mtp_layers(rank))
+    policy.synchronize()
+    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
+                               tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
+                               seconds=time.perf_counter() - start)
+    rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
+    return result
+
+
+def read_layers(out: str | Path, policy: DevicePolicy, specs: dict[str, FusedSpec], located: dict[str, Located],
+                reads: ReadOptions, *, mtp: frozenset[str]) -> LoadedExperts:
+    """Every layer of `specs`, in order: each layer's preads queued on `reads.threads` workers (one when reads
+    are disabled), at most `reads.ahead` layers queued beyond the one being finished (`finish_layer`)."""
     result = LoadedExperts()
-    mtp = mtp_layers(rank)
     pending: list[tuple[str, FusedSpec, dict[str, QueuedParam]]] = []
     with ThreadPoolExecutor(reads.threads if reads.enabled else 1, thread_name_prefix="wna16-read") as workers:
-        for prefix, spec in rank_specs(rank, include_mtp=include_mtp).items():
+        for prefix, spec in specs.items():
             with policy.scope():
                 pending.append((prefix, spec, {name: queued_param(out, policy, f"{prefix}.{name}", shape, dtype,
                                                                   located.get(f"{prefix}.{name}"), workers, reads)
@@ -183,11 +195,6 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
                 finish_layer(result, policy, *pending.pop(0), mtp=mtp)
         while pending:
             finish_layer(result, policy, *pending.pop(0), mtp=mtp)
-    policy.synchronize()
-    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
-                               tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
-                               seconds=time.perf_counter() - start)
-    rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
     return result
 
 
