@@ -38,7 +38,7 @@ from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import read_into
 from ..storage.header import HeaderEntry, read_header
 from ..storage.index import DTYPES, ITEMSIZES
-from ..storage.readahead import ReadOptions, pieces
+from ..storage.readahead import ReadOptions, byte_view, pieces
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .results import LoadedExperts, LoadReport
@@ -261,7 +261,7 @@ def queued_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[
     `reads.request_bytes`."""
     path, entry = checked_entry(out, name, shape, dtype, located)
     host = policy.host_buffer(shape, dtype)
-    flat = host.view(-1).view(torch.uint8) if host.numel() else host.view(torch.uint8)
+    flat = byte_view(host)
     return QueuedParam(host, [workers.submit(read_into, path, entry.begin + begin, flat[begin:end])
                               for begin, end in pieces(0, len(flat), reads.request_bytes)])
 

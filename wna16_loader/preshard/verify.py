@@ -18,6 +18,7 @@ from ..load.fused import FusedExperts
 from ..load.presharded import load_presharded, read_manifest
 from ..parallel.config import ParallelConfig
 from ..storage.index import CheckpointIndex
+from ..storage.readahead import byte_view
 from .manifest import tensor_record
 from .plan import fingerprint_differences, make_plan, source_fingerprint
 from .progress import human_size
@@ -133,8 +134,7 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaNs and signed zeros compared as bytes, not as numbers)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    raw = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
-    return torch.equal(raw(a), raw(b))
+    return torch.equal(*(byte_view(t.detach().cpu().contiguous()) for t in (a, b)))
 
 
 def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:

@@ -279,11 +279,11 @@ class ReadAhead:
         view = memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin]
         direct = self.options.direct and bool(DIRECT)
         try:
-            _read_fully(self._fd(region.path, direct), view, begin, direct)
+            read_fully(self._fd(region.path, direct), view, begin, direct)
         except OSError:
             if not direct:
                 raise
-            _read_fully(self._fd(region.path, False), view, begin)
+            read_fully(self._fd(region.path, False), view, begin)
 
     def _cached(self, path: Path, begin: int, end: int) -> bool:
         """Whether most pages of file bytes [begin, end) are in the page cache (mincore over a private
@@ -313,7 +313,7 @@ class ReadAhead:
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None:
             scratch = self._scratch.buffer = bytearray(self._step)
-        _read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
+        read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
 
     def close(self) -> None:
         """Stop reading ahead (requests not started are dropped), wait for those running, close the files."""
@@ -329,13 +329,19 @@ class ReadAhead:
         self._maps.clear()
 
 
-def _read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> None:
+def read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> int:
     """Fill `view` from byte `at` of `fd`, stopping early only at the end of the file (a direct read that
-    comes back short has reached it: its next offset would not be aligned)."""
+    comes back short has reached it: its next offset would not be aligned); the bytes read."""
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], at + done)
         if got <= 0 or (direct and got % ALIGN):
-            return
+            return done + max(got, 0)
         done += got
+    return done
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as one flat uint8 view of its memory (no copy)."""
+    return tensor.view(-1).view(torch.uint8)
 
