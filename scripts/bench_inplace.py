@@ -51,8 +51,7 @@ def targets_for(src: Path, parallel: ParallelConfig, row_name: str) -> tuple[dic
                       for d in row.filled(plan.fused.has_zero_point)}
             targets[plan.prefix] = LayerTarget(row, params, plan.fused.experts)
             params_bytes += sum(t.numel() * t.element_size() for t in params.values())
-            layer_bytes = max(layer_bytes, sum(torch.Size(s).numel() * d.itemsize
-                                               for s, d in plan.fused.shapes().values()))
+            layer_bytes = max(layer_bytes, plan.fused.nbytes)
     return targets, params_bytes, layer_bytes
 
 

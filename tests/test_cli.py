@@ -16,7 +16,7 @@ import pytest
 from processes import sigint_default
 
 from wna16_loader import ParallelConfig, __version__, load_experts
-from wna16_loader.cli import main, parse_size
+from wna16_loader.cli import interrupted_line, main, parse_size
 from wna16_loader.errors import CheckpointError
 from wna16_loader.formats import FORMATS
 from wna16_loader.preshard import MANIFEST_NAME
@@ -373,6 +373,14 @@ def test_ctrl_c_after_the_last_file_is_one_line_and_exit_130(source: Path, tmp_p
     again = cli(str(source), str(out), "--tp", "2", "--resume")
     assert again.returncode == 0 and again.stderr == "", again.stderr
     assert again.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")
+
+
+def test_the_interrupted_line_of_a_verify_says_nothing_changed_wherever_the_ctrl_c_lands() -> None:
+    """main's own Ctrl-C line and run()'s (a Ctrl-C as main returns) are one answer: verify only reads."""
+    assert interrupted_line(["verify", "out"]) == ("wna16-shard verify: interrupted (it only reads: nothing "
+                                                   "changed); re-run it")
+    assert interrupted_line(["src", "out", "--tp", "2"]) == ("wna16-shard: interrupted; re-run the same command "
+                                                             "(with --resume when it had started writing)")
 
 
 MIXED = ROOT / "tests" / "fixtures" / "gptq_dynamic_mixed" / "checkpoint"  # layers 4-bit g32, 8-bit g64, float16

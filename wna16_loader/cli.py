@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from typing import IO
 
 from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
@@ -165,19 +166,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wna16-shard: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:  # Ctrl-C: one line saying how far it got (ShardInterrupted) and how to go on
-        if isinstance(exc, ShardInterrupted):
-            print(f"wna16-shard: {exc}", file=sys.stderr)
-        elif argv[:1] == ["verify"]:
-            print("wna16-shard verify: interrupted (it only reads: nothing changed); re-run it", file=sys.stderr)
-        else:
-            print(INTERRUPTED, file=sys.stderr)
+        print(f"wna16-shard: {exc}" if isinstance(exc, ShardInterrupted) else interrupted_line(argv), file=sys.stderr)
         return 130
     except BrokenPipeError:  # the reader went away (e.g. `| head`): stop writing, no traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _to_devnull(sys.stdout)
         return 0
 
 
 INTERRUPTED = "wna16-shard: interrupted; re-run the same command (with --resume when it had started writing)"
+
+
+def interrupted_line(argv: list[str]) -> str:
+    """The line a Ctrl-C prints for the command `argv` (verify only reads; a shard run may resume)."""
+    if argv[:1] == ["verify"]:
+        return "wna16-shard verify: interrupted (it only reads: nothing changed); re-run it"
+    return INTERRUPTED
+
+
+def _to_devnull(stream: IO[str]) -> None:
+    """Point `stream`'s file descriptor at /dev/null (its reader went away: later writes and flushes must not fail)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
 
 
 def run() -> None:
@@ -192,12 +200,12 @@ def run() -> None:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt:
-        print(INTERRUPTED, file=sys.stderr)
+        print(interrupted_line(sys.argv[1:]), file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (BrokenPipeError, OSError):  # the reader went away: nothing more to say, and the
-            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())  # interpreter's last flush must not fail
+            _to_devnull(stream)  # interpreter's last flush must not fail
     sys.exit(code)
 
 

@@ -28,7 +28,7 @@ from wna16_loader.load.params import CANONICAL
 from wna16_loader.load.plan import LayerPlan, plan_layers
 from wna16_loader.models.config import read_config_files
 from wna16_loader.models.names import Proj
-from wna16_loader.storage.index import CheckpointIndex, nbytes_of
+from wna16_loader.storage.index import CheckpointIndex
 
 SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # suite_scale: MoE layers of each real-scale size
 # suite_names: DeepSeek-V3's tensor list at tiny sizes (decoder layers, dense ones, experts, H, I, G)
@@ -74,11 +74,7 @@ def expert_bytes(path: Path, parallel: ParallelConfig) -> int:
 def fused_bytes(path: Path, parallel: ParallelConfig) -> int:
     """Bytes of the fused output of `parallel`'s rank."""
     _, plans = plans_for(path, parallel)
-    total = 0
-    for plan in plans:
-        for shape, dtype in plan.fused.shapes().values():
-            total += nbytes_of(shape, dtype)
-    return total
+    return sum(plan.fused.nbytes for plan in plans)
 
 
 def run_floor(path: Path, tensors: dict[str, list[str]]) -> list[torch.Tensor]:

@@ -84,6 +84,6 @@ def test_reduced_groups_are_taken_back_to_the_checkpoint_group_size():
     param = torch.empty(2, 6, 4, dtype=torch.float16)
     fill_param(param, decl, fused, bits=4)
     assert torch.equal(param, fused[..., ::2].transpose(1, 2))
-    with pytest.raises(LayoutMismatchError, match=r"w13_scales: the fused layer has 12 groups, the engine's "
+    with pytest.raises(LayoutMismatchError, match=r"^layer\.w13_scales: the fused layer has 12 groups, the engine's "
                        r"parameter 5; 12 is not a multiple of 5"):
-        fill_param(torch.empty(2, 5, 4, dtype=torch.float16), decl, fused, bits=4)
+        fill_param(torch.empty(2, 5, 4, dtype=torch.float16), decl, fused, bits=4, label="layer")

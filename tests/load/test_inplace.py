@@ -88,5 +88,5 @@ def test_other_experts_or_shapes_are_refused_by_name(source):
         fill_layers(folder, config, wrong)
     floats = {p: LayerTarget(UNQUANTIZED, t.params, t.experts) for p, t in good.items()}
     with pytest.raises(LayoutMismatchError, match=r"the engine's MoE method is unquantized but the checkpoint's "
-                       r"experts here are quantized"):
+                       r"experts here are quantized; load it with the engine's own loader"):
         fill_layers(folder, config, floats)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from wna16_loader.errors import WNA16Error
 from wna16_loader.storage import readahead
 from wna16_loader.storage.filemap import MappedFile
 from wna16_loader.storage.index import ITEMSIZES
@@ -219,8 +220,9 @@ def test_buffers_are_aligned_and_reused() -> None:
 
 
 def test_options_refuse_sizes_that_cannot_work() -> None:
-    with pytest.raises(ValueError, match=r"^ReadOptions: threads=0 but at least 1 is needed .*; pass threads>=1\.$"):
+    with pytest.raises(WNA16Error, match=r"^ReadOptions: threads=0 but at least 1 is needed \(one request in "
+                                         r"flight\); pass threads>=1\.$"):
         ReadOptions(threads=0)
-    with pytest.raises(ValueError, match=r"ReadOptions: request_bytes=100 but at least 4096 is needed \(a request "
+    with pytest.raises(WNA16Error, match=r"ReadOptions: request_bytes=100 but at least 4096 is needed \(a request "
                                          r"is whole 4096-byte pages\); pass request_bytes>=4096\."):
         ReadOptions(request_bytes=100)

@@ -107,9 +107,8 @@ class QuantSpec:
         """e.g. `gptq 4-bit g128 asym act-order`, or `not quantized (float weights)`."""
         if not self.quantized:
             return "not quantized (float weights)"
-        group = "channelwise" if self.group_size == -1 else f"g{self.group_size}"
-        return " ".join([self.format_name, f"{self.bits}-bit", group, "sym" if self.symmetric else "asym"]
-                        + (["act-order"] if self.act_order else []))
+        return " ".join([self.format_name, f"{self.bits}-bit", group_words(self.group_size, "g"),
+                         "sym" if self.symmetric else "asym"] + (["act-order"] if self.act_order else []))
 
     @property
     def pack_factor(self) -> int:
@@ -136,6 +135,11 @@ class QuantSpec:
         if layout.need is Need.ACT_ORDER:
             return self.act_order
         return True
+
+
+def group_words(group_size: int, unit: str = "group ") -> str:
+    """A group size in words: `channelwise` for -1, else `unit` and the size (`group 128`, `g128`, `128`)."""
+    return "channelwise" if group_size == -1 else f"{unit}{group_size}"
 
 
 UNQUANTIZED_BITS = 16

@@ -31,13 +31,14 @@ def fill_param(param: torch.Tensor, decl: ParamDecl, fused: torch.Tensor | None,
                shape_nk: tuple[int, int] = (0, 0), label: str = "") -> None:
     """Write `decl`'s values made from one half's fused tensor `fused` (None: a symmetric layer's absent
     zero points, or a SHAPE parameter) into `param` [E_l, ...], `EXPERT_CHUNK` experts at a time."""
+    name = f"{label}.{decl.name}"
     for first in range(0, param.shape[0], EXPERT_CHUNK):
         rows = slice(first, min(first + EXPERT_CHUNK, param.shape[0]))
         target = param[rows]
         value = _CONVERT[(decl.source, decl.packing)](decl, None if fused is None else fused[rows], target, bits,
-                                                      shape_nk)
+                                                      shape_nk, name)
         if tuple(value.shape) != tuple(target.shape):
-            raise LayoutMismatchError(f"{label}.{decl.name}: the engine's parameter holds {list(target.shape)} per "
+            raise LayoutMismatchError(f"{name}: the engine's parameter holds {list(target.shape)} per "
                                       f"{target.shape[0]} experts, the rank's slice re-laid as {decl.shape} is "
                                       f"{list(value.shape)}; load it with the engine's own loader or re-shard it "
                                       f"for the engine's TP/EP sizes")
@@ -59,25 +60,27 @@ def _regrouped(value: torch.Tensor, groups: int, label: str) -> torch.Tensor:
     return value[..., :: have // groups]
 
 
-def _as_is(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk) -> torch.Tensor:
+def _as_is(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk, _name) -> torch.Tensor:
     return fused
 
 
-def _k_words(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk) -> torch.Tensor:
+def _k_words(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk, _name) -> torch.Tensor:
     return _oriented(decl, fused.contiguous().view(torch.int32))
 
 
-def _qweight_n_words(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk) -> torch.Tensor:
+def _qweight_n_words(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk,
+                     _name) -> torch.Tensor:
     values = unpack_bytes(fused, bits=bits, dim=-1)  # [E_c, N, K]
     return _oriented(decl, pack_words(values, bits=bits, dim=1, slot_order=decl.slot_order))
 
 
-def _scales(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk) -> torch.Tensor:
+def _scales(decl: ParamDecl, fused: torch.Tensor, target: torch.Tensor, bits: int, _nk, name: str) -> torch.Tensor:
     groups = target.shape[1] if decl.order is Order.K_MAJOR else target.shape[2]
-    return _oriented(decl, _regrouped(fused, groups, decl.name))
+    return _oriented(decl, _regrouped(fused, groups, name))
 
 
-def _zero_words(decl: ParamDecl, fused: torch.Tensor | None, target: torch.Tensor, bits: int, _nk) -> torch.Tensor:
+def _zero_words(decl: ParamDecl, fused: torch.Tensor | None, target: torch.Tensor, bits: int, _nk,
+                name: str) -> torch.Tensor:
     per_word = 32 // bits
     k_major = decl.order is Order.K_MAJOR
     n, groups = (target.shape[2] * per_word, target.shape[1]) if k_major else (target.shape[1] * per_word,
@@ -85,7 +88,7 @@ def _zero_words(decl: ParamDecl, fused: torch.Tensor | None, target: torch.Tenso
     if fused is None:  # symmetric: the midpoint every kernel assumes
         values = torch.full((target.shape[0], n, groups), 1 << (bits - 1), dtype=torch.uint8, device=target.device)
     else:
-        values = _regrouped(unpack_bytes(fused, bits=bits, dim=1), groups, decl.name)
+        values = _regrouped(unpack_bytes(fused, bits=bits, dim=1), groups, name)
     words = pack_words(values, bits=bits, dim=1, slot_order=decl.slot_order)
     if decl.zero_offset:
         wide = (words.to(torch.int64) - decl.zero_offset * word_bias(bits)) % (1 << 32)
@@ -93,11 +96,13 @@ def _zero_words(decl: ParamDecl, fused: torch.Tensor | None, target: torch.Tenso
     return _oriented(decl, words)
 
 
-def _shape(decl: ParamDecl, fused: None, target: torch.Tensor, bits: int, shape_nk: tuple[int, int]) -> torch.Tensor:
+def _shape(decl: ParamDecl, fused: None, target: torch.Tensor, bits: int, shape_nk: tuple[int, int],
+           _name) -> torch.Tensor:
     return torch.tensor(shape_nk, dtype=target.dtype, device=target.device).expand(target.shape[0], 2)
 
 
-Converter = Callable[[ParamDecl, torch.Tensor | None, torch.Tensor, int, tuple[int, int]], torch.Tensor]
+# (decl, the fused half's rows or None, the parameter's rows, bits, the checkpoint's [N, K], the full tensor name)
+Converter = Callable[[ParamDecl, torch.Tensor | None, torch.Tensor, int, tuple[int, int], str], torch.Tensor]
 _CONVERT: dict[tuple[Source, Packing], Converter] = {
     (Source.QWEIGHT, Packing.BYTES): _as_is,
     (Source.QWEIGHT, Packing.K_WORDS): _k_words,

@@ -12,7 +12,7 @@ the fused tensor it is made from, its logical shape, and how its values are laid
 | `packing`   | BYTES: the fused bytes as they are; K_WORDS: int32 words packed along K (the fused bytes read as words); N_WORDS: int32 words packed along N in `slot_order`; NONE: unpacked values |
 | `zero_offset` | what a zero-point word stores: z - offset in every field, subtracted from whole words (GPTQ v1: 1) |
 | `need`      | when the parameter is filled: always, with zero points (asymmetric) or always, filling a symmetric layer's midpoint |
-| `tp_dim`    | the dim the TP cut splits (the one holding I_p, or None: whole on every rank); the EP cut splits dim 0 (E) |
+| `tp_dim`    | (derived from `half` and `order`) the dim the TP cut splits, the one holding I_p: w13's N, w2's K; None for SHAPE (whole on every rank); the EP cut splits dim 0 (E) |
 
 Nothing here branches on a method's name: the loader fills any row through `relayout.fill_param`.
 """
@@ -20,7 +20,6 @@ Nothing here branches on a method's name: the loader fills any row through `rela
 from __future__ import annotations
 
 import enum
-import math
 import re
 from dataclasses import dataclass
 
@@ -78,8 +77,16 @@ class ParamDecl:
     slot_order: tuple[int, ...] | None = None
     zero_offset: int = 0
     need: Need = Need.ALWAYS
-    tp_dim: int | None = None
-    ep_dim: int = 0
+
+    @property
+    def tp_dim(self) -> int | None:
+        """The dim the TP cut splits: w13's N (dim 1 N-major, 2 K-major), w2's K (2 N-major, 1 K-major); None for a
+        SHAPE parameter, whole on every rank. Derived, so that no row can declare a cut its order contradicts."""
+        if self.source is Source.SHAPE:
+            return None
+        return 1 if (self.half is Half.W13) == (self.order is Order.N_MAJOR) else 2
+
+    ep_dim = property(lambda self: 0, doc="The dim the EP cut splits: E, the first of every parameter.")
 
 
 @dataclass(frozen=True)
@@ -162,7 +169,3 @@ def evaluate(expr: str, sizes: Sizes) -> int:
 def shape_of(decl: ParamDecl, sizes: Sizes) -> tuple[int, ...]:
     """The concrete shape of `decl` for `sizes`."""
     return tuple(evaluate(dim, sizes) for dim in decl.shape)
-
-
-def nbytes_of(decl: ParamDecl, sizes: Sizes, scale_dtype: torch.dtype) -> int:
-    return math.prod(shape_of(decl, sizes)) * (decl.dtype or scale_dtype).itemsize

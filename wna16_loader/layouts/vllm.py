@@ -30,7 +30,7 @@ K_MAJOR = Order.K_MAJOR
 def _fused(name: str, half: Half, source: Source, shape: tuple[str, ...], dtype: torch.dtype | None, *,
            need: Need = Need.ALWAYS, packing: Packing = Packing.BYTES) -> ParamDecl:
     """A parameter that is the fused tensor as it is (TP cut: N of w13, K of w2)."""
-    return ParamDecl(name, half, source, shape, dtype, packing=packing, need=need, tp_dim=1 if half is W13 else 2)
+    return ParamDecl(name, half, source, shape, dtype, packing=packing, need=need)
 
 
 MOE_WNA16 = MethodLayout("moe_wna16", "vllm", (
@@ -49,7 +49,7 @@ def _k_major(name: str, half: Half, source: Source, shape: tuple[str, ...], dtyp
              need: Need = Need.ALWAYS) -> ParamDecl:
     """A parameter in the checkpoint's K-major orientation [E, X, N] (TP cut: N of w13, X of w2)."""
     return ParamDecl(name, half, source, shape, dtype, order=K_MAJOR, packing=packing, slot_order=slot_order,
-                     zero_offset=zero_offset, need=need, tp_dim=2 if half is W13 else 1)
+                     zero_offset=zero_offset, need=need)
 
 
 AUTO_GPTQ = MethodLayout("auto_gptq", "vllm", (

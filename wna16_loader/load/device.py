@@ -74,10 +74,6 @@ class DevicePolicy:
             return torch.empty(shape, dtype=dtype, device=self.target)
         return torch.empty(shape, dtype=dtype, pin_memory=self.gpu and not name.endswith("_qweight"))
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An empty tensor on the target (written by `send` or on the device)."""
-        return torch.empty(shape, dtype=dtype, device=self.target)
-
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy reads from (pinned for a GPU)."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.gpu)

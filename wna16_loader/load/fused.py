@@ -46,9 +46,10 @@ import torch
 from ..errors import FormatError, format_ranges
 from ..formats import QuantSpec
 from ..formats.packing import NibbleWords, pack_bytes
-from ..formats.spec import UNQUANTIZED_BITS
+from ..formats.spec import UNQUANTIZED_BITS, group_words
 from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, Span, values_per_byte
+from ..storage.index import nbytes_of
 from .copies import place
 from .dequant import DequantizedExperts, dequantize
 from .device import DevicePolicy
@@ -122,19 +123,23 @@ class FusedSpec:
         experts, which have no groups."""
         if not self.quantized:
             return f"float {SHORT_DTYPES.get(self.scale_dtype, str(self.scale_dtype).removeprefix('torch.'))}"
-        return "channelwise" if self.group_size == -1 else str(self.group_size)
+        return group_words(self.group_size, "")
 
     def describe(self) -> str:
         """The layout in words, for reprs: `4-bit quantized, group 32, asymmetric, act-order, experts 0–3, I 768,
         I_p 160, padding 32` (float experts: `float bf16 (not quantized), ...`)."""
         if self.quantized:
-            group = "channelwise" if self.group_size == -1 else f"group {self.group_size}"
-            kind = (f"{self.bits}-bit quantized, {group}, {'asymmetric' if self.has_zero_point else 'symmetric'}"
-                    f"{', act-order' if self.act_order else ''}")
+            kind = (f"{self.bits}-bit quantized, {group_words(self.group_size)}, "
+                    f"{'asymmetric' if self.has_zero_point else 'symmetric'}{', act-order' if self.act_order else ''}")
         else:
             kind = f"{self.group_label} (not quantized)"
         return (f"{kind}, experts {format_ranges(list(self.experts)) or 'none'}, I {self.intermediate}, "
                 f"I_p {self.part}, padding {self.padding}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every parameter present in this layout (`shapes()`), expert_ids included."""
+        return sum(nbytes_of(shape, dtype) for shape, dtype in self.shapes().values())
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every parameter present in this layout."""

@@ -40,6 +40,11 @@ class LayerTarget:
     params: Mapping[str, torch.Tensor]
     experts: tuple[int, ...]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the engine's parameters live (the first one's device)."""
+        return next(iter(self.params.values())).device
+
 
 @dataclass(frozen=True)
 class FillReport:
@@ -73,7 +78,9 @@ def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: 
                                   f"and EP size as the wna16-shard output (or load the checkpoint folder)")
     if spec.quantized != target.layout.quantized:
         raise LayoutMismatchError(f"{prefix}: the engine's MoE method is {target.layout.name} but the checkpoint's "
-                                  f"experts here are {'quantized' if spec.quantized else 'float'}")
+                                  f"experts here are {'quantized' if spec.quantized else 'float'}; load it with the "
+                                  f"engine's own loader (the engine and this checkpoint disagree on which layers "
+                                  f"are quantized)")
     decls, sizes = target.layout.filled(spec.has_zero_point), layer_sizes(spec, group_size)
     wrong = [f"{d.name} {list(target.params[d.name].shape)} (declared {list(d.shape)} = {list(shape_of(d, sizes))})"
              for d in decls if d.name in target.params and tuple(target.params[d.name].shape) != shape_of(d, sizes)]
@@ -89,9 +96,8 @@ def staging_of(target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...
     """The engine's parameters as the fused writer's staging (every one a fused tensor as it is), or None."""
     if not target.layout.fused_as_is:
         return None
-    device = next(iter(target.params.values())).device
     staging = {fused_name(d): target.params[d.name] for d in decls}
-    staging["expert_ids"] = torch.empty(len(spec.experts), dtype=torch.int32, device=device)
+    staging["expert_ids"] = torch.empty(len(spec.experts), dtype=torch.int32, device=target.device)
     return staging
 
 
@@ -119,12 +125,11 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
             target = targets[plan.prefix]
             decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
             staging = staging_of(target, plan.fused, decls)
-            device = next(iter(target.params.values())).device
             with torch.no_grad():
-                fused, _, _ = load_layer(index, moe, plan, device, False, staging=staging)
+                fused, _, _ = load_layer(index, moe, plan, target.device, False, staging=staging)
             if staging is None:
                 relay(plan.prefix, target, decls, fused)
-                scratch = max(scratch, sum(t.numel() * t.element_size() for t in fused.tensors.values()))
+                scratch = max(scratch, fused.spec.nbytes)
             filled[plan.prefix] = target.layout.name
             del fused
         return FillReport(filled, scan.others, scratch)
@@ -171,7 +176,7 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
             tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
                        for name, (shape, dtype) in shapes.items()}
             relay(prefix, target, decls, FusedTensors(prefix, spec, tensors))
-            scratch = max(scratch, sum(t.numel() * t.element_size() for t in tensors.values()))
+            scratch = max(scratch, spec.nbytes)
             del tensors  # freed before the next layer's scratch is read
         filled[prefix] = target.layout.name
     return FillReport(filled, (), scratch)

@@ -38,7 +38,7 @@ from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import read_into
 from ..storage.header import HeaderEntry, read_header
 from ..storage.index import DTYPES, ITEMSIZES
-from ..storage.readahead import ReadOptions, pieces
+from ..storage.readahead import ReadOptions, byte_view, pieces
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .results import LoadedExperts, LoadReport
@@ -170,11 +170,23 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
     policy = DevicePolicy.of(device)
     rank = rank_record(out, parallel, include_mtp=include_mtp)
     located, nbytes = locate_rank(out, rank)
+    result = read_layers(out, policy, rank_specs(rank, include_mtp=include_mtp), located, reads, mtp=mtp_layers(rank))
+    policy.synchronize()
+    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
+                               tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
+                               seconds=time.perf_counter() - start)
+    rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
+    return result
+
+
+def read_layers(out: str | Path, policy: DevicePolicy, specs: dict[str, FusedSpec], located: dict[str, Located],
+                reads: ReadOptions, *, mtp: frozenset[str]) -> LoadedExperts:
+    """Every layer of `specs`, in order: each layer's preads queued on `reads.threads` workers (one when reads
+    are disabled), at most `reads.ahead` layers queued beyond the one being finished (`finish_layer`)."""
     result = LoadedExperts()
-    mtp = mtp_layers(rank)
     pending: list[tuple[str, FusedSpec, dict[str, QueuedParam]]] = []
     with ThreadPoolExecutor(reads.threads if reads.enabled else 1, thread_name_prefix="wna16-read") as workers:
-        for prefix, spec in rank_specs(rank, include_mtp=include_mtp).items():
+        for prefix, spec in specs.items():
             with policy.scope():
                 pending.append((prefix, spec, {name: queued_param(out, policy, f"{prefix}.{name}", shape, dtype,
                                                                   located.get(f"{prefix}.{name}"), workers, reads)
@@ -183,11 +195,6 @@ def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.
                 finish_layer(result, policy, *pending.pop(0), mtp=mtp)
         while pending:
             finish_layer(result, policy, *pending.pop(0), mtp=mtp)
-    policy.synchronize()
-    result.report = LoadReport(layers=len(result), experts=sum(len(l.spec.experts) for l in result.values()),
-                               tensors=len(located), bytes_read=nbytes, bytes_written=nbytes,
-                               seconds=time.perf_counter() - start)
-    rank_logger(parallel).info("loaded from the wna16-shard output %s: %s", out, result.report)
     return result
 
 
@@ -206,9 +213,7 @@ def finish_layer(result: LoadedExperts, policy: DevicePolicy, prefix: str, spec:
         for name, param in queued.items():
             for read in param.reads:
                 read.result()
-            tensors[name] = param.host if not policy.gpu else policy.empty(tuple(param.host.shape), param.host.dtype)
-            if policy.gpu:
-                policy.send(tensors[name], param.host)
+            tensors[name] = policy.upload(param.host)
     result[prefix] = FusedExperts(prefix, spec, tensors, mtp=prefix in mtp)
 
 
@@ -246,11 +251,7 @@ def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[in
     path, entry = checked_entry(out, name, shape, dtype, located)
     host = policy.host_buffer(shape, dtype)
     read_into(path, entry.begin, host)
-    if not policy.gpu:
-        return host
-    target = policy.empty(shape, dtype)
-    policy.send(target, host)
-    return target
+    return policy.upload(host)
 
 
 def queued_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -260,7 +261,7 @@ def queued_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[
     `reads.request_bytes`."""
     path, entry = checked_entry(out, name, shape, dtype, located)
     host = policy.host_buffer(shape, dtype)
-    flat = host.view(-1).view(torch.uint8) if host.numel() else host.view(torch.uint8)
+    flat = byte_view(host)
     return QueuedParam(host, [workers.submit(read_into, path, entry.begin + begin, flat[begin:end])
                               for begin, end in pieces(0, len(flat), reads.request_bytes)])
 
@@ -271,9 +272,15 @@ def checked_entry(out: str | Path, name: str, shape: tuple[int, ...], dtype: tor
     entry = None if located is None else located[1]
     if located is None or entry.shape != shape or DTYPES.get(entry.dtype) != dtype:
         found = None if entry is None else (list(entry.shape), str(DTYPES.get(entry.dtype, entry.dtype)))
-        raise CheckpointError(f"{out}: tensor {name} should be {list(shape)} {dtype}, found {found}; "
-                              f"run `wna16-shard verify {out}` and re-shard.")
+        raise wrong_tensor(out, name, shape, dtype, found)
     return located
+
+
+def wrong_tensor(out: str | Path, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 found: tuple[list[int], str] | None) -> CheckpointError:
+    """The error for fused tensor `name` of an output that is missing (`found` None) or of another shape/dtype."""
+    return CheckpointError(f"{out}: tensor {name} should be {list(shape)} {dtype}, found {found}; "
+                           f"run `wna16-shard verify {out}` and re-shard.")
 
 
 def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> dict[str, Any]:
@@ -361,8 +368,7 @@ def put_layer(out: str | Path, writer: FusedWriter, tensors: dict[str, torch.Ten
         tensor = tensors.get(f"{prefix}.{name}")
         if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != dtype:
             found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
-            raise CheckpointError(f"{out}: tensor {prefix}.{name} should be {list(shape)} {dtype}, found {found}; "
-                                  f"run `wna16-shard verify {out}` and re-shard.")
+            raise wrong_tensor(out, f"{prefix}.{name}", shape, dtype, found)
         writer.put_whole(name, tensor)
 
 

@@ -35,7 +35,7 @@ def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes:
                 spans[key] = span_of(0, ref.shape, ref.dtype.itemsize, cut)
             low, high, nbytes = spans[key]
             if nbytes:
-                begin = ref.begin if ref.begin >= 0 else index.begin(ref.name)
+                begin = index.first_byte(ref)
                 path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
                 out.append(PlannedRange(path, begin + low, begin + high, high - low > nbytes))
     return out

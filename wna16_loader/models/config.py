@@ -146,6 +146,12 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return decoder_config(config, _row(config))[0]
 
 
+def embedded_qconfig(config: dict[str, Any], text: dict[str, Any]) -> dict[str, Any] | None:
+    """The quantization_config that config.json itself holds: the decoder's (`text`, see `text_config`), else the
+    top level's; None when neither holds one."""
+    return text.get("quantization_config") or config.get("quantization_config")
+
+
 def _row(config: dict[str, Any]) -> Family:
     nested = [config[k].get("model_type") for k in GENERIC.nested if isinstance(config.get(k), dict)]
     return family_of(config.get("model_type"), *nested)
@@ -223,7 +229,7 @@ def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = 
     """Resolve a parsed config.json (and optionally a separate quantization config)."""
     family = _row(config)
     text, where = decoder_config(config, family)
-    qconfig = qconfig or text.get("quantization_config") or config.get("quantization_config")
+    qconfig = qconfig or embedded_qconfig(config, text)
     if qconfig is None:
         raise ConfigError("config.json has no quantization_config, and no quantize_config.json or "
                           "quant_config.json was found; this is not a WNA16-quantized checkpoint.")
@@ -298,8 +304,8 @@ def read_config_files(folder: str | Path) -> MoEConfig:
     folder = Path(folder)
     check_config_present(folder)
     config = load_json(folder / "config.json")
-    qconfig, where = None, f"{folder / 'config.json'}: quantization_config"
-    if "quantization_config" not in text_config(config) and "quantization_config" not in config:
+    text, qconfig, where = text_config(config), None, f"{folder / 'config.json'}: quantization_config"
+    if "quantization_config" not in text and "quantization_config" not in config:
         for name, method in QUANT_FILES.items():
             if (folder / name).is_file():
                 qconfig, where = {"quant_method": method, **load_json(folder / name)}, str(folder / name)
@@ -308,7 +314,7 @@ def read_config_files(folder: str | Path) -> MoEConfig:
             raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
                               f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
                               f"formats: {accepted_formats()}.")
-    found = qconfig or text_config(config).get("quantization_config") or config.get("quantization_config")
+    found = qconfig or embedded_qconfig(config, text)
     if found is not None:  # the format checked first, so that its errors name the file
         format_of(found, where=where)
     return resolve_moe_config(config, qconfig)

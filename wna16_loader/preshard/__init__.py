@@ -23,13 +23,15 @@ Modules, one job each (imports point down this list):
 | module     | job                                                                  |
 |------------|----------------------------------------------------------------------|
 | safefiles  | temporary name + fsync + rename, the output lock, write errors       |
-| planning   | the plan from headers: ranks, files, size caps, source fingerprint   |
+| slices     | `--layout checkpoint`: each rank's slices of the source tensors      |
+| plan       | the plan from headers: ranks, files, size caps, source fingerprint   |
+| layouts    | `--plan`: G_eff, padding and bytes per rank of every TP size; which  |
+|            | vLLM methods take a layout                                           |
 | progress   | the plan in words, progress lines or bar, the summary table          |
-| journal    | the plan file, the resume journal, refusing foreign outputs          |
 | manifest   | the manifest's records (tensors, layers, source account)             |
+| journal    | the plan file, the resume journal, refusing foreign outputs          |
 | writing    | safetensors serialisation, streaming and hashing, parallel folders   |
 | verify     | hashes, and every tensor against the source                          |
-| layouts    | `--plan`: G_eff, padding and bytes per rank of every TP size         |
 | run        | `preshard_checkpoint`: the whole run in order; `shard`, its CLI twin  |
 | distributed| `preshard_distributed`: the run split over torch.distributed processes|
 

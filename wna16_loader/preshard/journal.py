@@ -46,6 +46,11 @@ def check_existing(out: Path, plan: ShardPlan) -> None:
                             f"Re-run with the written parameters, or use a new output folder (or delete {out} first).")
 
 
+def planned_tensors(plan: ShardPlan) -> dict[str, list[str]]:
+    """Path -> the sorted tensor names of every file the plan writes (what a journal or manifest record must list)."""
+    return {f.path: sorted(f.tensors) for f in plan.all_files()}
+
+
 def _differences(recorded: dict[str, Any], plan: ShardPlan) -> list[str]:
     params = recorded.get("params", {})
     diffs = [f"{key}: written {params.get(key)!r}, requested {value!r}"
@@ -88,7 +93,7 @@ def warn_starting_over(out: Path, plan: ShardPlan) -> None:
     were written with; --resume also checks their sha256)."""
     if not (out / PLAN_NAME).is_file() and not (out / MANIFEST_NAME).is_file():
         return
-    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    planned = planned_tensors(plan)
     try:
         records = [rec for rec in _recorded_files(out) if isinstance(rec, dict)]
     except PreshardError:
@@ -104,7 +109,7 @@ def warn_starting_over(out: Path, plan: ShardPlan) -> None:
 def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
     """path -> record of finished files whose tensors match the plan and whose sha256 still matches (in this
     version's form: a record an earlier version journaled keeps its file's sha256, not its tensors')."""
-    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    planned = planned_tensors(plan)
     kept: dict[str, dict[str, Any]] = {}
     records = _recorded_files(out)
     for rec in records:
@@ -153,7 +158,7 @@ def output_complete(out: Path, plan: ShardPlan) -> bool:
         listed = {rec["path"]: rec["tensors"] for rec in records}
     except (KeyError, TypeError):
         return False
-    planned = {f.path: sorted(f.tensors) for f in plan.all_files()}
+    planned = planned_tensors(plan)
     if {p: sorted(t) for p, t in listed.items()} != planned:
         return False
     return all(_header_matches(out / p, t) for p, t in listed.items()) and all(

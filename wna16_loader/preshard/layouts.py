@@ -25,7 +25,6 @@ from ..load.padfill import padding_bytes
 from ..load.plan import LayerPlan, layer_geometry
 from ..models.config import MoEConfig
 from ..parallel.config import ParallelConfig
-from ..storage.index import nbytes_of
 from .plan import check_source_folder
 
 PLAN_TP_SIZES = (1, 2, 4, 8, 16)
@@ -58,7 +57,7 @@ def layout_cost(moe: MoEConfig, scale_dtype: torch.dtype, tp: int, ep: int, plac
     first = layer_geometry(moe, ParallelConfig(tp, 0, ep, 0, expert_placement=placement), layer)
     return LayoutCost(tp=tp, ep=ep, padded_intermediate=first.padded_intermediate, part=first.part,
                       group_eff=first.group_eff, padding=tuple(spec.padding for spec in specs[:tp]),
-                      rank_bytes=max(sum(nbytes_of(s, d) for s, d in spec.shapes().values()) for spec in specs),
+                      rank_bytes=max(spec.nbytes for spec in specs),
                       padding_bytes=max(padding_bytes(spec) for spec in specs),
                       experts=tuple(len(spec.experts) for spec in specs[::tp]))
 

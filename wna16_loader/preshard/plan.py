@@ -292,12 +292,19 @@ def source_fingerprint(src: Path, files: list[str]) -> dict[str, Any]:
     return {"files": entries, "config_sha256": config_hash}
 
 
-def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """What differs between a recorded source fingerprint and the source's current one, file by file."""
+def changed_files(recorded: dict[str, Any],
+                  current: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+    """A recorded source fingerprint's file entries and the current one's, by name, and the names (sorted) whose
+    entries differ or that only one side has."""
     old = {e["name"]: e for e in recorded.get("files", [])}
     new = {e["name"]: e for e in current["files"]}
-    diffs = [f"source file {name}: written {old.get(name)}, now {new.get(name)}"
-             for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    return old, new, [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+
+
+def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """What differs between a recorded source fingerprint and the source's current one, file by file."""
+    old, new, names = changed_files(recorded, current)
+    diffs = [f"source file {name}: written {old.get(name)}, now {new.get(name)}" for name in names]
     if recorded.get("config_sha256") != current["config_sha256"]:
         diffs.append("source config.json changed since the output was written")
     return diffs
@@ -306,9 +313,7 @@ def fingerprint_differences(recorded: dict[str, Any], current: dict[str, Any]) -
 def source_change(recorded: dict[str, Any], current: dict[str, Any]) -> tuple[str, str] | None:
     """(the recorded source, the current one) in words, over what differs between them, e.g.
     `model.safetensors (483288 bytes, header sha256 004e9a4ab7c8)`; None when nothing differs."""
-    old = {e["name"]: e for e in recorded.get("files", [])}
-    new = {e["name"]: e for e in current["files"]}
-    names = [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+    old, new, names = changed_files(recorded, current)
     config = recorded.get("config_sha256") != current["config_sha256"]
     if not names and not config:
         return None

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import format_ranges
+from ..formats.spec import group_words
 from .layouts import method_lines
 from .plan import COMMON_DIR, RankPlan, ShardPlan, paddings
 
@@ -36,7 +37,7 @@ def quant_line(plan: ShardPlan) -> str:
         return "per layer: " + ", ".join(f"{spec} x{n}" for spec, n in counts.items())
     q = plan.quant
     reduced = [g for g in q["group_size_eff"].values() if g != q["group_size"]]
-    group = "channelwise" if q["group_size"] == -1 else f"group {q['group_size']}"
+    group = group_words(q["group_size"])
     if reduced:
         group += f" (G_eff {', '.join(str(g) for g in sorted(set(reduced)))} in {len(reduced)} layer(s))"
     return (f"{q['format']} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}"

@@ -18,6 +18,7 @@ from ..load.fused import FusedExperts
 from ..load.presharded import load_presharded, read_manifest
 from ..parallel.config import ParallelConfig
 from ..storage.index import CheckpointIndex
+from ..storage.readahead import byte_view
 from .manifest import tensor_record
 from .plan import fingerprint_differences, make_plan, source_fingerprint
 from .progress import human_size
@@ -79,15 +80,17 @@ def verify_report(out: str | Path, source: str | Path | None = None, *, reassemb
     manifest = read_manifest(out)
     if source is not None:
         check_source_matches(out, manifest, Path(source))
-    records = manifest["common"]["files"] + [rec for rank in manifest["ranks"] for rec in rank["files"]]
-    problems = [p for rec in records for p in _verify_file(out, rec)]
+    common, ranks = manifest["common"]["files"], [rec for rank in manifest["ranks"] for rec in rank["files"]]
+    records = common + ranks
+    common_problems = [p for rec in common for p in _verify_file(out, rec)]
+    problems = common_problems + [p for rec in ranks for p in _verify_file(out, rec)]
     layout = manifest["params"].get("layout", "fused")
     report = VerifyReport(out, layout, len(records), sum(len(rec["tensors"]) for rec in records),
                           sum((out / rec["path"]).stat().st_size for rec in records if (out / rec["path"]).is_file()))
     if source is None:
         return replace(report, problems=tuple(problems))
-    if not any(problem.startswith(f"{rec['path']}: ") for rec in manifest["common"]["files"] for problem in problems):
-        _check_common(out, manifest, Path(source))  # (a damaged common/ file is named above, not blamed on SRC)
+    if not common_problems:  # (a damaged common/ file is named above, not blamed on SRC)
+        _check_common(out, manifest, Path(source))
     problems += verify_mtp(manifest)
     problems += _verify_converted(out, manifest, Path(source))
     reassemble = reassemble and layout == "fused"
@@ -131,8 +134,7 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, dtype and bytes (NaNs and signed zeros compared as bytes, not as numbers)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    raw = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
-    return torch.equal(raw(a), raw(b))
+    return torch.equal(*(byte_view(t.detach().cpu().contiguous()) for t in (a, b)))
 
 
 def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:

@@ -22,6 +22,7 @@ from ..load.experts import load_layer
 from ..load.fused import FusedExperts
 from ..load.presharded import SCHEMA_VERSION
 from ..storage.index import DTYPES, INDEX_FILE, CheckpointIndex, nbytes_of
+from ..storage.readahead import byte_view
 from .journal import append_journal
 from .manifest import tensor_record
 from .plan import COMMON_DIR, FilePlan, RankPlan, ShardPlan
@@ -314,7 +315,7 @@ class _Pipeline:
         nbytes = tensor.numel() * tensor.element_size()
         while self.pending and self.held + nbytes > IN_FLIGHT_BYTES:
             self._retire()
-        data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(byte_view(tensor).numpy())
         writer, digester = self.pools
         jobs = (writer.submit(_emit, self.handle, data, self.written), digester.submit(self.digest.update, data))
         self.pending.append((nbytes, jobs))

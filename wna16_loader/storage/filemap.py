@@ -28,7 +28,7 @@ import torch
 
 from ..errors import CheckpointError
 from .header import read_checked_header
-from .readahead import ReadAhead
+from .readahead import ReadAhead, byte_view, read_fully
 
 Index = tuple[slice | int, ...]
 
@@ -159,12 +159,9 @@ def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
     copies from the page cache into `out`'s memory, e.g. a pinned staging buffer; no mapping)."""
     if not out.numel():
         return
-    buffer = memoryview(out.view(-1).view(torch.uint8).numpy())
+    buffer = memoryview(byte_view(out).numpy())
     with open(path, "rb", buffering=0) as handle:
-        done = 0
-        while done < len(buffer):
-            got = os.preadv(handle.fileno(), [buffer[done:]], begin + done)
-            if got <= 0:
-                raise CheckpointError(f"{path}: ended at byte {begin + done} inside a tensor of {len(buffer)} bytes "
-                                      f"starting at {begin}; the file is truncated.")
-            done += got
+        done = read_fully(handle.fileno(), buffer, begin)
+    if done < len(buffer):
+        raise CheckpointError(f"{path}: ended at byte {begin + done} inside a tensor of {len(buffer)} bytes "
+                              f"starting at {begin}; the file is truncated.")

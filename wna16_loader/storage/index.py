@@ -247,6 +247,10 @@ class CheckpointIndex:
         """The first byte of tensor `name` in its file."""
         return self._maps[self.refs.files[name]].entries.begin(name)
 
+    def first_byte(self, ref: TensorRef) -> int:
+        """The first byte of `ref` in its file: as the header said when the ref was made, else looked up by name."""
+        return ref.begin if ref.begin >= 0 else self.begin(ref.name)
+
     def locate_run(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> list[int] | None:
         """The first bytes of `refs` when they lie in one file with one shape and dtype, all read under one
         index that starts with no int (the tensors of one role of a run of experts: located in one pass;
@@ -260,7 +264,7 @@ class CheckpointIndex:
         """Where `ref[index]` lives, from the header offsets (every read passes here): (first byte,
         file, shape, dtype, rest of the index), leading int indices folded into the first byte. Every read
         passes here or through `locate_run`."""
-        begin, shape = ref.begin if ref.begin >= 0 else self.begin(ref.name), ref.shape
+        begin, shape = self.first_byte(ref), ref.shape
         while index and isinstance(index[0], int):
             if not 0 <= index[0] < shape[0]:
                 raise IndexError(f"{ref.name}: row {index[0]} outside 0..{shape[0] - 1}")

@@ -41,6 +41,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import torch
 
+from ..errors import WNA16Error
+
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
@@ -87,10 +89,12 @@ class ReadOptions:
     fill: CacheFill = CacheFill.ADVISE
 
     def __post_init__(self) -> None:
-        for name, least in (("threads", 1), ("ahead", 1), ("request_bytes", ALIGN), ("gap_bytes", 0)):
+        for name, least, why in (("threads", 1, "one request in flight"), ("ahead", 1, "the next layer read ahead"),
+                                 ("request_bytes", ALIGN, f"a request is whole {ALIGN}-byte pages"),
+                                 ("gap_bytes", 0, "a distance in bytes")):
             if getattr(self, name) < least:
-                raise ValueError(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
-                                 f"(a request is whole {ALIGN}-byte pages); pass {name}>={least}.")
+                raise WNA16Error(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
+                                 f"({why}); pass {name}>={least}.")
 
 
 def coalesced(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
@@ -275,11 +279,11 @@ class ReadAhead:
         view = memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin]
         direct = self.options.direct and bool(DIRECT)
         try:
-            _read_fully(self._fd(region.path, direct), view, begin, direct)
+            read_fully(self._fd(region.path, direct), view, begin, direct)
         except OSError:
             if not direct:
                 raise
-            _read_fully(self._fd(region.path, False), view, begin)
+            read_fully(self._fd(region.path, False), view, begin)
 
     def _cached(self, path: Path, begin: int, end: int) -> bool:
         """Whether most pages of file bytes [begin, end) are in the page cache (mincore over a private
@@ -309,7 +313,7 @@ class ReadAhead:
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None:
             scratch = self._scratch.buffer = bytearray(self._step)
-        _read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
+        read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
 
     def close(self) -> None:
         """Stop reading ahead (requests not started are dropped), wait for those running, close the files."""
@@ -325,13 +329,19 @@ class ReadAhead:
         self._maps.clear()
 
 
-def _read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> None:
+def read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> int:
     """Fill `view` from byte `at` of `fd`, stopping early only at the end of the file (a direct read that
-    comes back short has reached it: its next offset would not be aligned)."""
+    comes back short has reached it: its next offset would not be aligned); the bytes read."""
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], at + done)
         if got <= 0 or (direct and got % ALIGN):
-            return
+            return done + max(got, 0)
         done += got
+    return done
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous tensor as one flat uint8 view of its memory (no copy)."""
+    return tensor.view(-1).view(torch.uint8)
 
