@@ -10,6 +10,10 @@ one vLLM method row (layouts.vllm) for every MoE layer as vLLM would, samples th
 `load.inplace.fill_layers` fills them, and reports the peak over the baseline next to the parameters'
 bytes and one layer's fused bytes. "copy" is the previous plugin path (load_experts builds every layer's
 fused tensors, then copies them in). Timings and RSS on a shared machine are noisy.
+
+`--device cuda:N` puts the parameters on that GPU and reports what the load adds to
+`torch.cuda.max_memory_allocated` over the parameters (scripts/gpu_check runs it); `--device stand-in`
+is a dry run of that path on the tests' GPU stand-in (its numbers are the stand-in's bookkeeping).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -31,6 +36,7 @@ from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.layouts import AUTO_GPTQ, MOE_WNA16, VLLM_LAYOUTS, shape_of
 from wna16_loader.load.experts import planned
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
+from wna16_loader.testing.standin import StandIn
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 ROWS = {row.name: row for row in VLLM_LAYOUTS}
@@ -41,13 +47,14 @@ def anon_kib() -> int:
     return int(fields["RssAnon"].split()[0])
 
 
-def targets_for(src: Path, parallel: ParallelConfig, row_name: str) -> tuple[dict[str, LayerTarget], int, int]:
-    """Touched parameters of `row_name` for every layer, their bytes and one layer's fused bytes."""
+def targets_for(src: Path, parallel: ParallelConfig, row_name: str,
+                device: str = "cpu") -> tuple[dict[str, LayerTarget], int, int]:
+    """Touched parameters of `row_name` for every layer on `device`, their bytes and one layer's fused bytes."""
     row, targets, params_bytes, layer_bytes = ROWS[row_name], {}, 0, 0
     with planned(src, parallel) as (_, _, _, plans):
         for plan in plans:
             sizes = layer_sizes(plan.fused, plan.moe.quant.group_size)
-            params = {d.name: torch.zeros(shape_of(d, sizes), dtype=d.dtype or plan.fused.scale_dtype)
+            params = {d.name: torch.zeros(shape_of(d, sizes), dtype=d.dtype or plan.fused.scale_dtype, device=device)
                       for d in row.filled(plan.fused.has_zero_point)}
             targets[plan.prefix] = LayerTarget(row, params, plan.fused.experts)
             params_bytes += sum(t.numel() * t.element_size() for t in params.values())
@@ -55,9 +62,8 @@ def targets_for(src: Path, parallel: ParallelConfig, row_name: str) -> tuple[dic
     return targets, params_bytes, layer_bytes
 
 
-def child(mode: str, row: str, source: str, tp: int) -> dict:
-    parallel = ParallelConfig(tp_size=tp, tp_rank=0)
-    targets, params_bytes, layer_bytes = targets_for(Path(json.loads(source)["checkpoint"]), parallel, row)
+def rss_added(run: Callable[[], None]) -> int:
+    """The most anonymous RSS `run` adds over the process's before it (sampled every 2 ms), in bytes."""
     peak, stop, before = [0], threading.Event(), anon_kib()
 
     def sample() -> None:
@@ -67,19 +73,49 @@ def child(mode: str, row: str, source: str, tp: int) -> dict:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    start = time.perf_counter()
-    folder = json.loads(source)[mode if mode != "copy" else "checkpoint"]
-    if mode == "copy":
-        for prefix, experts in load_experts(folder, parallel).items():
-            for decl in targets[prefix].layout.filled(experts.has_zero_point):
-                targets[prefix].params[decl.name].copy_(experts.tensors[fused_name(decl)])
-    else:
-        fill_layers(folder, parallel, targets)
-    seconds = time.perf_counter() - start
+    run()
     stop.set()
     thread.join()
-    added = (max(peak[0], anon_kib()) - before) * 1024
-    return {"params": params_bytes, "layer": layer_bytes, "added": added, "seconds": seconds}
+    return (max(peak[0], anon_kib()) - before) * 1024
+
+
+def device_added(device: str) -> Callable[[Callable[[], None]], int]:
+    """What `run` adds to `torch.cuda.max_memory_allocated(device)` over the bytes allocated before it."""
+    def measure(run: Callable[[], None]) -> int:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return measure
+
+
+def child(mode: str, row: str, source: str, tp: int, device: str) -> dict:
+    """One row, in this process: the parameters on `device` ("stand-in": cuda:0 of the GPU stand-in), then
+    the load that fills them, and what it added at its peak."""
+    if device == "stand-in":
+        with StandIn(count=1):
+            return measured(mode, row, source, tp, "cuda:0")
+    return measured(mode, row, source, tp, device)
+
+
+def measured(mode: str, row: str, source: str, tp: int, device: str) -> dict:
+    parallel = ParallelConfig(tp_size=tp, tp_rank=0)
+    targets, params_bytes, layer_bytes = targets_for(Path(json.loads(source)["checkpoint"]), parallel, row, device)
+    folder = json.loads(source)[mode if mode != "copy" else "checkpoint"]
+
+    def run() -> None:
+        if mode != "copy":
+            fill_layers(folder, parallel, targets)
+            return
+        for prefix, experts in load_experts(folder, parallel, device=device).items():
+            for decl in targets[prefix].layout.filled(experts.has_zero_point):
+                targets[prefix].params[decl.name].copy_(experts.tensors[fused_name(decl)])
+
+    start = time.perf_counter()
+    added = (rss_added if device == "cpu" else device_added(device))(run)
+    return {"params": params_bytes, "layer": layer_bytes, "added": added, "seconds": time.perf_counter() - start}
 
 
 def main() -> None:
@@ -88,10 +124,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--inter", type=int, default=768)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="cpu (anonymous RSS), cuda:N (torch.cuda.max_memory_allocated) "
+                                                        "or stand-in (a dry run of the cuda path)")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.child[2], int(args.child[3]))))
+        print(json.dumps(child(args.child[0], args.child[1], args.child[2], int(args.child[3]), args.child[4])))
         return
     from wna16_loader.preshard.run import preshard_checkpoint
 
@@ -102,14 +140,16 @@ def main() -> None:
         shard = Path(tmp) / "shard"
         preshard_checkpoint(src, shard, tp_size=2, progress=False)
         sources = json.dumps({"checkpoint": str(src), "shard": str(shard)})
-        print(f"{args.layers} layers x {args.experts} experts, H {args.hidden}, I {args.inter}, GPTQ 4-bit g128\n")
+        what = "anonymous RSS" if args.device == "cpu" else f"torch.cuda.max_memory_allocated on {args.device}"
+        print(f"{args.layers} layers x {args.experts} experts, H {args.hidden}, I {args.inter}, GPTQ 4-bit g128; "
+              f"added peak: {what}\n")
         print("| method row | from | TP (rank 0) | parameters MiB | one layer fused MiB | added peak MiB | added / parameters |")
         print("|---|---|---|---|---|---|---|")
         for mode, row, tp in [("copy", MOE_WNA16.name, 1), ("checkpoint", MOE_WNA16.name, 1),
                               ("checkpoint", AUTO_GPTQ.name, 1), ("checkpoint", MOE_WNA16.name, 2),
                               ("checkpoint", AUTO_GPTQ.name, 2), ("shard", MOE_WNA16.name, 2),
                               ("shard", AUTO_GPTQ.name, 2)]:
-            out = subprocess.run([sys.executable, __file__, "--child", mode, row, sources, str(tp)],
+            out = subprocess.run([sys.executable, __file__, "--child", mode, row, sources, str(tp), args.device],
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             label = "previous path (load_experts, then copy)" if mode == "copy" else mode

@@ -34,6 +34,13 @@ def test_stand_in_catches_what_a_gpu_would(tmp_path: Path) -> None:
             torch.empty(8, device="cuda")
         assert sim.pinned == [(32, 1)] and set(sim.allocations) == {1}
         assert torch.cuda.memory_allocated(1) >= 64 * 4 and torch.cuda.memory_allocated(0) == 0
+        live = torch.cuda.memory_allocated(1)
+        torch.cuda.reset_peak_memory_stats(1)
+        scratch = torch.empty(1024, dtype=torch.uint8, device="cuda:1")
+        del scratch
+        assert torch.cuda.memory_allocated(1) == live and torch.cuda.max_memory_allocated(1) == live + 1024
+        torch.cuda.reset_peak_memory_stats(1)
+        assert torch.cuda.max_memory_allocated(1) == live
         torch.cuda.synchronize(torch.device("cuda", 1))
         assert sim.syncs == [1]
         with pytest.raises(RuntimeError, match="invalid device ordinal"):

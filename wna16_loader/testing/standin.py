@@ -11,6 +11,7 @@ Inside `with StandIn(count=4) as gpu:` the load paths run unchanged with a targe
 | `pin_memory=True`, `.pin_memory()`         | an ordinary tensor, recorded with the current device          |
 | `torch.cuda.device(N)`, `current_device`,  | simulated: a current-device index, per-device allocations    |
 | `synchronize`, `memory_allocated`, ...     | (live bytes), a log of synchronisations                       |
+| `max_memory_allocated`, `reset_peak_...`   | the most live bytes at any allocation since the last reset     |
 
 Host tensors, 0-dim tensors and index tensors used for indexing may meet device tensors, as on a GPU.
 Modules must be built on the stand-in device (`device="cuda:N"` or meta + `materialize`); `.to()` of an
@@ -134,7 +135,8 @@ class StandIn:
     """`count` simulated GPUs (see the module table); a context manager, one at a time.
 
     `allocations[i]`: bytes of every device allocation on cuda:i; `memory_allocated(i)`: bytes of the live
-    storages on cuda:i; `pinned`: (bytes, current device) of every pinned host allocation; `peak_host`: the
+    storages on cuda:i; `peaks[i]`: the most live bytes on cuda:i right after any allocation since the
+    last `reset_peak_memory_stats` (what `max_memory_allocated` reports); `pinned`: (bytes, current device) of every pinned host allocation; `peak_host`: the
     most bytes of host tensors made by factory calls (empty, zeros, ...) alive at once; `syncs`: the device
     of every synchronize; `forbid_mapped`: raise MappedCopyError on a copy onto a device from a file
     mapping (on by default; off, such copies are only listed in `mapped_copies`).
@@ -144,6 +146,7 @@ class StandIn:
     forbid_mapped: bool = True
     current: int = 0
     allocations: dict[int, list[int]] = field(default_factory=dict)
+    peaks: dict[int, int] = field(default_factory=dict)
     pinned: list[tuple[int, int]] = field(default_factory=list)
     syncs: list[int] = field(default_factory=list)
     mapped_copies: list[str] = field(default_factory=list)
@@ -169,12 +172,23 @@ class StandIn:
     def allocated(self, tensor: torch.Tensor, index: int) -> DeviceTensor:
         """Record a new device tensor (live bytes until it is collected) and return it as a DeviceTensor."""
         self.allocations.setdefault(index, []).append(tensor.untyped_storage().nbytes())
-        return _wrap(_plain(tensor), index)
+        wrapped = _wrap(_plain(tensor), index)
+        self.peaks[index] = max(self.peaks.get(index, 0), self.memory_allocated(index))
+        return wrapped
 
     def memory_allocated(self, device: Any = None) -> int:
         """Bytes of the distinct storages of the live tensors on `device`."""
         index = self.index_of(device)
         return _storage_bytes(t for t in list(self.device_tensors) if t.sim_index == index)
+
+    def max_memory_allocated(self, device: Any = None) -> int:
+        """The most live bytes on `device` at any allocation since the last `reset_peak_memory_stats`."""
+        index = self.index_of(device)
+        return max(self.peaks.get(index, 0), self.memory_allocated(index))
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        """Start the peak of `device` again from its live bytes now."""
+        self.peaks[self.index_of(device)] = self.memory_allocated(device)
 
     def host_allocated(self, tensor: torch.Tensor) -> None:
         """Track a new host tensor and the peak of the live ones."""
@@ -228,7 +242,8 @@ class StandIn:
         return {
             "is_available": lambda: True, "device_count": lambda: self.count, "current_device": lambda: self.current,
             "set_device": self._set_device, "device": self._device, "synchronize": self._synchronize,
-            "memory_allocated": self.memory_allocated,
+            "memory_allocated": self.memory_allocated, "max_memory_allocated": self.max_memory_allocated,
+            "reset_peak_memory_stats": self.reset_peak_memory_stats,
             "get_device_name": lambda device=None: f"GPU stand-in {self.index_of(device)}",
             "empty_cache": lambda: None,
         }
