@@ -393,13 +393,13 @@ def test_policy_staging_table(convert_on_device: bool) -> None:
     with StandIn(count=4) as sim:
         policy = DevicePolicy.of("cuda:3", convert_on_device=convert_on_device)
         with policy.scope():
-            weights = policy.staging("w13_qweight", (4, 8), torch.uint8)
-            scales = policy.staging("w13_scales", (4, 2), torch.float16)
+            weights = policy.staging((4, 8), torch.uint8, packed=True)
+            scales = policy.staging((4, 2), torch.float16, packed=False)
         assert weights.device == (torch.device("cuda", 3) if convert_on_device else torch.device("cpu"))
         assert scales.device == torch.device("cpu") and sim.pinned == [(16, 3)]
         policy.synchronize()
         assert sim.syncs == [3]
     cpu = DevicePolicy.of("cpu")
-    assert cpu.staging("w13_qweight", (2,), torch.uint8).device == torch.device("cpu")
+    assert cpu.staging((2,), torch.uint8, packed=True).device == torch.device("cpu")
     with cpu.scope():
         cpu.synchronize()  # nothing to wait for, no CUDA call

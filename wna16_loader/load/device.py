@@ -63,16 +63,18 @@ class DevicePolicy:
         """Where raw weight words go to be converted (None: converted on the host)."""
         return self.target if self.gpu and self.convert_on_device else None
 
-    def on_device(self, name: str) -> bool:
-        """Whether fused parameter `name` is staged on the device (weights converted there)."""
-        return self.upload_to is not None and name.endswith("_qweight")
+    def on_device(self, packed: bool) -> bool:
+        """Whether a fused parameter is staged on the device: the `packed` weights, where they are converted
+        there."""
+        return self.upload_to is not None and packed
 
-    def staging(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An empty staging tensor for fused parameter `name`: on the device, in pinned host memory
-        (small parameters for a GPU), or in ordinary host memory (CPU targets, host-converted weights)."""
-        if self.on_device(name):
+    def staging(self, shape: tuple[int, ...], dtype: torch.dtype, *, packed: bool) -> torch.Tensor:
+        """An empty staging tensor for a fused parameter (`packed`: a weight unpacked from the checkpoint's
+        words): on the device, in pinned host memory (small parameters for a GPU), or in ordinary host memory
+        (CPU targets, host-converted weights)."""
+        if self.on_device(packed):
             return torch.empty(shape, dtype=dtype, device=self.target)
-        return torch.empty(shape, dtype=dtype, pin_memory=self.gpu and not name.endswith("_qweight"))
+        return torch.empty(shape, dtype=dtype, pin_memory=self.gpu and not packed)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy reads from (pinned for a GPU)."""

@@ -58,6 +58,8 @@ from .params import ProjectionParams
 
 FUSED_NAMES = ("w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros",
                "w13_g_idx", "w2_g_idx", "w13_weight", "w2_weight", "expert_ids")
+PACKED_WEIGHTS = frozenset({"w13_qweight", "w2_qweight"})  # unpacked from the checkpoint's words: the fused
+#                                                            tensors a GPU converts itself (DevicePolicy.staging)
 
 
 SHORT_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}  # for `group_label`
@@ -250,7 +252,7 @@ class FusedWriter:
             f"{prefix}: staging tensors do not match the layout {spec.shapes()}"
         self.staging = staging
         self.device_bound = frozenset(name for name in staging if self.policy.gpu and
-                                      (external or self.policy.on_device(name)))
+                                      (external or self.policy.on_device(name in PACKED_WEIGHTS)))
         self.upload_to = self.policy.upload_to
         self.staging["expert_ids"].copy_(torch.tensor(spec.experts, dtype=torch.int32))
         self._slots = {expert: i for i, expert in enumerate(spec.experts)}
@@ -378,4 +380,5 @@ class FusedWriter:
 
 def staging_buffers(spec: FusedSpec, policy: DevicePolicy) -> dict[str, torch.Tensor]:
     """Empty tensors for every fused parameter, where `policy` stages each (see device.py)."""
-    return {name: policy.staging(name, shape, dtype) for name, (shape, dtype) in spec.shapes().items()}
+    return {name: policy.staging(shape, dtype, packed=name in PACKED_WEIGHTS)
+            for name, (shape, dtype) in spec.shapes().items()}
