@@ -100,6 +100,12 @@ CASES += [Case(f"{ckpt}.L{layer}", method, prefix=f"model.layers.{layer}.mlp.exp
                dtype=dtype) for ckpt, (method, dtype) in MIXED.items() for layer in range(3)]
 # MTP: DeepSeek-V3's published config at test sizes, its MTP layer (model.layers.3) as vLLM's draft model builds
 # it; symmetric GPTQ (AutoGPTQ's method). The plugin fills it only because it is one of the checkpoint's MTP layers.
+# Tested at the layer level only: vLLM 0.32 cannot serve a DeepSeek-V3 (or GLM-4.5) MoE layer on a CPU.
+# Their routing (sigmoid + e_score_correction_bias in expert groups) is RoutingMethodType.DeepSeekV3
+# (fused_moe/config.py:155), which CPUExpertsInt4 does not take (fused_moe/experts/cpu_moe.py:872: softmax
+# routings only), so building the model raises NotImplementedError("No WNA16 MoE backend supports the
+# deployment configuration.", fused_moe/oracle/int_wna16.py:361). Served end to end, with vLLM's MTP draft
+# model, is Qwen3-Next's MTP layer (softmax routing): integrations/test_vllm_serve.py MTP_JOBS.
 DEEPSEEK_MTP = {"config": "deepseek_v3", "quant": quant_config("gptq", bits=4, group_size=32, symmetric=True),
                 "changes": {"num_hidden_layers": 3, "first_k_dense_replace": 1, "hidden_size": 128,
                             "moe_intermediate_size": 128, "n_routed_experts": 4, "num_experts_per_tok": 2}}

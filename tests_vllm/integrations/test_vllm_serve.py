@@ -11,6 +11,15 @@ greedy decoding of MAX_TOKENS tokens from PROMPT, with every next-token log-prob
 | autoround_layer_config_mixed     | INC: unquantized   | fails (pinned)                 | refused (pinned)          |
 | gptq_w4_g32_zero_edge            | none               | config refused (pinned)        | config refused (pinned)   |
 
+MTP (MTP_JOBS): model_checkpoint's Qwen3-Next model with its MTP layer (symmetric GPTQ, AutoGPTQMoEMethod)
+served with `speculative_config={"method": "mtp", ...}`: vLLM builds its draft model (Qwen3NextMTP, whose
+mtp.layers.0 has its own MoE layer) with the target's load format (model_loader/utils.py
+get_draft_load_config), so `load_format="wna16"` fills both (from the checkpoint and from a wna16-shard
+output). The plugin's serve has the default loader's
+tokens, log-probabilities and draft counts, and its draft model holds the default loader's tensors, also
+from the checkpoint without qzeros, whose draft MoE layer only the plugin fills (vLLM's loader leaves its
+zero points unwritten: its draft then differs in the six routed-expert tensors).
+
 "The float forward" is the quantizer's (float_reference: transformers' Qwen3-MoE in float32 with the
 reference.safetensors weights), within FLOAT_TOL in every log-probability and greedy token; a wrong expert is
 further off than that. Each default-loader failure is pinned by name in DEFAULT_FAILS with its cause.
@@ -33,7 +42,8 @@ import pytest
 import torch
 import workarounds
 from float_reference import float_logprobs, float_model
-from model_checkpoint import write_model
+from model_checkpoint import write_mtp_model, write_model
+from safetensors.torch import load_file
 
 from wna16_loader.preshard.run import preshard_checkpoint
 
@@ -141,8 +151,12 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def served(folders, tmp_path_factory) -> dict[str, dict]:
     """"model-load" -> serve_job.py's result, every job in one process (those expected to fail last)."""
-    root = tmp_path_factory.mktemp("serve")
-    jobs = [job(m, load, folders) for m in sorted(MODELS, key=failing) for load in m.loads]
+    return run_jobs(tmp_path_factory.mktemp("serve"),
+                    [job(m, load, folders) for m in sorted(MODELS, key=failing) for load in m.loads])
+
+
+def run_jobs(root: Path, jobs: list[dict]) -> dict[str, dict]:
+    """name -> serve_job.py's result of each job, all in one process writing into `root`."""
     (root / "jobs.json").write_text(json.dumps({"out": str(root), "jobs": jobs}))
     with (root / "serve.log").open("w") as log:
         code = subprocess.run([sys.executable, str(SERVE_JOB), str(root / "jobs.json")], stdout=log,
@@ -239,3 +253,55 @@ def test_vllm_refuses_the_config_for_both_loaders(served, name, load):
     kind, words = REFUSED[name]
     got = served[f"{name}-{load}"]
     assert got.get("type") == kind and words in got.get("message", ""), got
+
+
+MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 1}
+# job -> (checkpoint, load format); "no-qzeros": the same model without qzeros tensors (write_model's `qzeros`),
+# "shard": its wna16-shard output (TP 1, the MTP layer sharded too)
+MTP_JOBS = {"auto": ("mtp", "auto"), "wna16": ("mtp", "wna16"), "wna16-no-qzeros": ("mtp-no-qzeros", "wna16"),
+            "wna16-shard": ("mtp-shard", "wna16")}
+MTP_PLUGIN = sorted(set(MTP_JOBS) - {"auto"})
+MTP_EXPERTS = "model.layers.0.mlp.experts."  # the draft model's MoE layer in its state_dict
+
+
+@pytest.fixture(scope="module")
+def served_mtp(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """The MTP jobs' folder (their NAME.draft.safetensors) and results, one process (one LLM per job)."""
+    root = tmp_path_factory.mktemp("mtp")
+    folders = {"mtp": write_mtp_model(root / "mtp"),
+               "mtp-no-qzeros": write_mtp_model(root / "mtp-no-qzeros", qzeros=False), "mtp-shard": root / "mtp-shard"}
+    preshard_checkpoint(folders["mtp"], folders["mtp-shard"], tp_size=1, progress=False)
+    jobs = [{"name": name, "model": str(folders[ckpt]), "load_format": load, "prompt": PROMPT,
+             "max_tokens": MAX_TOKENS, "speculative_config": MTP_SPEC} for name, (ckpt, load) in MTP_JOBS.items()]
+    return root, run_jobs(root, jobs)
+
+
+def test_mtp_drafts_are_proposed(served_mtp):
+    """vLLM's MTP drafter runs: one draft token proposed at each decoding step after the first."""
+    generation(served_mtp[1]["auto"])
+    drafts = served_mtp[1]["auto"]["drafts"]
+    assert drafts["num_draft_tokens"] == drafts["num_drafts"] * MTP_SPEC["num_speculative_tokens"] > 0, drafts
+
+
+@pytest.mark.parametrize("load", MTP_PLUGIN)
+def test_mtp_plugin_serves_what_the_default_loader_serves(served_mtp, load):
+    """Same tokens, log-probabilities and draft counts (drafted and accepted) as the default loader's serve."""
+    results = served_mtp[1]
+    tokens, logprobs = generation(results["auto"])
+    ours, our_logprobs = generation(results[load])
+    assert ours == tokens
+    assert torch.equal(our_logprobs, logprobs), f"{load}: {(our_logprobs - logprobs).abs().max()}"
+    assert results[load]["drafts"] == results["auto"]["drafts"]
+
+
+@pytest.mark.parametrize("load", MTP_PLUGIN)
+def test_plugin_fills_the_mtp_draft_models_moe_layer(served_mtp, load):
+    """The draft model holds the default loader's tensors, its MoE layer's among them, as vLLM processed
+    them. From the checkpoint without qzeros only the plugin writes the MoE layer's zero points (vLLM's
+    loader leaves them unwritten: test_plugin_layers' UNSET_QZEROS), so this shows the plugin filled it."""
+    root = served_mtp[0]
+    theirs, ours = (load_file(str(root / f"{name}.draft.safetensors")) for name in ("auto", load))
+    assert any(name.startswith(MTP_EXPERTS) for name in theirs), sorted(theirs)
+    assert sorted(ours) == sorted(theirs)
+    differ = sorted(name for name, tensor in theirs.items() if not torch.equal(tensor, ours[name]))
+    assert not differ, f"{load}: the draft model differs from the default loader's in {differ}"
