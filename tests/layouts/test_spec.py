@@ -1,12 +1,15 @@
-"""layouts.spec: shape expressions, the rows' derived facts (fused as is, parameters filled)."""
+"""layouts.spec: shape expressions, the rows' derived facts (fused as is, parameters filled, the storage a
+parameter declares against a checkpoint role's)."""
 
 from __future__ import annotations
 
 import pytest
 
 from wna16_loader import LayoutMismatchError
+from wna16_loader.formats import Dim, Role, awq, compressed_tensors, gptq, resolve_quant_spec
 from wna16_loader.layouts import (AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, VLLM_LAYOUTS, Need, Sizes,
                                   evaluate, shape_of)
+from wna16_loader.layouts.spec import WordLayout
 
 SIZES = Sizes(E=3, N13=2 * 96, H=128, I=192, I_p=96, bits=4, GH=4, GI=3, GH_eff=4, GI_eff=3)
 
@@ -62,3 +65,29 @@ def test_plan_says_which_methods_take_an_output(kind, text):
     """`wna16-shard --plan`'s last column, derived from the rows (issue 32, row 11)."""
     from wna16_loader.layouts.spec import accepting
     assert accepting(VLLM_LAYOUTS, **kind) == text
+
+
+def _checkpoint_storage(config: dict) -> dict:
+    spec = resolve_quant_spec(config)
+    return {lay.role: WordLayout.of(lay, spec) for lay in spec.layouts}
+
+
+@pytest.mark.parametrize("row, config, same", [
+    (AUTO_GPTQ, gptq.to_config(4, 128, True, False), {"qweight", "scales", "qzeros"}),
+    (AUTO_GPTQ, gptq.to_config(8, 128, False, False, checkpoint_format="gptq_v2"), {"qweight", "scales"}),
+    (AUTO_AWQ, awq.to_config(4, 128, False, False), {"qweight", "scales", "qzeros"}),
+    (CT_WNA16, compressed_tensors.to_config(4, 128, False, False), {"qweight", "scales", "qzeros"}),
+    (AUTO_AWQ, gptq.to_config(4, 128, True, False), {"scales"}),  # GPTQ words are packed along K
+    (MOE_WNA16, gptq.to_config(4, 128, True, False), set()),  # the fused bytes: no checkpoint's storage
+])
+def test_a_row_holds_a_checkpoints_own_words_where_the_storages_are_equal(row, config, same):
+    storage = _checkpoint_storage(config)
+    equal = {d.source.value for d in row.params if d.storage is not None and storage.get(d.storage.role) == d.storage}
+    assert equal == same
+    assert [d.storage for d in CT_WNA16.params if d.source.value == "shape"] == [None, None]
+
+
+def test_gptq_v1_zero_points_carry_the_offset_the_auto_gptq_row_declares():
+    v1 = _checkpoint_storage(gptq.to_config(4, 128, False, False))[Role.ZEROS]
+    assert (v1.zero_offset, AUTO_GPTQ.params[4].storage.zero_offset) == (1, 1)
+    assert WordLayout(Role.ZEROS, (Dim.GROUP, Dim.N), Dim.N, None, 1) == v1

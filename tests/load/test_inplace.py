@@ -4,15 +4,22 @@ maths tests/layouts/test_relayout.py checks against the checkpoint's own tensors
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 
 from wna16_loader import ConfigError, LayoutMismatchError, ParallelConfig, load_experts
-from wna16_loader.layouts import AUTO_GPTQ, MOE_WNA16, UNQUANTIZED, shape_of
+from wna16_loader.formats import Role, resolve_quant_spec
+from wna16_loader.layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, shape_of
 from wna16_loader.layouts.relayout import fill_param
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
 from wna16_loader.preshard.run import preshard_checkpoint
-from wna16_loader.testing.synthetic import quant_config, write_checkpoint
+from wna16_loader.testing.synthetic import QuantizedProjection, encode_role, quant_config, write_checkpoint
 
 PREFIXES = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
@@ -27,11 +34,11 @@ def source(tmp_path_factory):
     return folder, shard
 
 
-def targets(fused: dict, row) -> dict[str, LayerTarget]:
+def targets(fused: dict, row, group_size: int = 32) -> dict[str, LayerTarget]:
     """Sentinel-filled parameters of `row` for every layer of a `load_experts` result."""
     out = {}
     for prefix, layer in fused.items():
-        sizes = layer_sizes(layer.spec, 32)
+        sizes = layer_sizes(layer.spec, group_size)
         params = {d.name: torch.full(shape_of(d, sizes), 7, dtype=d.dtype or torch.float16)
                   for d in row.filled(layer.has_zero_point)}
         out[prefix] = LayerTarget(row, params, layer.spec.experts)
@@ -50,7 +57,9 @@ def test_every_layer_is_filled_as_the_row_makes_it(source, row, from_shard):
             fill_param(want[prefix].params[decl.name], decl, layer.tensors.get(fused_name(decl)), bits=4)
     report = fill_layers(shard if from_shard else folder, config, got)
     assert report.layers == {prefix: row.name for prefix in PREFIXES}
-    assert (report.scratch_bytes == 0) == row.fused_as_is
+    copied = not (from_shard or row.fused_as_is)  # GPTQ v1 words in auto_gptq's row: copied as they are
+    assert report.copied == (PREFIXES if copied else ())
+    assert (report.scratch_bytes == 0) == (row.fused_as_is or copied)
     for prefix in PREFIXES:
         for name, param in want[prefix].params.items():
             assert torch.equal(got[prefix].params[name], param), f"{prefix}.{name}"
@@ -90,3 +99,125 @@ def test_other_experts_or_shapes_are_refused_by_name(source):
     with pytest.raises(LayoutMismatchError, match=r"the engine's MoE method is unquantized but the checkpoint's "
                        r"experts here are quantized; load it with the engine's own loader"):
         fill_layers(folder, config, floats)
+
+
+# --- the checkpoint's own words copied (load.direct) against the fused route (copy_words=False) ---
+
+ROWS = {"gptq": AUTO_GPTQ, "awq": AUTO_AWQ, "compressed-tensors": CT_WNA16}
+PARALLEL = [ParallelConfig(tp_size=1, tp_rank=0), ParallelConfig(tp_size=2, tp_rank=1),
+            ParallelConfig(tp_size=4, tp_rank=2), ParallelConfig(tp_size=1, tp_rank=0, ep_size=2, ep_rank=1)]
+
+
+def with_midpoint_qzeros(folder: Path) -> None:
+    """Add the qzeros a symmetric GPTQ quantizer writes (every z = 2^(b-1), in the checkpoint's own words)."""
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    spec = resolve_quant_spec(json.loads((folder / "config.json").read_text())["quantization_config"])
+    layout, qweights = spec.layout(Role.ZEROS), [name for name in tensors if name.endswith(".qweight")]
+    for name in qweights:
+        words = tensors[name]  # [K/P, N]
+        k, n = words.shape[0] * spec.pack_factor, words.shape[1]
+        groups = k // spec.group_size
+        mid = QuantizedProjection(torch.zeros(n, k, dtype=torch.uint8), torch.ones(n, groups),
+                                  torch.full((n, groups), spec.implicit_zero, dtype=torch.uint8), None)
+        tensors[name.removesuffix("qweight") + "qzeros"] = encode_role(spec, layout, mid)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def both_routes(folder: Path, config: ParallelConfig, row, group_size: int):
+    """The row's parameters filled by the fused route and by the default (copies where they apply)."""
+    fused = load_experts(folder, config)
+    want, got = targets(fused, row, group_size), targets(fused, row, group_size)
+    fill_layers(folder, config, want, copy_words=False)
+    return want, got, fill_layers(folder, config, got)
+
+
+def assert_same(want: dict, got: dict) -> None:
+    for prefix, target in want.items():
+        for name, param in target.params.items():
+            assert torch.equal(got[prefix].params[name], param), f"{prefix}.{name}"
+
+
+CASES = [  # (format, bits, symmetric, extra config, stored midpoint qzeros, copied)
+    ("gptq", 4, True, {}, False, True),
+    ("gptq", 4, True, {}, True, True),
+    ("gptq", 8, True, {}, True, True),
+    ("gptq", 8, False, {}, False, True),
+    ("gptq", 4, True, {"checkpoint_format": "gptq_v2"}, True, True),  # the midpoint: made, not copied
+    ("gptq", 4, False, {"checkpoint_format": "gptq_v2"}, False, False),  # z words without the row's offset 1
+    ("gptq", 8, False, {"checkpoint_format": "gptq_v2"}, False, False),
+    ("awq", 4, False, {}, False, True),
+    ("awq", 4, True, {}, False, True),
+    ("compressed-tensors", 4, True, {}, False, True),
+    ("compressed-tensors", 8, False, {}, False, True),
+]
+
+
+@pytest.mark.parametrize("config", PARALLEL, ids=lambda c: f"tp{c.tp_size}r{c.tp_rank}ep{c.ep_size}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}bit-{'sym' if c[2] else 'asym'}"
+                         f"{'-v2' if c[3] else ''}{'-qzeros' if c[4] else ''}")
+def test_copied_words_equal_the_fused_route(tmp_path, case, config):
+    fmt, bits, symmetric, extra, qzeros, copied = case
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config(fmt, bits=bits, group_size=32, symmetric=symmetric,
+                                                              **extra),
+                              num_experts=4, hidden=64, intermediate=128, num_layers=2, seed=5).folder
+    if qzeros:
+        with_midpoint_qzeros(folder)
+    want, got, report = both_routes(folder, config, ROWS[fmt], 32)
+    assert report.copied == (PREFIXES if copied else ())
+    assert (report.scratch_bytes == 0) == copied
+    assert_same(want, got)
+
+
+@pytest.mark.parametrize("why, intermediate, group_size, act_order, rank, copied", [
+    ("padded I: rank 1 holds 16 padding columns", 112, 64, False, 1, False),
+    ("padded I: rank 0 holds none", 112, 64, False, 0, True),
+    ("act-order g_idx", 128, 32, True, 1, False),
+])
+def test_what_the_checkpoint_does_not_hold_takes_the_fused_route(tmp_path, why, intermediate, group_size,
+                                                                  act_order, rank, copied):
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=group_size, symmetric=True,
+                                                              act_order=act_order),
+                              num_experts=4, hidden=128, intermediate=intermediate, num_layers=2, seed=9).folder
+    want, got, report = both_routes(folder, ParallelConfig(tp_size=2, tp_rank=rank), AUTO_GPTQ, group_size)
+    assert report.copied == (PREFIXES if copied else ()), why
+    assert (report.scratch_bytes > 0) == (not copied)
+    assert_same(want, got)
+
+
+@pytest.mark.parametrize("copy_words", [True, False])
+def test_reduced_groups_are_refused_on_either_route(tmp_path, copy_words):
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=64, symmetric=True),
+                              num_experts=4, hidden=128, intermediate=128, num_layers=2, seed=9).folder
+    config = ParallelConfig(tp_size=4, tp_rank=1)  # I/tp = 32 columns: G_eff 32 < G 64, no w2 group at G
+    params = targets(load_experts(folder, config), AUTO_GPTQ, 64)
+    with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts\.w2_scales: the fused layer has "
+                       r"1 groups, the engine's parameter 0; 1 is not a multiple of 0"):
+        fill_layers(folder, config, params, copy_words=copy_words)
+
+
+def test_a_copied_layer_holds_no_scratch(source):
+    folder, _ = source
+    config = ParallelConfig(tp_size=2, tp_rank=0)
+    fused = load_experts(folder, config)
+    report = fill_layers(folder, config, targets(fused, AUTO_GPTQ))
+    assert report.copied == PREFIXES and report.scratch_bytes == 0
+    relaid = fill_layers(folder, config, targets(fused, AUTO_GPTQ), copy_words=False)
+    assert relaid.copied == () and relaid.scratch_bytes == fused[PREFIXES[0]].spec.nbytes
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(fmt=st.sampled_from(sorted(ROWS)), bits=st.sampled_from([4, 8]), symmetric=st.booleans(),
+       hidden=st.sampled_from([64, 128]), intermediate=st.sampled_from([64, 128, 192]),
+       tp=st.sampled_from([1, 2, 4]), data=st.data())
+def test_copies_equal_the_fused_route_for_any_sizes(tmp_path_factory, fmt, bits, symmetric, hidden, intermediate,
+                                                    tp, data):
+    bits = 4 if fmt == "awq" else bits  # AWQ's GEMM order is 4-bit only
+    assume(intermediate // tp % 32 == 0)  # else G_eff < G: a layer these rows cannot hold (test above)
+    config = ParallelConfig(tp_size=tp, tp_rank=data.draw(st.integers(0, tp - 1)))
+    folder = write_checkpoint(tmp_path_factory.mktemp("sizes") / "ckpt",
+                              quant_config(fmt, bits=bits, group_size=32, symmetric=symmetric),
+                              num_experts=2, hidden=hidden, intermediate=intermediate, num_layers=1, seed=1).folder
+    want, got, report = both_routes(folder, config, ROWS[fmt], 32)
+    assert report.copied == ("model.layers.0.mlp.experts",) and report.scratch_bytes == 0
+    assert_same(want, got)

@@ -12,6 +12,7 @@ the fused tensor it is made from, its logical shape, and how its values are laid
 | `packing`   | BYTES: the fused bytes as they are; K_WORDS: int32 words packed along K (the fused bytes read as words); N_WORDS: int32 words packed along N in `slot_order`; NONE: unpacked values |
 | `zero_offset` | what a zero-point word stores: z - offset in every field, subtracted from whole words (GPTQ v1: 1) |
 | `need`      | when the parameter is filled: always, with zero points (asymmetric) or always, filling a symmetric layer's midpoint |
+| `storage`   | (derived) one expert's dims, packed dim, slot order and zero offset as a `WordLayout`: equal to a checkpoint role's `WordLayout.of`, the parameter holds that checkpoint's own words |
 | `tp_dim`    | (derived from `half` and `order`) the dim the TP cut splits, the one holding I_p: w13's N, w2's K; None for SHAPE (whole on every rank); the EP cut splits dim 0 (E) |
 
 Nothing here branches on a method's name: the loader fills any row through `relayout.fill_param`.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LayoutMismatchError
+from ..formats.spec import Dim, QuantSpec, Role, TensorLayout
 
 
 class Half(enum.Enum):
@@ -87,6 +89,42 @@ class ParamDecl:
         return 1 if (self.half is Half.W13) == (self.order is Order.N_MAJOR) else 2
 
     ep_dim = property(lambda self: 0, doc="The dim the EP cut splits: E, the first of every parameter.")
+
+    @property
+    def storage(self) -> "WordLayout | None":
+        """How one expert's values lie in the parameter, comparable with a checkpoint role's `WordLayout.of`;
+        None where no checkpoint stores them so (the fused bytes, a SHAPE record)."""
+        if self.packing is Packing.BYTES or self.source is Source.SHAPE:
+            return None
+        dims = (Dim.N, Dim.K if self.source in (Source.QWEIGHT, Source.WEIGHT) else Dim.GROUP)
+        packed = {Packing.K_WORDS: Dim.K, Packing.N_WORDS: Dim.N}.get(self.packing)
+        return WordLayout(ROLES[self.source], dims[::-1] if self.order is Order.K_MAJOR else dims, packed,
+                          self.slot_order if packed is not None else None, self.zero_offset)
+
+
+ROLES = {Source.QWEIGHT: Role.QWEIGHT, Source.SCALES: Role.SCALES, Source.ZEROS: Role.ZEROS,
+         Source.WEIGHT: Role.WEIGHT}  # the checkpoint role a parameter's values come from
+
+
+@dataclass(frozen=True)
+class WordLayout:
+    """The storage of one expert's tensor of one role: its dims in order, the dim packed into int32 words
+    (None: values), the slot order of a word (None: sequential) and the `zero_offset` subtracted from every
+    field of a zero-point word. A parameter whose `ParamDecl.storage` equals the checkpoint role's holds the
+    checkpoint's own words (`load.direct` copies them)."""
+
+    role: Role
+    dims: tuple[Dim, ...]
+    packed: Dim | None
+    slot_order: tuple[int, ...] | None
+    zero_offset: int
+
+    @classmethod
+    def of(cls, layout: TensorLayout, spec: QuantSpec) -> "WordLayout":
+        """A checkpoint role's storage under `spec` (GPTQ v1's zero points: offset 1, `zero_word_bias`)."""
+        offset = int(spec.zero_word_bias and layout.role is Role.ZEROS)
+        order = layout.slot_order if layout.packed is not None else None
+        return cls(layout.role, layout.dims, layout.packed, order, offset)
 
 
 @dataclass(frozen=True)

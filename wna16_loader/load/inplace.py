@@ -4,11 +4,13 @@
 | the layer's method layout             | how its rank's slices arrive                                          |
 |---------------------------------------|-----------------------------------------------------------------------|
 | `fused_as_is` (moe_wna16, unquantized) | written straight into the engine's parameters (they are the staging) |
+| every parameter the checkpoint's own storage (auto_gptq of GPTQ v1, auto_awq of AWQ, ct_wna16 of pack-quantized) | each expert's checkpoint words copied into its rows (`load.direct`), from a checkpoint folder |
 | any other                             | one layer's fused tensors as scratch, re-laid into the parameters `EXPERT_CHUNK` experts at a time, then freed |
 
 Works from a checkpoint folder (each rank reads only its slices) and from a `wna16-shard --layout fused`
-output (each rank reads only its own files). The load adds at most one layer's fused tensors plus one
-expert chunk's conversion temporaries over the parameters (scripts/bench_inplace.py measures it).
+output (each rank reads only its own files). A re-laid layer adds one layer's fused tensors plus one
+expert chunk's conversion temporaries over the parameters, a copied one nothing (scripts/bench_inplace.py
+measures it).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import torch
 from ..errors import ConfigError, LayoutMismatchError
 from ..layouts.relayout import fill_param
 from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, shape_of
-from ..models.config import read_config_files
+from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
+from ..storage.index import CheckpointIndex
+from .direct import copy_direct, direct_copies, made_from_sizes
 from .experts import load_layer, planned
-from .fused import FusedTensors, FusedSpec
+from .fused import FusedSpec
+from .plan import LayerPlan
 from .presharded import checked_entry, is_presharded, locate_rank, rank_record, rank_specs, read_param
 from .device import DevicePolicy
 
@@ -49,11 +54,13 @@ class LayerTarget:
 @dataclass(frozen=True)
 class FillReport:
     """What `fill_layers` did: the layers filled (prefix -> method row name), the non-expert tensors it
-    left for the engine (checkpoint folders only), and the most scratch one layer held (bytes)."""
+    left for the engine (checkpoint folders only), the most scratch one layer held (bytes), and the layers
+    whose checkpoint words were copied as they are (`load.direct`)."""
 
     layers: dict[str, str]
     ignored: tuple[str, ...]
     scratch_bytes: int
+    copied: tuple[str, ...] = ()
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
@@ -101,38 +108,56 @@ def staging_of(target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...
     return staging
 
 
-def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], fused: FusedTensors) -> None:
-    """Re-lay one layer's fused tensors into the engine's parameters."""
-    spec = fused.spec
+def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], spec: FusedSpec,
+          tensors: Mapping[str, torch.Tensor]) -> None:
+    """Re-lay one layer's fused `tensors` into the engine's `decls` (a parameter whose fused tensor is absent:
+    made from the sizes, e.g. a symmetric layer's zero points or a SHAPE record)."""
     nk = {Half.W13: (spec.intermediate, spec.hidden), Half.W2: (spec.hidden, spec.intermediate)}
     with torch.no_grad():
         for decl in decls:
-            fill_param(target.params[decl.name], decl, fused.tensors.get(fused_name(decl)), bits=spec.bits,
+            fill_param(target.params[decl.name], decl, tensors.get(fused_name(decl)), bits=spec.bits,
                        shape_nk=nk[decl.half], label=prefix)
 
 
 def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str, LayerTarget], *,
-                include_mtp: bool = False) -> FillReport:
+                include_mtp: bool = False, copy_words: bool = True) -> FillReport:
     """Fill every target layer (by the source's experts prefix) from a checkpoint folder or a `wna16-shard`
     output at `path`; a target the source has not raises ConfigError. `include_mtp`: MTP layers are layers
-    of the source too (else their expert tensors are non-expert tensors, left for the engine)."""
+    of the source too (else their expert tensors are non-expert tensors, left for the engine).
+    `copy_words=False`: every layer whose method is not the fused layout is re-laid from fused scratch, even
+    where the checkpoint's words could be copied as they are (the reference the copies are tested against)."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
-    filled, scratch = {}, 0
+    filled, scratch, copied = {}, 0, []
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _same_layers(path, [plan.prefix for plan in plans], targets)
         for plan in (plan for plan in plans if plan.prefix in targets):
             target = targets[plan.prefix]
             decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
-            staging = staging_of(target, plan.fused, decls)
-            with torch.no_grad():
-                fused, _, _ = load_layer(index, moe, plan, target.device, False, staging=staging)
-            if staging is None:
-                relay(plan.prefix, target, decls, fused)
-                scratch = max(scratch, fused.spec.nbytes)
+            copies = direct_copies(plan, decls, target.params) if copy_words and not target.layout.fused_as_is \
+                else None
+            if copies is not None:
+                copy_direct(index, plan, copies, target.params)
+                relay(plan.prefix, target, tuple(d for d in decls if made_from_sizes(d, plan.moe.quant.symmetric)),
+                      plan.fused, {})
+                copied.append(plan.prefix)
+            else:
+                scratch = max(scratch, _fill_fused(index, moe, plan, target, decls))
             filled[plan.prefix] = target.layout.name
-            del fused
-        return FillReport(filled, scan.others, scratch)
+        return FillReport(filled, scan.others, scratch, tuple(copied))
+
+
+def _fill_fused(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
+                decls: tuple[ParamDecl, ...]) -> int:
+    """One layer through the fused writer: into the parameters as they are, or into scratch re-laid into
+    them; the scratch's bytes (0 for the former)."""
+    staging = staging_of(target, plan.fused, decls)
+    with torch.no_grad():
+        fused, _, _ = load_layer(index, moe, plan, target.device, False, staging=staging)
+    if staging is not None:
+        return 0
+    relay(plan.prefix, target, decls, fused.spec, fused.tensors)
+    return fused.spec.nbytes
 
 
 def _read_into_param(out: Path, policy: DevicePolicy, name: str, shape: tuple[tuple[int, ...], torch.dtype],
@@ -175,7 +200,7 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
         else:
             tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
                        for name, (shape, dtype) in shapes.items()}
-            relay(prefix, target, decls, FusedTensors(prefix, spec, tensors))
+            relay(prefix, target, decls, spec, tensors)
             scratch = max(scratch, spec.nbytes)
             del tensors  # freed before the next layer's scratch is read
         filled[prefix] = target.layout.name
