@@ -28,7 +28,8 @@ def test_each_expert_lands_in_its_slot_gate_then_up_along_n(tmp_path):
     copies = copies_of(tmp_path, quant_config("gptq", bits=4, symmetric=True), AUTO_GPTQ,
                        ParallelConfig(tp_size=2, tp_rank=1, ep_size=1))
     up = [c for c in copies if c.param == "w13_qweight" and c.ref.name.endswith("3.up_proj.qweight")]
-    assert [(c.slot, c.into, c.index) for c in up] == [(3, (slice(None), slice(64, 128)), (slice(0, 8), slice(64, 128)))]
+    assert [(c.slot, c.into, c.index) for c in up] == [(3, (slice(None), slice(64, 128)),
+                                                        (slice(0, 8), slice(64, 128)))]
     down = [c for c in copies if c.param == "w2_qweight" and c.slot == 0]
     assert [(c.into, c.index) for c in down] == [((slice(None), slice(0, 64)), (slice(8, 16), slice(0, 64)))]
     assert {c.param for c in copies} == {"w13_qweight", "w2_qweight", "w13_scales", "w2_scales"}  # z: the midpoint

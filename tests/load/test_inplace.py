@@ -206,18 +206,19 @@ def test_a_copied_layer_holds_no_scratch(source):
     assert relaid.copied == () and relaid.scratch_bytes == fused[PREFIXES[0]].spec.nbytes
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=16, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fmt=st.sampled_from(sorted(ROWS)), bits=st.sampled_from([4, 8]), symmetric=st.booleans(),
        hidden=st.sampled_from([64, 128]), intermediate=st.sampled_from([64, 128, 192]),
-       tp=st.sampled_from([1, 2, 4]), data=st.data())
+       tp=st.sampled_from([1, 2, 4]), channelwise=st.booleans(), data=st.data())
 def test_copies_equal_the_fused_route_for_any_sizes(tmp_path_factory, fmt, bits, symmetric, hidden, intermediate,
-                                                    tp, data):
+                                                    tp, channelwise, data):
     bits = 4 if fmt == "awq" else bits  # AWQ's GEMM order is 4-bit only
-    assume(intermediate // tp % 32 == 0)  # else G_eff < G: a layer these rows cannot hold (test above)
+    group_size = -1 if channelwise and fmt != "awq" else 32
+    assume(group_size == -1 or intermediate // tp % 32 == 0)  # else G_eff < G: no such row (test above)
     config = ParallelConfig(tp_size=tp, tp_rank=data.draw(st.integers(0, tp - 1)))
     folder = write_checkpoint(tmp_path_factory.mktemp("sizes") / "ckpt",
-                              quant_config(fmt, bits=bits, group_size=32, symmetric=symmetric),
+                              quant_config(fmt, bits=bits, group_size=group_size, symmetric=symmetric),
                               num_experts=2, hidden=hidden, intermediate=intermediate, num_layers=1, seed=1).folder
-    want, got, report = both_routes(folder, config, ROWS[fmt], 32)
+    want, got, report = both_routes(folder, config, ROWS[fmt], group_size)
     assert report.copied == ("model.layers.0.mlp.experts",) and report.scratch_bytes == 0
     assert_same(want, got)

@@ -85,7 +85,8 @@ def _proj_copies(plan: LayerPlan, decl: ParamDecl, proj: Proj, param: torch.Tens
         src = plan.sources[(expert, proj)]
         ref = src.tensors.get(storage.role)
         spans, pick = rank_spans(src, cut)
-        if ref is None or pick is not None or ref.dtype != param.dtype or not _whole_words(storage, spans, quant.pack_factor):
+        if ref is None or pick is not None or ref.dtype != param.dtype or \
+                not _whole_words(storage, spans, quant.pack_factor):
             return None
         index = storage_index(layout, spans, quant.pack_factor, src.expert_row)
         into = _rows(storage, row, _sliced_shape(ref.shape, index), quant.pack_factor)
@@ -129,5 +130,5 @@ def copy_direct(index: CheckpointIndex, plan: LayerPlan, copies: Sequence[Copy],
     with torch.no_grad():
         for copy in copies:
             target = params[copy.param][copy.slot][copy.into]
-            words = index.view(copy.ref, copy.index) if target.device.type == "cpu" else index.read(copy.ref, copy.index)
-            target.copy_(words)
+            on_cpu = target.device.type == "cpu"  # a device copies from ordinary memory, never from the mapping
+            target.copy_(index.view(copy.ref, copy.index) if on_cpu else index.read(copy.ref, copy.index))
