@@ -19,6 +19,7 @@ from wna16_loader.layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUA
 from wna16_loader.layouts.relayout import fill_param
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
 from wna16_loader.preshard.run import preshard_checkpoint
+from wna16_loader.storage.readahead import ReadOptions
 from wna16_loader.testing.synthetic import QuantizedProjection, encode_role, quant_config, write_checkpoint
 
 PREFIXES = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
@@ -194,6 +195,18 @@ def test_reduced_groups_are_refused_on_either_route(tmp_path, copy_words):
     with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts\.w2_scales: the fused layer has "
                        r"1 groups, the engine's parameter 0; 1 is not a multiple of 0"):
         fill_layers(folder, config, params, copy_words=copy_words)
+
+
+@pytest.mark.parametrize("row", [AUTO_GPTQ, MOE_WNA16])
+def test_the_read_ahead_leaves_every_value_as_the_mapping_reads_it(source, row):
+    folder, _ = source
+    config = ParallelConfig(tp_size=2, tp_rank=1)
+    fused = load_experts(folder, config)
+    want, got = targets(fused, row), targets(fused, row)
+    fill_layers(folder, config, want, reads=ReadOptions(enabled=False))
+    fill_layers(folder, config, got, reads=ReadOptions(min_bytes=0, min_tensor_bytes=0, request_bytes=4096,
+                                                       gap_bytes=0))  # tiny tensors: every range read ahead
+    assert_same(want, got)
 
 
 def test_a_copied_layer_holds_no_scratch(source):

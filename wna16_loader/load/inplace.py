@@ -10,7 +10,8 @@
 Works from a checkpoint folder (each rank reads only its slices) and from a `wna16-shard --layout fused`
 output (each rank reads only its own files). A re-laid layer adds one layer's fused tensors plus one
 expert chunk's conversion temporaries over the parameters, a copied one nothing (scripts/bench_inplace.py
-measures it).
+measures it). From a checkpoint folder every layer's planned byte ranges are brought into the page cache ahead
+of its reads (`posix_fadvise`: no buffers of the read-ahead's own).
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
 from ..storage.index import CheckpointIndex
+from ..storage.readahead import PlannedRange, ReadOptions
 from .direct import copy_direct, direct_copies, made_from_sizes
 from .experts import load_layer, planned
 from .fused import FusedSpec
 from .plan import LayerPlan
+from .reads import planned_ranges
 from .presharded import checked_entry, is_presharded, locate_rank, rank_record, rank_specs, read_param
 from .device import DevicePolicy
 
@@ -120,31 +123,49 @@ def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], spec: 
 
 
 def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str, LayerTarget], *,
-                include_mtp: bool = False, copy_words: bool = True) -> FillReport:
+                include_mtp: bool = False, copy_words: bool = True, reads: ReadOptions = ReadOptions()) -> FillReport:
     """Fill every target layer (by the source's experts prefix) from a checkpoint folder or a `wna16-shard`
     output at `path`; a target the source has not raises ConfigError. `include_mtp`: MTP layers are layers
     of the source too (else their expert tensors are non-expert tensors, left for the engine).
     `copy_words=False`: every layer whose method is not the fused layout is re-laid from fused scratch, even
-    where the checkpoint's words could be copied as they are (the reference the copies are tested against)."""
+    where the checkpoint's words could be copied as they are (the reference the copies are tested against).
+    `reads`: the read-ahead's knobs; from a checkpoint folder every planned range goes to the page cache only
+    (`_cache_ranges`), so the parameters stay the load's only memory."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
     filled, scratch, copied = {}, 0, []
-    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans), \
+            index.reading_ahead(_cache_ranges(index, plans, targets, reads), reads) as ahead:
         _same_layers(path, [plan.prefix for plan in plans], targets)
-        for plan in (plan for plan in plans if plan.prefix in targets):
-            target = targets[plan.prefix]
-            decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
-            copies = direct_copies(plan, decls, target.params) if copy_words and not target.layout.fused_as_is \
-                else None
-            if copies is not None:
-                copy_direct(index, plan, copies, target.params)
-                relay(plan.prefix, target, tuple(d for d in decls if made_from_sizes(d, plan.moe.quant.symmetric)),
-                      plan.fused, {})
-                copied.append(plan.prefix)
-            else:
-                scratch = max(scratch, _fill_fused(index, moe, plan, target, decls))
-            filled[plan.prefix] = target.layout.name
+        for number, plan in enumerate(plans):
+            ahead.start(number)
+            if plan.prefix in targets:
+                held, was_copied = _fill_layer(index, moe, plan, targets[plan.prefix], copy_words)
+                scratch, filled[plan.prefix] = max(scratch, held), targets[plan.prefix].layout.name
+                copied += [plan.prefix] * was_copied
         return FillReport(filled, scan.others, scratch, tuple(copied))
+
+
+def _cache_ranges(index: CheckpointIndex, plans: list[LayerPlan], targets: Mapping[str, LayerTarget],
+                  reads: ReadOptions) -> list[list[PlannedRange]]:
+    """Each target layer's planned byte ranges, all marked shared: the read-ahead fills the page cache the
+    mapping's views then read, and holds no buffers of its own (the parameters are the only memory)."""
+    return [[r._replace(shared=True) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)]
+            if plan.prefix in targets else [] for plan in plans]
+
+
+def _fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
+                copy_words: bool) -> tuple[int, bool]:
+    """One layer: its checkpoint words copied where its method holds them as they are, else through the
+    fused writer; the scratch it held (bytes) and whether it was copied."""
+    decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
+    copies = direct_copies(plan, decls, target.params) if copy_words and not target.layout.fused_as_is else None
+    if copies is None:
+        return _fill_fused(index, moe, plan, target, decls), False
+    copy_direct(index, plan, copies, target.params)
+    relay(plan.prefix, target, tuple(d for d in decls if made_from_sizes(d, plan.moe.quant.symmetric)),
+          plan.fused, {})
+    return 0, True
 
 
 def _fill_fused(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
