@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from ..errors import FormatError
 from ..formats import Role
+from ..layouts.spec import Half
 from ..load.keys import KeyRules
 from ..models.config import MoEConfig
 from ..models.names import PROJ_ALIASES, ExpertNameParser, Proj
@@ -51,7 +52,7 @@ class ShardId(enum.Enum):
 
 def fused_half(proj: Proj) -> str:
     """'w13' for gate and up, 'w2' for down."""
-    return "w2" if proj is Proj.DOWN else "w13"
+    return Half.of(proj).value
 
 
 def default_alias(proj: Proj) -> str:

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import LayoutMismatchError
 from ..formats.spec import Dim, QuantSpec, Role, TensorLayout
+from ..models.names import Proj
 
 
 class Half(enum.Enum):
@@ -35,6 +36,11 @@ class Half(enum.Enum):
 
     W13 = "w13"
     W2 = "w2"
+
+    @classmethod
+    def of(cls, proj: Proj) -> "Half":
+        """The half a projection's rows belong to: w2 for down, w13 for gate and up."""
+        return cls.W2 if proj is Proj.DOWN else cls.W13
 
 
 class Source(enum.Enum):

@@ -43,9 +43,9 @@ class Copy:
     index: Index
 
 
-def half_of(proj: Proj) -> Half:
-    """The fused half a projection's rows belong to."""
-    return Half.W2 if proj is Proj.DOWN else Half.W13
+def half_projections(plan: LayerPlan, half: Half) -> list[Proj]:
+    """The layer's projections whose rows `half` holds, in row order (w13: gate, then up)."""
+    return [proj for proj in plan.fused.projections if Half.of(proj) is half]
 
 
 def made_from_sizes(decl: ParamDecl, symmetric: bool) -> bool:
@@ -67,7 +67,7 @@ def direct_copies(plan: LayerPlan, decls: Sequence[ParamDecl],
         layout = quant.layout(decl.storage.role) if decl.storage is not None else None
         if layout is None or WordLayout.of(layout, quant) != decl.storage:
             return None
-        for proj in (p for p in plan.fused.projections if half_of(p) is decl.half):
+        for proj in half_projections(plan, decl.half):
             found = _proj_copies(plan, decl, proj, params[decl.name])
             if found is None:
                 return None
@@ -80,7 +80,7 @@ def _proj_copies(plan: LayerPlan, decl: ParamDecl, proj: Proj, param: torch.Tens
     quant, storage, cut = plan.moe.quant, decl.storage, plan.geometry.slice(proj)
     assert storage is not None, "made_from_sizes parameters are not copied"
     layout, out = quant.layout(storage.role), []
-    row = [p for p in plan.fused.projections if half_of(p) is decl.half].index(proj) * len(cut.n)
+    row = half_projections(plan, decl.half).index(proj) * len(cut.n)
     for slot, expert in enumerate(plan.fused.experts):
         src = plan.sources[(expert, proj)]
         ref = src.tensors.get(storage.role)
