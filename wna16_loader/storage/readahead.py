@@ -42,6 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 
 from ..errors import WNA16Error
+from .advice import advice_bytes, will_need
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
@@ -51,8 +52,9 @@ LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util
 class CacheFill(Enum):
     """How shared bytes are brought into the page cache ahead of the mapping's reads."""
 
-    ADVISE = "advise"  # posix_fadvise(WILLNEED): the kernel queues the reads and returns; pages already
-    #                    cached cost a lookup (the default: on 2 busy cores READ's copies cost 7 CPU s warm)
+    ADVISE = "advise"  # posix_fadvise(WILLNEED) in calls the kernel reads whole (storage/advice.py): it queues
+    #                    the reads and returns; pages already cached cost a lookup (the default: on 2 busy cores
+    #                    READ's copies cost 7 CPU s warm)
     READ = "read"  # a buffered preadv into a worker's scratch buffer, dropped: the worker waits for the
     #                storage (for file systems that ignore WILLNEED)
 
@@ -187,6 +189,7 @@ class ReadAhead:
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
         self._fds: dict[tuple[Path, bool], int] = {}
         self._maps: dict[Path, mmap.mmap] = {}  # for mincore
+        self._advice_bytes: dict[Path, int] = {}  # path -> the most one WILLNEED call reads of it
         self._lock = threading.Lock()
         self._fills: list[Future[None]] = []
         self._submitted = 0
@@ -307,13 +310,19 @@ class ReadAhead:
 
     def _fill(self, path: Path, begin: int, end: int) -> None:
         """File bytes [begin, end) into the page cache (read into a scratch buffer and dropped, or advised)."""
-        if self.options.fill is CacheFill.ADVISE:
-            os.posix_fadvise(self._fd(path, False), begin, end - begin, os.POSIX_FADV_WILLNEED)
+        if self.options.fill is CacheFill.ADVISE:  # in calls the kernel reads whole (storage/advice.py)
+            will_need(self._fd(path, False), begin, end, self._advice(path))
             return
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None:
             scratch = self._scratch.buffer = bytearray(self._step)
         read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
+
+    def _advice(self, path: Path) -> int:
+        """The most one WILLNEED call reads of `path` (looked up once per file)."""
+        if path not in self._advice_bytes:
+            self._advice_bytes[path] = advice_bytes(path)
+        return self._advice_bytes[path]
 
     def close(self) -> None:
         """Stop reading ahead (requests not started are dropped), wait for those running, close the files."""

@@ -1,0 +1,58 @@
+"""`posix_fadvise(WILLNEED)` that reads every byte it is asked for.
+
+Linux reads at most max(`read_ahead_kb`, `max_sectors_kb`) of the file's block device per WILLNEED call
+(mm/readahead.c, `force_page_cache_ra`: `nr_to_read` is capped at max(bdi->io_pages, ra->ra_pages)) and
+silently leaves the rest of a larger range unread. Measured on this project's VM (read_ahead_kb 8192): one
+call over 32 MiB of a cold file brought in 8.0 MiB; calls of 16 MiB over 1.88 GB brought in 0.96 GB. On a
+common NVMe setting (read_ahead_kb 128, max_sectors_kb 1280) a 16 MiB call reads 8 % of its range.
+
+| advice_bytes(path)                 | the most one call reads for `path`'s block device (from sysfs), or    |
+|                                    | FALLBACK_BYTES where sysfs does not say (no block device, no sysfs)    |
+| will_need(fd, begin, end, step)    | WILLNEED over file bytes [begin, end) in calls of at most `step` bytes |
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+FALLBACK_BYTES = 128 << 10  # the kernel's default read-ahead window (VM_READAHEAD_PAGES): a call never reads less
+SYSFS = Path("/sys")
+
+
+def advice_bytes(path: Path, *, sysfs: Path = SYSFS) -> int:
+    """The most one WILLNEED call reads of `path`: max(read_ahead_kb, max_sectors_kb) of the queue of the
+    block device holding it (a partition's queue is its disk's), in bytes; FALLBACK_BYTES when unknown."""
+    device = os.stat(path).st_dev
+    return _device_advice_bytes(os.major(device), os.minor(device), sysfs)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_advice_bytes(major: int, minor: int, sysfs: Path) -> int:
+    block = sysfs / "dev" / "block" / f"{major}:{minor}"
+    for queue in (block / "queue", block.resolve().parent / "queue"):
+        kib = [_read_kib(queue / name) for name in ("read_ahead_kb", "max_sectors_kb")]
+        known = [k for k in kib if k]
+        if known:
+            return max(known) << 10
+    return FALLBACK_BYTES
+
+
+def _read_kib(file: Path) -> int:
+    """The integer in a sysfs file, 0 where there is none."""
+    try:
+        return int(file.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def will_need(fd: int, begin: int, end: int, step: int) -> int:
+    """Advise WILLNEED over file bytes [begin, end) of `fd` in calls of at most `step` bytes (see the module
+    table: a larger call leaves its tail unread); the number of calls made."""
+    assert step > 0, f"will_need: step {step} must be positive"
+    calls = 0
+    for at in range(begin, end, step):
+        os.posix_fadvise(fd, at, min(step, end - at), os.POSIX_FADV_WILLNEED)
+        calls += 1
+    return calls
