@@ -54,6 +54,16 @@ def test_without_a_queue_in_sysfs_the_cap_is_the_default_window(tmp_path) -> Non
     assert advice_bytes(file, sysfs=unreadable) == FALLBACK_BYTES
 
 
+def test_a_file_system_without_a_block_queue_uses_its_read_ahead_window(tmp_path) -> None:
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"x")
+    device = os.stat(file).st_dev
+    bdi = tmp_path / "sys" / "class" / "bdi" / f"{os.major(device)}:{os.minor(device)}"
+    bdi.mkdir(parents=True)
+    (bdi / "read_ahead_kb").write_text("15360\n")  # e.g. NFS: 15 x a 1 MiB rsize
+    assert advice_bytes(file, sysfs=tmp_path / "sys") == 15360 << 10
+
+
 @given(begin=st.integers(0, 1 << 30), length=st.integers(0, 1 << 26), step=st.integers(1, 1 << 24))
 def test_calls_tile_the_range_none_over_the_step(begin, length, step) -> None:
     calls: list[tuple[int, int]] = []

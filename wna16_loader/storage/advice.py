@@ -6,8 +6,9 @@ silently leaves the rest of a larger range unread. Measured on this project's VM
 call over 32 MiB of a cold file brought in 8.0 MiB; calls of 16 MiB over 1.88 GB brought in 0.96 GB. On a
 common NVMe setting (read_ahead_kb 128, max_sectors_kb 1280) a 16 MiB call reads 8 % of its range.
 
-| advice_bytes(path)                 | the most one call reads for `path`'s block device (from sysfs), or    |
-|                                    | FALLBACK_BYTES where sysfs does not say (no block device, no sysfs)    |
+| advice_bytes(path)                 | the most one call reads for `path`'s device (from sysfs: its block    |
+|                                    | queue, or the read-ahead window of a network or FUSE file system), or |
+|                                    | FALLBACK_BYTES where sysfs does not say                                |
 | will_need(fd, begin, end, step)    | WILLNEED over file bytes [begin, end) in calls of at most `step` bytes |
 """
 
@@ -30,13 +31,15 @@ def advice_bytes(path: Path, *, sysfs: Path = SYSFS) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _device_advice_bytes(major: int, minor: int, sysfs: Path) -> int:
+    """A block device's queue (its own, or its disk's for a partition); else the read-ahead window of a
+    device without a block queue (NFS, FUSE: `class/bdi/MAJ:MIN`); else FALLBACK_BYTES."""
     block = sysfs / "dev" / "block" / f"{major}:{minor}"
     for queue in (block / "queue", block.resolve().parent / "queue"):
-        kib = [_read_kib(queue / name) for name in ("read_ahead_kb", "max_sectors_kb")]
-        known = [k for k in kib if k]
+        known = [k for k in (_read_kib(queue / "read_ahead_kb"), _read_kib(queue / "max_sectors_kb")) if k]
         if known:
             return max(known) << 10
-    return FALLBACK_BYTES
+    window = _read_kib(sysfs / "class" / "bdi" / f"{major}:{minor}" / "read_ahead_kb")
+    return window << 10 if window else FALLBACK_BYTES
 
 
 def _read_kib(file: Path) -> int:
