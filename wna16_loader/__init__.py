@@ -48,7 +48,7 @@ from .errors import (
 from .formats import QuantSpec
 from .load.experts import load_experts, read_moe_config
 from .load.fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec, FusedTensors
-from .load.presharded import parallel_config, read_manifest
+from .load.outputs import parallel_config, read_manifest
 from .load.results import LoadedExperts, LoadReport
 from .models.config import MoEConfig
 from .parallel.config import ExpertPlacement, ParallelConfig

@@ -35,7 +35,8 @@ from .experts import load_layer, planned
 from .fused import FusedSpec
 from .plan import LayerPlan
 from .reads import planned_ranges
-from .presharded import checked_entry, is_presharded, locate_rank, rank_record, rank_specs, read_param
+from .outputs import is_presharded, rank_record, rank_specs
+from .presharded import checked_entry, locate_rank, read_param
 from .device import DevicePolicy
 
 

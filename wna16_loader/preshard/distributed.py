@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
-from ..load.presharded import MANIFEST_NAME
+from ..load.outputs import MANIFEST_NAME
 from ..parallel.config import ShardJob
 from ..storage.index import CheckpointIndex
 from .journal import JOURNAL_NAME, check_existing, start

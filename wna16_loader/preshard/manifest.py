@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..load.presharded import SCHEMA_VERSION, spec_record
+from ..load.outputs import SCHEMA_VERSION, spec_record
 from ..version import __version__
 from .plan import RankPlan, ShardPlan
 

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, CompletenessError, PreshardError, format_o
 from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
 from ..load.plan import LayerPlan, plan_layers
-from ..load.presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION
+from ..load.outputs import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION
 from ..load.scan import CheckpointScan
 from ..load.specs import warn_reduced_groups_by_spec
 from ..load.tables import LayerTables

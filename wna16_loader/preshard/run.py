@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
-from ..load.presharded import MANIFEST_NAME
+from ..load.outputs import MANIFEST_NAME
 from ..storage.hub import resolve_checkpoint
 from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start, warn_starting_over
 from .manifest import build_manifest

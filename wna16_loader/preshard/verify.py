@@ -15,7 +15,8 @@ from safetensors import safe_open
 from ..errors import CheckpointError, WNA16Error
 from ..load.experts import load_experts
 from ..load.fused import FusedExperts
-from ..load.presharded import load_presharded, read_manifest
+from ..load.outputs import read_manifest
+from ..load.presharded import load_presharded
 from ..parallel.config import ParallelConfig
 from ..storage.index import CheckpointIndex
 from ..storage.readahead import byte_view
