@@ -10,7 +10,7 @@ import pytest
 
 from wna16_loader.errors import CheckpointError, LayoutMismatchError
 from wna16_loader.load import outputs
-from wna16_loader.load.outputs import MANIFEST_NAME, rank_record, read_rank_manifest
+from wna16_loader.load.outputs import MANIFEST_NAME, OutputLayout, output_layout, rank_record, read_rank_manifest
 from wna16_loader.parallel.config import ParallelConfig
 
 
@@ -80,3 +80,23 @@ def test_rank_beyond_the_written_ranks(copy: Path) -> None:
     with pytest.raises(CheckpointError, match=r"wna16_manifest\.json: no record of rank 3 in its ranks list; run "
                                               r"`wna16-shard verify .*` and re-shard\."):
         rank_record(copy, ParallelConfig(2, 1, ep_size=2, ep_rank=1))
+
+
+def test_the_recorded_layout_is_an_output_layout(copy: Path) -> None:
+    """params.layout is read as an OutputLayout ("fused" when not recorded, as before it was); a checkpoint-layout
+    output is refused by a load; a value that is none of the layouts is named."""
+    manifest = json.loads((copy / MANIFEST_NAME).read_text())
+    assert output_layout(copy, manifest) is OutputLayout.FUSED and manifest["params"]["layout"] == "fused"
+    del manifest["params"]["layout"]
+    assert output_layout(copy, manifest) is OutputLayout.FUSED
+    refusals = {"checkpoint": (LayoutMismatchError, "written with --layout checkpoint (per-expert source tensors "
+                                                    "sliced per rank"),
+                "sliced": (CheckpointError, "params.layout is 'sliced', none of ['fused', 'checkpoint'] (a newer "
+                                            "wna16-shard's, or an edit); re-shard the source with this version's "
+                                            "wna16-shard.")}
+    for value, (error, text) in refusals.items():
+        manifest["params"]["layout"] = value
+        (copy / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        with pytest.raises(error) as exc:
+            rank_record(copy, ParallelConfig(2, 0, ep_size=2, ep_rank=0))
+        assert str(exc.value).startswith(f"{copy / MANIFEST_NAME}: {text}")

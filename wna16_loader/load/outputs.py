@@ -8,6 +8,10 @@
 |                       | lines and parsed alone (not the other ranks, not the source account)           |
 | the record for a load | `rank_record`: checked against the `ParallelConfig` it is loaded with          |
 | the layers            | `rank_specs` / `mtp_layers`: each layer's FusedSpec (`spec_from_record`)       |
+| what the files hold   | `OutputLayout` (`--layout`), as the manifest records it (`output_layout`)      |
+
+`OutputLayout` is declared here, below both of its users: this read side (a load refuses a checkpoint-layout
+output) and the writer (`preshard`, which converts the `layout=` argument to it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import mmap
 import os
 from contextlib import nullcontext
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,29 @@ SCHEMA_VERSION = 1
 
 
 PLAN_NAME = ".wna16-plan.json"
+
+
+class OutputLayout(str, Enum):
+    """What a wna16-shard output's rank files hold: `--layout`, recorded as its value in the manifest's
+    `params.layout` (a str, so a member equals its value and is written as it)."""
+
+    FUSED = "fused"  # load_experts' fused tensors (the default)
+    CHECKPOINT = "checkpoint"  # every source expert tensor sliced per rank, in the source's names and format
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def output_layout(out: str | Path, manifest: dict[str, Any]) -> OutputLayout:
+    """The layout a manifest (or its head) records; "fused" for outputs written before it was recorded. A value
+    that is no OutputLayout's raises CheckpointError naming it."""
+    value = manifest["params"].get("layout", OutputLayout.FUSED.value)
+    try:
+        return OutputLayout(value)
+    except ValueError:
+        raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: params.layout is {value!r}, none of "
+                              f"{[layout.value for layout in OutputLayout]} (a newer wna16-shard's, or an edit); re-shard "
+                              f"the source with this version's wna16-shard.") from None
 
 
 def is_presharded(path: str | Path) -> bool:
@@ -150,8 +178,9 @@ def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool 
     manifest, record = read_rank_manifest(out, parallel.rank)
     if include_mtp:
         warn_no_mtp(out, manifest, parallel)
-    if manifest["params"].get("layout", "fused") != "fused":
-        raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
+    layout = output_layout(out, manifest)
+    if layout is not OutputLayout.FUSED:
+        raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {layout.value} "
                                   f"(per-expert source tensors sliced per rank, for an engine that reads pre-sliced "
                                   f"checkpoints); load_experts reads only --layout fused outputs. Load it with such "
                                   f"an engine, or re-shard the source with wna16-shard --layout fused.")

@@ -41,7 +41,7 @@ The read side is below the loader, in `wna16_loader.load`: the folder and manife
 
 from __future__ import annotations
 
-from ..load.outputs import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded, read_manifest
+from ..load.outputs import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, OutputLayout, is_presharded, read_manifest
 from ..load.presharded import load_presharded
 from .distributed import preshard_distributed
 from .journal import JOURNAL_NAME
@@ -54,7 +54,7 @@ from .verify import verify_output
 
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
-    "LayoutCost", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
+    "LayoutCost", "OutputLayout", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
     "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard_checkpoint", "preshard_distributed",
     "rank_folder", "read_manifest", "shard", "split_files", "verify_output",
 ]
