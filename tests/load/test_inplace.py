@@ -67,6 +67,26 @@ def test_every_layer_is_filled_as_the_row_makes_it(source, row, from_shard):
     assert bool(report.ignored) != from_shard  # a checkpoint's non-expert tensors go back to the engine
 
 
+@pytest.mark.parametrize("row", [MOE_WNA16, AUTO_GPTQ, CT_WNA16], ids=lambda row: row.name)
+def test_a_checkpoint_and_its_output_take_the_same_steps_per_layer(source, row):
+    """The checkpoint's fused route (copy_words=False) and the output's fill one layer alike (`_through_fused`):
+    the same parameters, layers and scratch (none where the method holds the fused tensors as they are)."""
+    folder, shard = source
+    config = ParallelConfig(tp_size=2, tp_rank=0)
+    fused = load_experts(folder, config)
+    from_folder, from_shard = targets(fused, row), targets(fused, row)
+    folder_report = fill_layers(folder, config, from_folder, copy_words=False)
+    shard_report = fill_layers(shard, config, from_shard)
+    assert folder_report.layers == shard_report.layers == {prefix: row.name for prefix in PREFIXES}
+    assert folder_report.copied == shard_report.copied == ()
+    scratch = 0 if row.fused_as_is else max(layer.spec.nbytes for layer in fused.values())
+    assert folder_report.scratch_bytes == shard_report.scratch_bytes == scratch
+    for prefix in PREFIXES:
+        for name, param in from_folder[prefix].params.items():
+            assert torch.equal(from_shard[prefix].params[name], param), f"{prefix}.{name}"
+            assert not torch.equal(param, torch.full_like(param, 7)), f"{prefix}.{name} left as the sentinel"
+
+
 def test_a_layer_without_a_target_is_left_alone(source):
     folder, _ = source
     config = ParallelConfig(tp_size=1, tp_rank=0)
