@@ -122,6 +122,24 @@ def test_other_experts_or_shapes_are_refused_by_name(source):
         fill_layers(folder, config, floats)
 
 
+def test_a_hidden_size_the_group_size_does_not_divide_is_short_in_an_engine_row(tmp_path):
+    """H = 80, G = 32: the checkpoint stores ceil(80 / 32) = 3 groups along H; auto_gptq's row allocates
+    80 // 32 = 2, as vLLM does (`allocated_groups`), so its fill is refused naming both counts; moe_wna16 takes
+    the fused layer's 3."""
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=False),
+                              num_experts=2, hidden=80, intermediate=64, num_layers=1, seed=1).folder
+    config = ParallelConfig(tp_size=1, tp_rank=0)
+    fused = load_experts(folder, config)
+    layer = fused["model.layers.0.mlp.experts"]
+    scales = load_file(str(next(folder.glob("*.safetensors"))))["model.layers.0.mlp.experts.0.gate_proj.scales"]
+    assert scales.shape[0] == 3 == layer.spec.w13_groups and layer_sizes(layer.spec, 32).GH == 2
+    with pytest.raises(LayoutMismatchError) as exc:
+        fill_layers(folder, config, targets(fused, AUTO_GPTQ))
+    assert str(exc.value) == ("model.layers.0.mlp.experts.w13_scales: the fused layer has 3 groups, the engine's "
+                              "parameter 2; 3 is not a multiple of 2, so no group size maps one to the other")
+    assert fill_layers(folder, config, targets(fused, MOE_WNA16)).layers == {"model.layers.0.mlp.experts": "moe_wna16"}
+
+
 # --- the checkpoint's own words copied (load.direct) against the fused route (copy_words=False) ---
 
 ROWS = {"gptq": AUTO_GPTQ, "awq": AUTO_AWQ, "compressed-tensors": CT_WNA16}

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError, LayoutMismatchError
 from ..layouts.relayout import fill_param
-from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, shape_of
+from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, allocated_groups, shape_of
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
@@ -69,11 +69,11 @@ class FillReport:
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
-    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise)."""
-    groups = (lambda d: 1) if group_size == -1 else (lambda d: d // group_size)
+    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise): GH and GI
+    as vLLM allocates them (`allocated_groups`, floor), GH_eff and GI_eff the fused layer's (ceil)."""
     return Sizes(E=len(spec.experts), N13=spec.w13_rows, H=spec.hidden, I=spec.intermediate, I_p=spec.part,
-                 bits=spec.bits, GH=groups(spec.hidden), GI=groups(spec.part), GH_eff=spec.w13_groups,
-                 GI_eff=spec.w2_groups)
+                 bits=spec.bits, GH=allocated_groups(spec.hidden, group_size),
+                 GI=allocated_groups(spec.part, group_size), GH_eff=spec.w13_groups, GI_eff=spec.w2_groups)
 
 
 def fused_name(decl: ParamDecl) -> str:
