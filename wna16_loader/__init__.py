@@ -48,11 +48,11 @@ from .errors import (
 from .formats import QuantSpec
 from .load.experts import load_experts, read_moe_config
 from .load.fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec, FusedTensors
-from .load.presharded import parallel_config, read_manifest
+from .load.outputs import parallel_config, read_manifest
 from .load.results import LoadedExperts, LoadReport
 from .models.config import MoEConfig
 from .parallel.config import ExpertPlacement, ParallelConfig
-from .preshard import ShardSummary, shard
+from .preshard import OutputLayout, ShardSummary, shard
 from .storage.hub import resolve_checkpoint
 from .storage.readahead import CacheFill, ReadOptions
 from .version import __version__
@@ -69,5 +69,5 @@ __all__ += [
     "check_model_complete", "expert_param_mapping", "install_load_hook", "load_model_experts", "parallel_config",
     "read_manifest", "reference_forward", "resolve_checkpoint",
 ]
-__all__ += ["ShardSummary", "shard"]
+__all__ += ["OutputLayout", "ShardSummary", "shard"]
 __all__ += ["CacheFill", "ReadOptions"]

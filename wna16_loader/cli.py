@@ -17,7 +17,8 @@ from typing import IO
 from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
 from .parallel.config import ExpertPlacement, ShardJob
-from .preshard import LAYOUTS, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint, preshard_distributed
+from .preshard import (LAYOUTS, OutputLayout, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint,
+                       preshard_distributed)
 from .preshard.verify import VerifyReport, verify_report
 from .storage.hub import resolve_checkpoint
 from .version import __version__
@@ -91,7 +92,7 @@ def shard_parser() -> argparse.ArgumentParser:
                         "(default linear)")
     p.add_argument("--max-file-size", type=parse_size, default=4 * 2**30, metavar="SIZE",
                    help="largest output file, split by tensor, e.g. 4GB (default), 512MB, 1000000")
-    p.add_argument("--layout", choices=list(LAYOUTS), default="fused",
+    p.add_argument("--layout", choices=list(LAYOUTS), default=OutputLayout.FUSED.value,
                    help="output layout: fused (default; load_experts reads it) or checkpoint (every source expert "
                         "tensor keeps its name, dtype and format, sliced for the rank; only when the cuts fall on "
                         "int32-word and group boundaries)")

@@ -8,8 +8,10 @@ import pytest
 from wna16_loader import LayoutMismatchError
 from wna16_loader.formats import Dim, Role, awq, compressed_tensors, gptq, resolve_quant_spec
 from wna16_loader.layouts import (AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, VLLM_LAYOUTS, Need, Sizes,
-                                  evaluate, shape_of)
+                                  allocated_groups, evaluate, shape_of)
 from wna16_loader.layouts.spec import WordLayout
+from wna16_loader.load.params import checkpoint_groups
+from wna16_loader.testing.synthetic import quant_config
 
 SIZES = Sizes(E=3, N13=2 * 96, H=128, I=192, I_p=96, bits=4, GH=4, GI=3, GH_eff=4, GI_eff=3)
 
@@ -23,6 +25,19 @@ def test_expressions_evaluate_left_to_right(expr, value):
 def test_a_division_with_a_remainder_raises_with_every_number():
     with pytest.raises(LayoutMismatchError, match=r"shape expression 'I_p/64': 96 is not divisible by 64 = 64"):
         evaluate("I_p/64", SIZES)
+
+
+@pytest.mark.parametrize("k, group_size, allocated, stored", [
+    (64, 32, 2, 2), (96, 32, 3, 3),  # G divides K: one count
+    (80, 32, 2, 3), (48, 32, 1, 2), (48, 128, 0, 1),  # it does not: vLLM allocates floor, the checkpoint holds ceil
+    (80, -1, 1, 1),  # channelwise: one group either way
+])
+def test_an_engine_allocates_floor_groups_where_a_checkpoint_stores_ceil(k, group_size, allocated, stored):
+    """vLLM's create_weights sizes scales K // G (gptq_marlin: `hidden_size // group_size`); a checkpoint stores
+    ceil(K / G), its last partial group with its own scale: the two counts differ exactly where G does not divide K."""
+    spec = resolve_quant_spec(quant_config("gptq", group_size=group_size))
+    assert allocated_groups(k, group_size) == allocated and checkpoint_groups(spec, k) == stored
+    assert (allocated == stored) == (group_size == -1 or k % group_size == 0)
 
 
 def test_auto_gptq_is_k_major_words():

@@ -67,6 +67,26 @@ def test_every_layer_is_filled_as_the_row_makes_it(source, row, from_shard):
     assert bool(report.ignored) != from_shard  # a checkpoint's non-expert tensors go back to the engine
 
 
+@pytest.mark.parametrize("row", [MOE_WNA16, AUTO_GPTQ, CT_WNA16], ids=lambda row: row.name)
+def test_a_checkpoint_and_its_output_take_the_same_steps_per_layer(source, row):
+    """The checkpoint's fused route (copy_words=False) and the output's fill one layer alike (`_through_fused`):
+    the same parameters, layers and scratch (none where the method holds the fused tensors as they are)."""
+    folder, shard = source
+    config = ParallelConfig(tp_size=2, tp_rank=0)
+    fused = load_experts(folder, config)
+    from_folder, from_shard = targets(fused, row), targets(fused, row)
+    folder_report = fill_layers(folder, config, from_folder, copy_words=False)
+    shard_report = fill_layers(shard, config, from_shard)
+    assert folder_report.layers == shard_report.layers == {prefix: row.name for prefix in PREFIXES}
+    assert folder_report.copied == shard_report.copied == ()
+    scratch = 0 if row.fused_as_is else max(layer.spec.nbytes for layer in fused.values())
+    assert folder_report.scratch_bytes == shard_report.scratch_bytes == scratch
+    for prefix in PREFIXES:
+        for name, param in from_folder[prefix].params.items():
+            assert torch.equal(from_shard[prefix].params[name], param), f"{prefix}.{name}"
+            assert not torch.equal(param, torch.full_like(param, 7)), f"{prefix}.{name} left as the sentinel"
+
+
 def test_a_layer_without_a_target_is_left_alone(source):
     folder, _ = source
     config = ParallelConfig(tp_size=1, tp_rank=0)
@@ -100,6 +120,24 @@ def test_other_experts_or_shapes_are_refused_by_name(source):
     with pytest.raises(LayoutMismatchError, match=r"the engine's MoE method is unquantized but the checkpoint's "
                        r"experts here are quantized; load it with the engine's own loader"):
         fill_layers(folder, config, floats)
+
+
+def test_a_hidden_size_the_group_size_does_not_divide_is_short_in_an_engine_row(tmp_path):
+    """H = 80, G = 32: the checkpoint stores ceil(80 / 32) = 3 groups along H; auto_gptq's row allocates
+    80 // 32 = 2, as vLLM does (`allocated_groups`), so its fill is refused naming both counts; moe_wna16 takes
+    the fused layer's 3."""
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=False),
+                              num_experts=2, hidden=80, intermediate=64, num_layers=1, seed=1).folder
+    config = ParallelConfig(tp_size=1, tp_rank=0)
+    fused = load_experts(folder, config)
+    layer = fused["model.layers.0.mlp.experts"]
+    scales = load_file(str(next(folder.glob("*.safetensors"))))["model.layers.0.mlp.experts.0.gate_proj.scales"]
+    assert scales.shape[0] == 3 == layer.spec.w13_groups and layer_sizes(layer.spec, 32).GH == 2
+    with pytest.raises(LayoutMismatchError) as exc:
+        fill_layers(folder, config, targets(fused, AUTO_GPTQ))
+    assert str(exc.value) == ("model.layers.0.mlp.experts.w13_scales: the fused layer has 3 groups, the engine's "
+                              "parameter 2; 3 is not a multiple of 2, so no group size maps one to the other")
+    assert fill_layers(folder, config, targets(fused, MOE_WNA16)).layers == {"model.layers.0.mlp.experts": "moe_wna16"}
 
 
 # --- the checkpoint's own words copied (load.direct) against the fused route (copy_words=False) ---

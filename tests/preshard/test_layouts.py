@@ -16,7 +16,7 @@ from wna16_loader import LayoutMismatchError, ParallelConfig, load_experts
 from wna16_loader.errors import PreshardError
 from wna16_loader.formats import Dim
 from wna16_loader.models.config import read_config_files
-from wna16_loader.preshard import MANIFEST_NAME, preshard_checkpoint, verify_output
+from wna16_loader.preshard import MANIFEST_NAME, OutputLayout, make_plan, preshard_checkpoint, shard, verify_output
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 HIDDEN, INTER, EXPERTS = 64, 128, 4
@@ -61,6 +61,30 @@ def test_workers_output_identical(tmp_path: Path, layout: str) -> None:
                                   layout=layout, workers=2)
     assert [r.name for r in summary.ranks][0] == "common" and len(summary.ranks) == 5
     assert tree_bytes(one) == tree_bytes(many)
+
+
+@pytest.mark.parametrize("layout", list(OutputLayout), ids=str)
+def test_a_layout_member_and_its_value_write_the_same_bytes(tmp_path: Path, layout: OutputLayout) -> None:
+    """`layout=` takes an OutputLayout or its plain string; the manifest and the rank files' metadata record the
+    plain string either way."""
+    src = make_source(tmp_path / "src", "awq")
+    preshard_checkpoint(src, tmp_path / "member", tp_size=2, progress=False, layout=layout)
+    preshard_checkpoint(src, tmp_path / "value", tp_size=2, progress=False, layout=layout.value)
+    assert tree_bytes(tmp_path / "member") == tree_bytes(tmp_path / "value")
+    assert f'"layout": "{layout.value}",' in (tmp_path / "member" / MANIFEST_NAME).read_text()
+    assert layout == layout.value and str(layout) == f"{layout}" == layout.value
+
+
+def test_an_unknown_layout_is_refused_naming_the_accepted_ones(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src", "awq")
+    want = "layout='sliced': unknown; use one of ['fused', 'checkpoint']."
+    for call in (lambda: make_plan(src, tp_size=2, layout="sliced"),
+                 lambda: preshard_checkpoint(src, tmp_path / "out", tp_size=2, progress=False, layout="sliced"),
+                 lambda: shard(src, tmp_path / "out", tp=2, progress=False, layout="sliced")):
+        with pytest.raises(PreshardError) as exc:
+            call()
+        assert str(exc.value) == want
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------- --layout checkpoint

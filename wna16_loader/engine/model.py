@@ -12,7 +12,8 @@ from torch import nn
 from ..errors import CompletenessError, LayoutMismatchError, format_offenders
 from ..load.experts import planned
 from ..load.plan import LayerPlan
-from ..load.presharded import is_presharded, rank_record, rank_specs, read_rank
+from ..load.outputs import is_presharded, rank_record, rank_specs
+from ..load.presharded import read_rank
 from ..load.results import LoadReport
 from ..logs import rank_logger
 from ..parallel.config import ParallelConfig

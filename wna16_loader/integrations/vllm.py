@@ -27,7 +27,7 @@ from ..errors import ConfigError
 from ..layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, MethodLayout
 from ..load.experts import read_moe_config
 from ..load.inplace import FillReport, LayerTarget, fill_layers
-from ..load.presharded import is_presharded
+from ..load.outputs import is_presharded
 from ..parallel.config import ExpertPlacement, ParallelConfig
 from ..preshard.plan import COMMON_DIR
 from ..storage.hub import resolve_checkpoint

@@ -169,6 +169,21 @@ def accepting(rows: tuple[MethodLayout, ...], *, quantized: bool, padded: bool, 
     return ", ".join(f"{row.name} ({'as is' if row.fused_as_is else 're-laid'})" for row in fits)
 
 
+def allocated_groups(k: int, group_size: int) -> int:
+    """Groups along an input dim of `k` columns as vLLM's MoE methods allocate their scales and zero points:
+    k // G, floor (1 channelwise, G = -1); e.g. gptq_marlin's create_weights, `scales_size13 = hidden_size //
+    group_size`, `scales_size2 = intermediate_size_per_partition // group_size`.
+
+    Deliberately not the checkpoint's count, `load.params.checkpoint_groups`: a checkpoint stores ceil(k / G)
+    groups (its last, partial group has a scale of its own). The two agree whenever G divides k (and
+    channelwise); the package accepts a k that G does not divide (H, or I_p at TP 1 or with act-order, need only
+    be whole bytes), and there an engine parameter of this size is short of the checkpoint's groups. A fill
+    refuses it where the counts do not divide (H 80, G 32: 3 and 2; `relayout._regrouped`); where they do
+    (H 48, G 32: 2 and 1) it takes the checkpoint's count for a reduced G_eff and keeps every other group's
+    scale, which is wrong for such a layer (not refused yet)."""
+    return 1 if group_size == -1 else k // group_size
+
+
 @dataclass(frozen=True)
 class Sizes:
     """The symbols of shape expressions for one layer on one rank."""
@@ -179,8 +194,8 @@ class Sizes:
     I: int  # the model's intermediate size
     I_p: int  # this rank's
     bits: int
-    GH: int  # groups along H at the checkpoint's group size (1 channelwise)
-    GI: int  # groups along I_p at it
+    GH: int  # groups an engine allocates along H at the checkpoint's G: H // G (`allocated_groups`; 1 channelwise)
+    GI: int  # groups an engine allocates along I_p at it: I_p // G
     GH_eff: int  # the fused layout's groups along H (G_eff, moe_wna16's halving)
     GI_eff: int  # the fused layout's groups of w2
 

@@ -17,14 +17,15 @@ of its reads (`posix_fadvise`: no buffers of the read-ahead's own).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from ..errors import ConfigError, LayoutMismatchError
 from ..layouts.relayout import fill_param
-from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, shape_of
+from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, allocated_groups, shape_of
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
@@ -35,7 +36,8 @@ from .experts import load_layer, planned
 from .fused import FusedSpec
 from .plan import LayerPlan
 from .reads import planned_ranges
-from .presharded import checked_entry, is_presharded, locate_rank, rank_record, rank_specs, read_param
+from .outputs import is_presharded, rank_record, rank_specs
+from .presharded import Located, checked_entry, locate_rank, read_param
 from .device import DevicePolicy
 
 
@@ -67,11 +69,11 @@ class FillReport:
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
-    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise)."""
-    groups = (lambda d: 1) if group_size == -1 else (lambda d: d // group_size)
+    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise): GH and GI
+    as vLLM allocates them (`allocated_groups`, floor), GH_eff and GI_eff the fused layer's (ceil)."""
     return Sizes(E=len(spec.experts), N13=spec.w13_rows, H=spec.hidden, I=spec.intermediate, I_p=spec.part,
-                 bits=spec.bits, GH=groups(spec.hidden), GI=groups(spec.part), GH_eff=spec.w13_groups,
-                 GI_eff=spec.w2_groups)
+                 bits=spec.bits, GH=allocated_groups(spec.hidden, group_size),
+                 GI=allocated_groups(spec.part, group_size), GH_eff=spec.w13_groups, GI_eff=spec.w2_groups)
 
 
 def fused_name(decl: ParamDecl) -> str:
@@ -133,17 +135,15 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
     (`_cache_ranges`), so the parameters stay the load's only memory."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
-    filled, scratch, copied = {}, 0, []
+    done: list[Filled] = []
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans), \
             index.reading_ahead(_cache_ranges(index, plans, targets, reads), reads) as ahead:
         _same_layers(path, [plan.prefix for plan in plans], targets)
         for number, plan in enumerate(plans):
             ahead.start(number)
             if plan.prefix in targets:
-                held, was_copied = _fill_layer(index, moe, plan, targets[plan.prefix], copy_words)
-                scratch, filled[plan.prefix] = max(scratch, held), targets[plan.prefix].layout.name
-                copied += [plan.prefix] * was_copied
-        return FillReport(filled, scan.others, scratch, tuple(copied))
+                done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
+        return _report(done, targets, scan.others)
 
 
 def _cache_ranges(index: CheckpointIndex, plans: list[LayerPlan], targets: Mapping[str, LayerTarget],
@@ -154,6 +154,40 @@ def _cache_ranges(index: CheckpointIndex, plans: list[LayerPlan], targets: Mappi
             if plan.prefix in targets else [] for plan in plans]
 
 
+@dataclass(frozen=True)
+class Filled:
+    """One filled layer: its experts prefix, the scratch it held (bytes) and whether its checkpoint words were
+    copied as they are."""
+
+    prefix: str
+    scratch: int
+    copied: bool = False
+
+
+def _report(done: list[Filled], targets: Mapping[str, LayerTarget], ignored: tuple[str, ...]) -> FillReport:
+    """The FillReport of the layers filled, in order, leaving `ignored` tensors for the engine."""
+    return FillReport({f.prefix: targets[f.prefix].layout.name for f in done}, ignored,
+                      max((f.scratch for f in done), default=0), tuple(f.prefix for f in done if f.copied))
+
+
+# Writes one layer's fused tensors into the staging it is given (the engine's parameters, held as they are), or
+# returns them as new tensors (scratch) when given None.
+FusedReader = Callable[[dict[str, torch.Tensor] | None], Mapping[str, torch.Tensor]]
+
+
+def _through_fused(prefix: str, target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...],
+                   read: FusedReader) -> int:
+    """One layer through its fused tensors, from a checkpoint or an output alike: read straight into the
+    engine's parameters where its method holds them as they are, else read as one layer's scratch and re-laid
+    into them; the scratch's bytes (0 for the former; the scratch is freed on return)."""
+    staging = staging_of(target, spec, decls)
+    tensors = read(staging)
+    if staging is not None:
+        return 0
+    relay(prefix, target, decls, spec, tensors)
+    return spec.nbytes
+
+
 def _fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
                 copy_words: bool) -> tuple[int, bool]:
     """One layer: its checkpoint words copied where its method holds them as they are, else through the
@@ -161,28 +195,38 @@ def _fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target:
     decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
     copies = direct_copies(plan, decls, target.params) if copy_words and not target.layout.fused_as_is else None
     if copies is None:
-        return _fill_fused(index, moe, plan, target, decls), False
+        read = partial(_loaded_fused, index, moe, plan, target.device)
+        return _through_fused(plan.prefix, target, plan.fused, decls, read), False
     copy_direct(index, plan, copies, target.params)
     relay(plan.prefix, target, tuple(d for d in decls if made_from_sizes(d, plan.moe.quant.symmetric)),
           plan.fused, {})
     return 0, True
 
 
-def _fill_fused(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
-                decls: tuple[ParamDecl, ...]) -> int:
-    """One layer through the fused writer: into the parameters as they are, or into scratch re-laid into
-    them; the scratch's bytes (0 for the former)."""
-    staging = staging_of(target, plan.fused, decls)
+def _loaded_fused(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device,
+                  staging: dict[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor]:
+    """A `FusedReader` of a checkpoint: the layer through the fused writer (the loader's own path)."""
     with torch.no_grad():
-        fused, _, _ = load_layer(index, moe, plan, target.device, False, staging=staging)
-    if staging is not None:
-        return 0
-    relay(plan.prefix, target, decls, fused.spec, fused.tensors)
-    return fused.spec.nbytes
+        fused, _, _ = load_layer(index, moe, plan, device, False, staging=staging)
+    return fused.tensors
+
+
+def _output_fused(out: Path, policy: DevicePolicy, located: dict[str, Located], prefix: str, spec: FusedSpec,
+                  staging: dict[str, torch.Tensor] | None) -> Mapping[str, torch.Tensor]:
+    """A `FusedReader` of a wna16-shard output: each fused tensor pread from the rank's files, into its staging
+    parameter or a new tensor."""
+    shapes = spec.shapes()
+    if staging is None:
+        return {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
+                for name, (shape, dtype) in shapes.items()}
+    for name, tensor in staging.items():
+        if name != "expert_ids":
+            _read_into_param(out, policy, f"{prefix}.{name}", shapes[name], located, tensor)
+    return staging
 
 
 def _read_into_param(out: Path, policy: DevicePolicy, name: str, shape: tuple[tuple[int, ...], torch.dtype],
-                     located: dict, param: torch.Tensor) -> None:
+                     located: dict[str, Located], param: torch.Tensor) -> None:
     """One fused tensor of an output straight into an engine parameter holding it as it is (pread on the
     CPU; through a host buffer for a device)."""
     if param.device.type != "cpu":
@@ -208,21 +252,9 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
     located, _ = locate_rank(out, rank)
     specs = rank_specs(rank, include_mtp=include_mtp)
     _same_layers(out, list(specs), targets)
-    policy, filled, scratch = DevicePolicy.of("cpu"), {}, 0
+    policy, done = DevicePolicy.of("cpu"), []
     for prefix, spec in ((p, s) for p, s in specs.items() if p in targets):
-        target = targets[prefix]
-        decls = check_target(prefix, target, spec, moe.spec_of(prefix).spec.group_size)
-        staging = staging_of(target, spec, decls)
-        shapes = spec.shapes()
-        if staging is not None:
-            for name, tensor in staging.items():
-                if name != "expert_ids":
-                    _read_into_param(out, policy, f"{prefix}.{name}", shapes[name], located, tensor)
-        else:
-            tensors = {name: read_param(out, policy, f"{prefix}.{name}", shape, dtype, located.get(f"{prefix}.{name}"))
-                       for name, (shape, dtype) in shapes.items()}
-            relay(prefix, target, decls, spec, tensors)
-            scratch = max(scratch, spec.nbytes)
-            del tensors  # freed before the next layer's scratch is read
-        filled[prefix] = target.layout.name
-    return FillReport(filled, (), scratch)
+        decls = check_target(prefix, targets[prefix], spec, moe.spec_of(prefix).spec.group_size)
+        read = partial(_output_fused, out, policy, located, prefix, spec)
+        done.append(Filled(prefix, _through_fused(prefix, targets[prefix], spec, decls, read)))
+    return _report(done, targets, ())

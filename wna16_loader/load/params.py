@@ -76,8 +76,10 @@ class SourceTensors(NamedTuple):
         return self.source.projs.index(proj) * (self.n_total // len(self.source.projs))
 
 
-def group_count(spec: QuantSpec, k_total: int) -> int:
-    """Checkpoint groups along an input dim of `k_total` columns."""
+def checkpoint_groups(spec: QuantSpec, k_total: int) -> int:
+    """Groups a checkpoint stores along an input dim of `k_total` columns: ceil(K / G), the last, partial group
+    with a scale of its own (1 channelwise). Not an engine's allocation (`layouts.spec.allocated_groups`, K // G,
+    vLLM's): the two differ where G does not divide K."""
     return 1 if spec.group_size == -1 else ceil_div(k_total, spec.group_size)
 
 
@@ -90,7 +92,7 @@ def storage_shape(layout: TensorLayout, spec: QuantSpec, n_total: int, k_total: 
                   stacked: int | None) -> tuple[int, ...]:
     """The storage shape of `layout` for a source of N = `n_total`, K = `k_total` (leading E = `stacked` when
     stacked over experts)."""
-    sizes = {Dim.N: n_total, Dim.K: k_total, Dim.GROUP: group_count(spec, k_total), Dim.PAIR: 2}
+    sizes = {Dim.N: n_total, Dim.K: k_total, Dim.GROUP: checkpoint_groups(spec, k_total), Dim.PAIR: 2}
     shape = tuple(ceil_div(sizes[d], spec.pack_factor) if d is layout.packed else sizes[d] for d in layout.dims)
     return shape if stacked is None else (stacked, *shape)
 
@@ -283,7 +285,7 @@ def _checked_g_idx(g_idx: torch.Tensor | None, spec: QuantSpec, sources: Sequenc
     if g_idx is None:
         return None
     g_idx = g_idx.to(torch.int32)
-    groups = group_count(spec, sources[0].k_total)
+    groups = checkpoint_groups(spec, sources[0].k_total)
     _check_g_idx_range(g_idx, groups, spec, sources)
     if cut.g_idx:
         if len(cut.k) == sources[0].k_total:

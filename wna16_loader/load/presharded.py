@@ -1,12 +1,13 @@
-"""Reading a `wna16-shard` output back: its manifest, and one rank's fused tensors with no conversion.
+"""Reading one rank's fused tensors of a `wna16-shard` output back, with no conversion (the output's folder and
+manifest are `outputs`' job).
 
 This is the read side only (below `loader`, which dispatches here for pre-sharded folders);
 writing lives in the `preshard` package. A load reads a rank at the cost of reading its files:
 
 | step                 | how                                                                          |
 |----------------------|------------------------------------------------------------------------------|
-| the rank's record    | `read_rank_manifest`: the manifest's head and that record, sliced by their   |
-|                      | lines and parsed alone (not the other ranks, not the source account)         |
+| the rank's record    | `outputs.rank_record`: the manifest's head and that record, parsed alone and |
+|                      | checked against the ParallelConfig                                           |
 | where tensors lie    | `locate_rank`: each rank file's header parsed and every span checked          |
 | each tensor          | `queued_param`: shape/dtype checked against the FusedSpec, then preads (on   |
 |                      | worker threads, several at once) into the result (CPU) or a pinned buffer    |
@@ -14,25 +15,22 @@ writing lives in the `preshard` package. A load reads a rank at the cost of read
 
 `read_rank` / `put_layer` (views of the file mappings, copied into existing parameters) serve
 `load_model_experts`, which fills a model's modules in place.
+
+The manifest's names (`read_manifest`, `rank_record`, `SCHEMA_VERSION`, ...) stay importable from here, as
+before `outputs` was split off.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import json
-import mmap
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 
-from ..errors import CheckpointError, LayoutMismatchError
+from ..errors import CheckpointError
 from ..logs import rank_logger
 from ..parallel.config import MANIFEST_NAME, ParallelConfig
 from ..storage.filemap import read_into
@@ -41,121 +39,18 @@ from ..storage.index import DTYPES, ITEMSIZES
 from ..storage.readahead import ReadOptions, byte_view, pieces
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedSpec, FusedWriter
+from .outputs import (PLAN_NAME, SCHEMA_VERSION, check_output_folder, is_presharded, mtp_layers, output_prefixes,
+                      parallel_config, rank_record, rank_specs, read_manifest, read_rank_manifest, spec_from_record,
+                      spec_record, warn_no_mtp)
 from .results import LoadedExperts, LoadReport
 
-SCHEMA_VERSION = 1
-
-
-PLAN_NAME = ".wna16-plan.json"
-
-
-def is_presharded(path: str | Path) -> bool:
-    """Whether `path` is a finished pre-shard output folder (it holds wna16_manifest.json); an
-    unfinished one (a plan but no manifest) is refused with the command that finishes it."""
-    if (Path(path) / MANIFEST_NAME).is_file():
-        return True
-    if (Path(path) / PLAN_NAME).is_file():
-        raise CheckpointError(f"{path}: an unfinished wna16-shard output ({PLAN_NAME} but no {MANIFEST_NAME}); "
-                              f"finish it with wna16-shard SRC {path} ... --resume, or load the source checkpoint.")
-    return False
-
-
-def check_output_folder(out: str | Path) -> Path:
-    """`out` as a Path when it is a finished wna16-shard output; else a CheckpointError saying which of
-    "no such folder", "not a folder", "unfinished" or "not a wna16-shard output" it is, and the fix."""
-    out = Path(out)
-    if not out.exists():
-        raise CheckpointError(f"{out}: no such folder; pass the OUT folder of a wna16-shard run.")
-    if not out.is_dir():
-        raise CheckpointError(f"{out}: not a folder (a file); pass the OUT folder of a wna16-shard run.")
-    if not (out / MANIFEST_NAME).is_file():
-        if (out / PLAN_NAME).is_file():
-            raise CheckpointError(f"{out}: an unfinished wna16-shard output ({PLAN_NAME} but no {MANIFEST_NAME}); "
-                                  f"finish it with wna16-shard SRC {out} ... --resume.")
-        raise CheckpointError(f"{out}: not a wna16-shard output (no {MANIFEST_NAME}); pass the OUT folder of a "
-                              f"wna16-shard run.")
-    return out
-
-
-def read_manifest(out: str | Path) -> dict[str, Any]:
-    """OUT/wna16_manifest.json, checked for a known schema version."""
-    path = check_output_folder(out) / MANIFEST_NAME
-    return _checked(path, _parse(path, path.read_bytes()))
-
-
-def _parse(path: Path, raw: bytes) -> dict[str, Any]:
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc}); re-run wna16-shard with --resume.") from None
-
-
-def _checked(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise CheckpointError(f"{path}: schema version {manifest.get('schema_version')!r}, this package reads "
-                              f"{SCHEMA_VERSION}; re-shard the checkpoint with this version.")
-    return manifest
-
-
-def read_rank_manifest(out: str | Path, rank: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """The manifest's members before `ranks` (schema, params, parallel, source, ...) and the record of
-    global `rank` (None when there is none), without parsing the other ranks' records or the source account.
-
-    wna16-shard writes the manifest with indent 2, where a line's indent is its depth (a JSON string holds
-    no raw newline): the `ranks` member starts at the line `  "ranks": [` and ends at `  ]`, each record
-    spans `    {` .. `    }`, so the head and the rank's record are sliced from the mapped file and parsed
-    alone. Any other text (compact, hand-edited, truncated) is parsed whole, with read_manifest's errors.
-    """
-    path = check_output_folder(out) / MANIFEST_NAME
-    with open(path, "rb") as handle:
-        empty = not os.fstat(handle.fileno()).st_size
-        with nullcontext(b"") if empty else mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as raw:
-            sliced = _slice_rank(raw, rank)
-    if sliced is not None:
-        return _checked(path, sliced[0]), sliced[1]
-    manifest = read_manifest(out)
-    head = dict(itertools.takewhile(lambda item: item[0] != "ranks", manifest.items()))
-    return head, manifest["ranks"][rank] if 0 <= rank < len(manifest["ranks"]) else None
-
-
-def _slice_rank(raw: bytes | mmap.mmap, rank: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """(head, record of `rank`) parsed from their lines of an indent-2 manifest, or None when the text
-    is not laid out so (or the slices do not parse, or the record is not `rank`'s)."""
-    start = raw.find(b'\n  "ranks": [')
-    end = raw.find(b"\n  ]", max(start, 0))
-    if start < 0 or end < 0 or raw[-2:] != b"}\n":
-        return None
-    begin = start
-    for _ in range(rank + 1):
-        begin = raw.find(b"\n    {", begin + 1, end)
-        if begin < 0:
-            return None
-    stop = raw.find(b"\n    }", begin, end)
-    try:
-        head = json.loads(raw[:start].rstrip().rstrip(b",") + b"\n}")
-        record = json.loads(raw[begin:stop + 6]) if stop >= 0 else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    if not isinstance(head, dict) or not isinstance(record, dict) or record.get("rank") != rank:
-        return None
-    return head, record
-
-
-def output_prefixes(out: str | Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(decoder, MTP) experts prefixes of a wna16-shard output, in file order (every rank holds every MoE
-    layer; rank 0's record is read, not the others')."""
-    _, record = read_rank_manifest(out, 0)
-    if record is None:
-        raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: no record of rank 0 in its ranks list; run "
-                              f"`wna16-shard verify {out}` and re-shard.")
-    mtp = mtp_layers(record)
-    return tuple(p for p in record["layers"] if p not in mtp), tuple(p for p in record["layers"] if p in mtp)
-
-
-def parallel_config(out: str | Path, *, rank: int) -> ParallelConfig:
-    """The ParallelConfig of global `rank` in the layout `out` (a wna16-shard output) was written for: an alias
-    of `ParallelConfig.from_manifest(out, rank=rank)`, the documented way."""
-    return ParallelConfig.from_manifest(read_manifest(out), rank=rank)
+__all__ = [  # this module's own names, then the manifest's (defined in `outputs`)
+    "Located", "QueuedParam", "checked_entry", "damaged", "finish_layer", "load_presharded", "locate_rank",
+    "put_layer", "queued_param", "read_layers", "read_param", "read_rank", "wrong_tensor",
+    "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "check_output_folder", "is_presharded", "mtp_layers",
+    "output_prefixes", "parallel_config", "rank_record", "rank_specs", "read_manifest", "read_rank_manifest",
+    "spec_from_record", "spec_record", "warn_no_mtp",
+]
 
 
 def load_presharded(out: str | Path, parallel: ParallelConfig, *, device: torch.device | str = "cpu",
@@ -283,56 +178,6 @@ def wrong_tensor(out: str | Path, name: str, shape: tuple[int, ...], dtype: torc
                            f"run `wna16-shard verify {out}` and re-shard.")
 
 
-def rank_record(out: str | Path, parallel: ParallelConfig, *, include_mtp: bool = False) -> dict[str, Any]:
-    """The manifest's record of `parallel`'s rank (files, layers), after checking that the output is a
-    fused one written for `parallel`'s layout (only the manifest's head and that record are parsed).
-    `include_mtp`: warn when the output holds no fused MTP layer to load (see `warn_no_mtp`)."""
-    manifest, record = read_rank_manifest(out, parallel.rank)
-    if include_mtp:
-        warn_no_mtp(out, manifest, parallel)
-    if manifest["params"].get("layout", "fused") != "fused":
-        raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written with --layout {manifest['params']['layout']} "
-                                  f"(per-expert source tensors sliced per rank, for an engine that reads pre-sliced "
-                                  f"checkpoints); load_experts reads only --layout fused outputs. Load it with such "
-                                  f"an engine, or re-shard the source with wna16-shard --layout fused.")
-    written = manifest["parallel"]
-    requested = {"tp": parallel.tp_size, "ep": parallel.ep_size, "placement": parallel.expert_placement.value}
-    if written != requested:
-        raise LayoutMismatchError(f"{Path(out) / MANIFEST_NAME}: written for layout {written}, but loaded with "
-                                  f"{requested}; load with the written layout, or re-shard the source with "
-                                  f"wna16-shard --tp {parallel.tp_size} --ep {parallel.ep_size} "
-                                  f"--placement {requested['placement']}.")
-    if record is None:
-        raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: no record of rank {parallel.rank} in its ranks list; "
-                              f"run `wna16-shard verify {out}` and re-shard.")
-    return record
-
-
-def warn_no_mtp(out: str | Path, manifest: dict[str, Any], parallel: ParallelConfig) -> None:
-    """One warning when `include_mtp=True` asks for MTP layers that an output does not hold fused: written with
-    --no-mtp (the MTP experts are in common/, unchanged), or from a source without MTP experts."""
-    sharded = manifest.get("params", {}).get("mtp")  # recorded only for a source with MTP experts
-    if sharded:
-        return
-    if sharded is False:
-        what = ("was written with --no-mtp: its MTP experts were copied unchanged into common/, so no MTP layer is "
-                "loaded from it. Load them from common/ with the engine's own loader, or re-shard without --no-mtp")
-    else:
-        what = "holds no MTP experts (its source had none): only the decoder's MoE layers are loaded"
-    rank_logger(parallel).warning("include_mtp=True, but the wna16-shard output %s %s.", out, what)
-
-
-def rank_specs(rank: dict[str, Any], *, include_mtp: bool = True) -> dict[str, FusedSpec]:
-    """The layout of every layer of a rank record, in file order (MTP layers only with `include_mtp`)."""
-    return {prefix: spec_from_record(rec) for prefix, rec in rank["layers"].items()
-            if include_mtp or not rec.get("mtp", False)}
-
-
-def mtp_layers(rank: dict[str, Any]) -> frozenset[str]:
-    """The experts prefixes of a rank record's MTP layers (a layer record with `"mtp": true`)."""
-    return frozenset(prefix for prefix, rec in rank["layers"].items() if rec.get("mtp", False))
-
-
 def read_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, torch.Tensor], int]:
     """Every tensor of a rank record's files as a view of its file mapping (nothing copied), and their bytes."""
     return _read_rank_files(Path(out), rank["files"])
@@ -370,18 +215,3 @@ def put_layer(out: str | Path, writer: FusedWriter, tensors: dict[str, torch.Ten
             found = None if tensor is None else (list(tensor.shape), str(tensor.dtype))
             raise wrong_tensor(out, f"{prefix}.{name}", shape, dtype, found)
         writer.put_whole(name, tensor)
-
-
-def spec_record(spec: FusedSpec) -> dict[str, Any]:
-    """A FusedSpec as JSON."""
-    return {**dataclasses.asdict(spec), "experts": list(spec.experts),
-            "scale_dtype": str(spec.scale_dtype).removeprefix("torch.")}
-
-
-def spec_from_record(rec: dict[str, Any]) -> FusedSpec:
-    """The FusedSpec written by spec_record (keys that are not FusedSpec fields, e.g. the manifest's
-    `padded_intermediate`, are records for readers, not part of the spec)."""
-    names = {f.name for f in dataclasses.fields(FusedSpec)}
-    fields = {**{k: v for k, v in rec.items() if k in names}, "experts": tuple(rec["experts"]),
-              "scale_dtype": getattr(torch, rec["scale_dtype"])}
-    return FusedSpec(**fields)

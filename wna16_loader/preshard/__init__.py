@@ -35,13 +35,14 @@ Modules, one job each (imports point down this list):
 | run        | `preshard_checkpoint`: the whole run in order; `shard`, its CLI twin  |
 | distributed| `preshard_distributed`: the run split over torch.distributed processes|
 
-The read side (`is_presharded`, `read_manifest`, `load_presharded`) is `wna16_loader.presharded`,
-below the loader; it is re-exported here.
+The read side is below the loader, in `wna16_loader.load`: the folder and manifest (`is_presharded`,
+`read_manifest`) in `outputs`, a rank's tensors (`load_presharded`) in `presharded`; it is re-exported here.
 """
 
 from __future__ import annotations
 
-from ..load.presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, is_presharded, load_presharded, read_manifest
+from ..load.outputs import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, OutputLayout, is_presharded, read_manifest
+from ..load.presharded import load_presharded
 from .distributed import preshard_distributed
 from .journal import JOURNAL_NAME
 from .layouts import LayoutCost, describe_layouts, layout_cost
@@ -53,7 +54,7 @@ from .verify import verify_output
 
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
-    "LayoutCost", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
+    "LayoutCost", "OutputLayout", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
     "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard_checkpoint", "preshard_distributed",
     "rank_folder", "read_manifest", "shard", "split_files", "verify_output",
 ]

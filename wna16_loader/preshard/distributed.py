@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
-from ..load.presharded import MANIFEST_NAME
+from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..parallel.config import ShardJob
 from ..storage.index import CheckpointIndex
 from .journal import JOURNAL_NAME, check_existing, start
@@ -39,7 +39,7 @@ def owner(group: int | None, processes: int) -> int:
 
 def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_size: int, ep_size: int = 1,
                          placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
-                         layout: str = "fused", mtp: bool = True) -> ShardSummary:
+                         layout: str | OutputLayout = OutputLayout.FUSED, mtp: bool = True) -> ShardSummary:
     """`preshard_checkpoint` split over the processes of `job` (every process calls it with the same
     arguments; torch.distributed must be initialised when there are several). Process 0's summary lists
     every folder."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError, ShardInterrupted
-from ..load.presharded import MANIFEST_NAME, PLAN_NAME
+from ..load.outputs import MANIFEST_NAME, PLAN_NAME
 from ..logs import log
 from ..storage.index import DTYPES
 from .manifest import without_tensor_digests

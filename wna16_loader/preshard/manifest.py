@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..load.presharded import SCHEMA_VERSION, spec_record
+from ..load.outputs import SCHEMA_VERSION, OutputLayout, spec_record
 from ..version import __version__
 from .plan import RankPlan, ShardPlan
 
@@ -38,7 +38,7 @@ def _layers_record(plan: ShardPlan, rank: RankPlan) -> dict[str, Any]:
     """Fused specs per layer (I as `intermediate`, I_p as `part`, the rank's `padding`, plus I' as
     `padded_intermediate`); for --layout checkpoint only the local experts (the tensors keep the source format)."""
     mtp = {p: {"mtp": True} if lp.mtp else {} for p, lp in rank.plans.items()}  # only MTP layers say so
-    if plan.params["layout"] == "checkpoint":
+    if plan.layout is OutputLayout.CHECKPOINT:
         return {p: {"experts": list(s.experts), **mtp[p]} for p, s in rank.layers.items()}
     return {p: {**spec_record(s), "padded_intermediate": s.part * plan.params["tp"], **mtp[p]}
             for p, s in rank.layers.items()}

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, CompletenessError, PreshardError, format_o
 from ..load.fused import FusedSpec
 from ..load.ledger import Ledger
 from ..load.plan import LayerPlan, plan_layers
-from ..load.presharded import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION
+from ..load.outputs import MANIFEST_NAME, PLAN_NAME, SCHEMA_VERSION, OutputLayout
 from ..load.scan import CheckpointScan
 from ..load.specs import warn_reduced_groups_by_spec
 from ..load.tables import LayerTables
@@ -33,7 +33,16 @@ HEADER_BYTES_PER_TENSOR = 256  # safetensors JSON header estimate per tensor, fo
 COPY_LIMIT = 64 * 2**20  # non-safetensors files up to this size are copied to OUT
 
 
-LAYOUTS = ("fused", "checkpoint")
+LAYOUTS = tuple(layout.value for layout in OutputLayout)  # ("fused", "checkpoint"): the --layout choices
+
+
+def layout_of(layout: str | OutputLayout) -> OutputLayout:
+    """The `layout=` argument of the public calls (a member, or its value: "fused", "checkpoint") as an
+    OutputLayout; anything else raises PreshardError naming the accepted values."""
+    try:
+        return OutputLayout(layout)
+    except ValueError:
+        raise PreshardError(f"layout={layout!r}: unknown; use one of {list(LAYOUTS)}.") from None
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,11 @@ class ShardPlan:
     expert_sources: dict[str, tuple[int, ...]]  # source tensor -> ranks whose fused tensors it feeds
     copied: tuple[str, ...]
     mtp_layers: tuple[str, ...] = ()  # the source's MTP experts prefixes (sharded when params["mtp"], else in common/)
+
+    @property
+    def layout(self) -> OutputLayout:
+        """What the rank files hold (`params["layout"]`, the manifest's plain string, as an OutputLayout)."""
+        return OutputLayout(self.params["layout"])
 
     def all_files(self) -> list[FilePlan]:
         """Common files first, then every rank's, in rank order."""
@@ -142,13 +156,14 @@ def rank_folder(rank: int, world: int) -> str:
 
 
 def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str = "linear",
-              max_file_size: int = 4 * 2**30, layout: str = "fused", mtp: bool = True,
+              max_file_size: int = 4 * 2**30, layout: str | OutputLayout = OutputLayout.FUSED, mtp: bool = True,
               warn: bool = True) -> ShardPlan:
     """Plan a pre-shard of `src`: files, tensors and bytes per rank; nothing is read but headers.
     `mtp`: shard the MTP layers' experts like the others (else their tensors go to common/ unchanged; a
     source without MTP experts is planned, and recorded, exactly as before).
 
-    layout "checkpoint" raises PreshardError here, before anything is written, when a rank's cut does not
+    `layout`: an OutputLayout or its value ("fused", "checkpoint"; PreshardError for any other). Layout
+    checkpoint raises PreshardError here, before anything is written, when a rank's cut does not
     fall on word and group boundaries. warn: log the reduced-group-size warning (once per run: a
     rank-parallel run's other processes plan with warn=False).
     """
@@ -158,8 +173,7 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
             raise PreshardError(f"{flag} must be >= 1, got {size!r}; e.g. {flag} 2.")
     if max_file_size < 1:
         raise PreshardError(f"max_file_size={max_file_size}: must be a positive number of bytes, e.g. 4GB.")
-    if layout not in LAYOUTS:
-        raise PreshardError(f"layout={layout!r}: unknown; use one of {list(LAYOUTS)}.")
+    layout = layout_of(layout)
     placement = ParallelConfig(1, 0, expert_placement=placement).expert_placement.value
     moe = read_config_files(src)
     with CheckpointIndex(src) as index:
@@ -170,7 +184,7 @@ def make_plan(src: str | Path, *, tp_size: int, ep_size: int = 1, placement: str
         common_sizes = {name: index.refs[name].nbytes for name in scan.others}
         _check_account(index, scan, expert_sources)
         fingerprint = source_fingerprint(src, index.files)
-    params = {"layout": layout, "tp": tp_size, "ep": ep_size, "placement": placement,
+    params = {"layout": layout.value, "tp": tp_size, "ep": ep_size, "placement": placement,
               "max_file_size": max_file_size, "schema_version": SCHEMA_VERSION, **({"mtp": mtp} if mtp_layers else {})}
     quant = _quant_summary(moe, ranks)
     plan = ShardPlan(source=src, moe=moe, params=params, fingerprint=fingerprint, quant=quant,
@@ -204,7 +218,7 @@ def check_source_folder(src: str | Path) -> Path:
 
 
 def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, grid: tuple[int, int, str],
-                max_file_size: int, layout: str) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
+                max_file_size: int, layout: OutputLayout) -> tuple[tuple[RankPlan, ...], dict[str, tuple[int, ...]]]:
     """Plan every rank with plan_layers (sharing one LayerTables: what does not depend on the rank is
     worked out once); note which source tensors feed which ranks."""
     ranks = []
@@ -220,7 +234,7 @@ def _plan_ranks(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, gr
 
 def _plan_rank(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, tables: LayerTables,
                parallel: ParallelConfig, feeds: dict[int, tuple[dict, list[int]]], max_file_size: int,
-               layout: str) -> RankPlan:
+               layout: OutputLayout) -> RankPlan:
     """One rank's plan (its ledger checked) and files; the tensors it reads noted in `feeds`."""
     ledger = Ledger()
     plans = plan_layers(index, moe, parallel, ledger, scan, tables)
@@ -228,7 +242,7 @@ def _plan_rank(index: CheckpointIndex, moe: MoEConfig, scan: CheckpointScan, tab
     sizes: dict[str, int] = {}
     sliced: dict[str, SlicedTensor] = {}
     for plan in plans:
-        if layout == "checkpoint":
+        if layout is OutputLayout.CHECKPOINT:
             sliced.update(slice_layer(plan.moe.quant, plan))
         else:
             sizes.update({f"{plan.prefix}.{name}": nbytes_of(shape, dtype)

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import format_ranges
 from ..formats.spec import group_words
+from ..load.outputs import OutputLayout
 from .layouts import method_lines
 from .plan import COMMON_DIR, RankPlan, ShardPlan, paddings
 
@@ -165,7 +166,7 @@ class ShardSummary:
 
     def _methods(self) -> list[str]:
         """Which vLLM methods take the output (a fused one; --layout checkpoint holds source tensors)."""
-        if self.plan.params["layout"] != "fused":
+        if self.plan.layout is not OutputLayout.FUSED:
             return []
         return method_lines((rank.folder, rank.plans.values()) for rank in self.plan.ranks)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
-from ..load.presharded import MANIFEST_NAME
+from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..storage.hub import resolve_checkpoint
 from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start, warn_starting_over
 from .manifest import build_manifest
@@ -19,7 +19,7 @@ from .writing import write_all
 
 
 def shard(src: str | Path, out: str | Path, *, tp: int = 1, ep: int = 1, placement: str = "linear",
-          revision: str | None = None, layout: str = "fused", max_file_size: int = 4 * 2**30,
+          revision: str | None = None, layout: str | OutputLayout = OutputLayout.FUSED, max_file_size: int = 4 * 2**30,
           resume: bool = False, force: bool = False, verify: bool = False, dry_run: bool = False,
           workers: int = 1, mtp: bool = True, progress: bool = True) -> ShardSummary:
     """The Python twin of `wna16-shard SRC OUT --tp TP --ep EP [...]`, option for option (`mtp=False` is
@@ -35,11 +35,12 @@ def shard(src: str | Path, out: str | Path, *, tp: int = 1, ep: int = 1, placeme
 def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_size: int = 1,
                         placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
                         verify: bool = False, dry_run: bool = False, progress: bool = True,
-                        layout: str = "fused", workers: int = 1, force: bool = False, mtp: bool = True) -> ShardSummary:
+                        layout: str | OutputLayout = OutputLayout.FUSED, workers: int = 1, force: bool = False,
+                        mtp: bool = True) -> ShardSummary:
     """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
-    layout: "fused" (load_experts' tensors) or "checkpoint" (source tensors sliced per rank, source names
-    and format). dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
+    layout: OutputLayout.FUSED, "fused" (load_experts' tensors) or OutputLayout.CHECKPOINT, "checkpoint" (source
+    tensors sliced per rank, source names and format). dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
     verify: re-read the output and compare it with the source; problems land in the summary.
     workers: folders written in parallel processes (output identical to workers=1).
     mtp: shard the MTP layers' experts (default); False copies their tensors unchanged into common/.

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import PreshardError
 from ..formats import Dim, QuantSpec, TensorLayout
-from ..load.params import SourceTensors, group_count, rank_spans, storage_index
+from ..load.params import SourceTensors, checkpoint_groups, rank_spans, storage_index
 from ..load.plan import LayerPlan
 from ..models.names import Proj
 from ..parallel.partition import LayerGeometry, ProjectionSlice, Span, valid_tp_sizes
@@ -102,7 +102,7 @@ def _check_aligned(quant: QuantSpec, geometry: LayerGeometry, src: SourceTensors
                    spans: dict[Dim, Span]) -> None:
     """The rank's cut must fall on word boundaries of every packed dim and on group boundaries."""
     per_word, g = quant.pack_factor, quant.group_size
-    full = {Dim.N: src.n_total, Dim.K: src.k_total, Dim.GROUP: group_count(quant, src.k_total)}
+    full = {Dim.N: src.n_total, Dim.K: src.k_total, Dim.GROUP: checkpoint_groups(quant, src.k_total)}
     for role, ref in src.tensors.items():
         layout = quant.layout(role)
         span = spans[layout.packed] if layout.packed is not None else None

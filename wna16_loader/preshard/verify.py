@@ -15,7 +15,8 @@ from safetensors import safe_open
 from ..errors import CheckpointError, WNA16Error
 from ..load.experts import load_experts
 from ..load.fused import FusedExperts
-from ..load.presharded import load_presharded, read_manifest
+from ..load.outputs import OutputLayout, output_layout, read_manifest
+from ..load.presharded import load_presharded
 from ..parallel.config import ParallelConfig
 from ..storage.index import CheckpointIndex
 from ..storage.readahead import byte_view
@@ -35,7 +36,7 @@ class VerifyReport:
     """
 
     out: Path
-    layout: str
+    layout: OutputLayout
     files: int
     tensors: int
     nbytes: int
@@ -52,7 +53,7 @@ class VerifyReport:
         line = (f"{self.out}: ok: {self.files} files ({human_size(self.nbytes)} on disk, {self.tensors} tensors) "
                 f"match the manifest's sha256")
         if self.source is not None:
-            how = "converted afresh from" if self.layout == "fused" else "sliced afresh from"
+            how = "converted afresh from" if self.layout is OutputLayout.FUSED else "sliced afresh from"
             line += (f"; {self.experts} experts in {self.layers} layer(s) equal their tensors {how} {self.source}"
                      f"{' and reassemble over TP exactly' if self.reassembled else ''}, {self.common} common "
                      f"tensors byte-identical")
@@ -84,7 +85,7 @@ def verify_report(out: str | Path, source: str | Path | None = None, *, reassemb
     records = common + ranks
     common_problems = [p for rec in common for p in _verify_file(out, rec)]
     problems = common_problems + [p for rec in ranks for p in _verify_file(out, rec)]
-    layout = manifest["params"].get("layout", "fused")
+    layout = output_layout(out, manifest)
     report = VerifyReport(out, layout, len(records), sum(len(rec["tensors"]) for rec in records),
                           sum((out / rec["path"]).stat().st_size for rec in records if (out / rec["path"]).is_file()))
     if source is None:
@@ -93,7 +94,7 @@ def verify_report(out: str | Path, source: str | Path | None = None, *, reassemb
         _check_common(out, manifest, Path(source))
     problems += verify_mtp(manifest)
     problems += _verify_converted(out, manifest, Path(source))
-    reassemble = reassemble and layout == "fused"
+    reassemble = reassemble and layout is OutputLayout.FUSED
     if reassemble and not problems:
         problems += _verify_experts(out, manifest, Path(source))
     experts = {p: set() for rank in manifest["ranks"] for p in rank["layers"]}
@@ -160,9 +161,9 @@ def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list
     record (shape, dtype) is that tensor's. The files were checked against the manifest's sha256s already."""
     p = manifest["params"]
     plan = make_plan(source, tp_size=p["tp"], ep_size=p["ep"], placement=p["placement"],
-                     max_file_size=p["max_file_size"], layout=p.get("layout", "fused"), mtp=p.get("mtp", True),
+                     max_file_size=p["max_file_size"], layout=output_layout(out, manifest), mtp=p.get("mtp", True),
                      warn=False)
-    made = "slice" if plan.params["layout"] == "checkpoint" else "conversion"
+    made = "slice" if plan.layout is OutputLayout.CHECKPOINT else "conversion"
     problems = []
     with CheckpointIndex(source) as index:
         for rank, rec in zip(plan.ranks, manifest["ranks"]):

@@ -20,7 +20,7 @@ import torch
 
 from ..load.experts import load_layer
 from ..load.fused import FusedExperts
-from ..load.presharded import SCHEMA_VERSION
+from ..load.outputs import SCHEMA_VERSION
 from ..storage.index import DTYPES, INDEX_FILE, CheckpointIndex, nbytes_of
 from ..storage.readahead import byte_view
 from .journal import append_journal
