@@ -122,21 +122,26 @@ def test_other_experts_or_shapes_are_refused_by_name(source):
         fill_layers(folder, config, floats)
 
 
-def test_a_hidden_size_the_group_size_does_not_divide_is_short_in_an_engine_row(tmp_path):
-    """H = 80, G = 32: the checkpoint stores ceil(80 / 32) = 3 groups along H; auto_gptq's row allocates
-    80 // 32 = 2, as vLLM does (`allocated_groups`), so its fill is refused naming both counts; moe_wna16 takes
-    the fused layer's 3."""
+@pytest.mark.parametrize(("hidden", "stored", "allocated"), [(80, 3, 2), (48, 2, 1)])
+def test_a_hidden_size_the_group_size_does_not_divide_is_short_in_an_engine_row(tmp_path, hidden, stored, allocated):
+    """G = 32 not dividing H: the checkpoint stores ceil(H / 32) groups along H, auto_gptq's row allocates
+    H // 32, as vLLM does (`allocated_groups`), so its fill is refused naming both counts, also where the counts
+    divide each other (H 48: 2 and 1, which a regrouping took for a halved group size and kept every other
+    group's scale); moe_wna16 takes the fused layer's groups."""
     folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=False),
-                              num_experts=2, hidden=80, intermediate=64, num_layers=1, seed=1).folder
+                              num_experts=2, hidden=hidden, intermediate=64, num_layers=1, seed=1).folder
     config = ParallelConfig(tp_size=1, tp_rank=0)
     fused = load_experts(folder, config)
     layer = fused["model.layers.0.mlp.experts"]
     scales = load_file(str(next(folder.glob("*.safetensors"))))["model.layers.0.mlp.experts.0.gate_proj.scales"]
-    assert scales.shape[0] == 3 == layer.spec.w13_groups and layer_sizes(layer.spec, 32).GH == 2
+    assert scales.shape[0] == stored == layer.spec.w13_groups and layer_sizes(layer.spec, 32).GH == allocated
     with pytest.raises(LayoutMismatchError) as exc:
         fill_layers(folder, config, targets(fused, AUTO_GPTQ))
-    assert str(exc.value) == ("model.layers.0.mlp.experts.w13_scales: the fused layer has 3 groups, the engine's "
-                              "parameter 2; 3 is not a multiple of 2, so no group size maps one to the other")
+    assert str(exc.value) == (
+        f"model.layers.0.mlp.experts: the engine's auto_gptq parameters w13_scales, w13_qzeros hold {allocated} "
+        f"groups along H (H {hidden} // G 32) and 2 along I (64 // 32), but the checkpoint stores {stored} and 2 "
+        f"(G 32 does not divide H {hidden}: its last group is partial), so its last columns' scales have no place; "
+        f"serve it with moe_wna16 (--quantization moe_wna16), which holds every group")
     assert fill_layers(folder, config, targets(fused, MOE_WNA16)).layers == {"model.layers.0.mlp.experts": "moe_wna16"}
 
 

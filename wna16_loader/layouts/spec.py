@@ -178,9 +178,8 @@ def allocated_groups(k: int, group_size: int) -> int:
     groups (its last, partial group has a scale of its own). The two agree whenever G divides k (and
     channelwise); the package accepts a k that G does not divide (H, or I_p at TP 1 or with act-order, need only
     be whole bytes), and there an engine parameter of this size is short of the checkpoint's groups. A fill
-    refuses it where the counts do not divide (H 80, G 32: 3 and 2; `relayout._regrouped`); where they do
-    (H 48, G 32: 2 and 1) it takes the checkpoint's count for a reduced G_eff and keeps every other group's
-    scale, which is wrong for such a layer (not refused yet)."""
+    into such a row is refused, naming both counts (`load.inplace.check_target`; H 80, G 32: 3 and 2; H 48,
+    G 32: 2 and 1, which a regrouping would take for a halved group size, keeping every other group's scale)."""
     return 1 if group_size == -1 else k // group_size
 
 
