@@ -75,6 +75,9 @@ def test_every_row_names_its_tp_dim_on_the_I_p_dimension():
     (dict(quantized=True, padded=False, reduced=True, asymmetric=False), "moe_wna16 (as is)"),
     (dict(quantized=True, padded=True, reduced=True, asymmetric=True), "none (padded I, G_eff < G, zero points)"),
     (dict(quantized=False, padded=False, reduced=False, asymmetric=False), "unquantized (as is)"),
+    (dict(quantized=True, padded=False, reduced=False, asymmetric=False, partial=True), "moe_wna16 (as is)"),
+    (dict(quantized=True, padded=True, reduced=False, asymmetric=False, partial=True),
+     "none (padded I, a partial group)"),
 ])
 def test_plan_says_which_methods_take_an_output(kind, text):
     """`wna16-shard --plan`'s last column, derived from the rows (issue 32, row 11)."""
@@ -106,3 +109,10 @@ def test_gptq_v1_zero_points_carry_the_offset_the_auto_gptq_row_declares():
     v1 = _checkpoint_storage(gptq.to_config(4, 128, False, False))[Role.ZEROS]
     assert (v1.zero_offset, AUTO_GPTQ.params[4].storage.zero_offset) == (1, 1)
     assert WordLayout(Role.ZEROS, (Dim.GROUP, Dim.N), Dim.N, None, 1) == v1
+
+
+def test_only_rows_sized_by_the_fused_group_counts_hold_a_partial_group():
+    """`partial_groups` is derived from the declared shapes: the rows whose scales take GH_eff/GI_eff (the
+    checkpoint's ceil) hold a G that leaves a partial group; those sized by vLLM's K // G do not."""
+    assert {row.name: row.partial_groups for row in VLLM_LAYOUTS} == {
+        "moe_wna16": True, "auto_gptq": False, "auto_awq": False, "ct_wna16": False, "unquantized": True}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -153,18 +153,30 @@ class MethodLayout:
         return all(p.order is Order.N_MAJOR and p.packing in (Packing.BYTES, Packing.NONE)
                    and p.source is not Source.SHAPE for p in self.params)
 
+    @property
+    def partial_groups(self) -> bool:
+        """Whether the row holds a layer whose G leaves a last, partial group along H or I_p (G = G_eff not
+        dividing them): every parameter is sized by the fused layer's group counts (GH_eff, GI_eff: the
+        checkpoint's ceil), none by the engine's K // G (GH, GI), as shapes evaluated under both say."""
+        floor = Sizes(E=1, N13=64, H=64, I=64, I_p=64, bits=4, GH=1, GI=1, GH_eff=2, GI_eff=2)
+        ceil = replace(floor, GH=floor.GH_eff, GI=floor.GI_eff)
+        return all(shape_of(p, floor) == shape_of(p, ceil) for p in self.params)
+
     def filled(self, has_zero_point: bool) -> tuple[ParamDecl, ...]:
         """The parameters filled for a layer with or without zero points."""
         return tuple(p for p in self.params if p.need is not Need.ZERO_POINTS or has_zero_point)
 
 
 def accepting(rows: tuple[MethodLayout, ...], *, quantized: bool, padded: bool, reduced: bool,
-              asymmetric: bool) -> str:
-    """Which of `rows` hold a fused layer of this kind, and whether as it is or re-laid (for `--plan`)."""
+              asymmetric: bool, partial: bool = False) -> str:
+    """Which of `rows` hold a fused layer of this kind, and whether as it is or re-laid (for `--plan`);
+    `partial`: G leaves a last, partial group along H or I_p."""
     fits = [row for row in rows if row.quantized == quantized and (row.padded or not padded)
-            and (row.reduced_groups or not reduced) and (row.asymmetric or not asymmetric)]
+            and (row.reduced_groups or not reduced) and (row.asymmetric or not asymmetric)
+            and (row.partial_groups or not partial)]
     if not fits:
-        why = ["padded I"] * padded + ["G_eff < G"] * reduced + ["zero points"] * asymmetric
+        why = (["padded I"] * padded + ["G_eff < G"] * reduced + ["zero points"] * asymmetric
+               + ["a partial group"] * partial)
         return "none (" + ", ".join(why) + ")"
     return ", ".join(f"{row.name} ({'as is' if row.fused_as_is else 're-laid'})" for row in fits)
 

@@ -97,12 +97,15 @@ def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: in
     return "\n".join(lines)
 
 
-def vllm_methods(quant: QuantSpec, *, group_eff: int, padded: bool) -> str:
+def vllm_methods(quant: QuantSpec, *, group_eff: int, padded: bool, hidden: int, part: int) -> str:
     """Which of vLLM 0.32's MoE methods take a fused layer of source spec `quant` written with `group_eff`
-    (and padding, when `padded`): as it is, or re-laid on load; `none (why)` when none does."""
+    (and padding, when `padded`) for H `hidden` and I_p `part`: as it is, or re-laid on load; `none (why)` when
+    none does."""
+    whole = quant.group_size == group_eff and group_eff > 0
     return accepting(VLLM_LAYOUTS, quantized=quant.quantized, padded=padded,
                      reduced=quant.quantized and group_eff not in (quant.group_size, -1),
-                     asymmetric=quant.quantized and not quant.symmetric)
+                     asymmetric=quant.quantized and not quant.symmetric,
+                     partial=quant.quantized and whole and bool(hidden % group_eff or part % group_eff))
 
 
 def method_lines(ranks: Iterable[tuple[str, Iterable[LayerPlan]]]) -> list[str]:
@@ -112,7 +115,8 @@ def method_lines(ranks: Iterable[tuple[str, Iterable[LayerPlan]]]) -> list[str]:
     ranks = list(ranks)
     for rank, plans in ranks:
         for plan in plans:
-            answer = vllm_methods(plan.moe.quant, group_eff=plan.fused.group_size, padded=bool(plan.fused.padding))
+            answer = vllm_methods(plan.moe.quant, group_eff=plan.fused.group_size, padded=bool(plan.fused.padding),
+                                  hidden=plan.fused.hidden, part=plan.fused.part)
             where.setdefault(answer, {}).setdefault(plan.prefix, []).append(rank)
     if len(where) == 1:
         return [f"vLLM 0.32 methods that take this output: {next(iter(where))}: every layer of every rank"]
@@ -130,6 +134,7 @@ def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *
     except WNA16Error as exc:
         return f"{head}  impossible: {exc}"
     group = c.group_eff if moe.quant.quantized else "float"  # float experts have no groups
-    methods = vllm_methods(moe.quant, group_eff=c.group_eff, padded=any(c.padding))
+    methods = vllm_methods(moe.quant, group_eff=c.group_eff, padded=any(c.padding), hidden=moe.hidden_size,
+                           part=c.part)
     return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {group:>5}  {c.rank_bytes:>12} "
             f"{c.padding_bytes:>13}  {runs(c.experts):<15}  {runs(c.padding):<27}  {methods}")
