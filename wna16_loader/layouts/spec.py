@@ -181,6 +181,14 @@ def accepting(rows: tuple[MethodLayout, ...], *, quantized: bool, padded: bool, 
     return ", ".join(f"{row.name} ({'as is' if row.fused_as_is else 're-laid'})" for row in fits)
 
 
+def leaves_partial_group(group_size: int, group_eff: int, *dims: int) -> bool:
+    """Whether a layer written at `group_eff` from a checkpoint of group size `group_size` holds a last, partial
+    group along one of `dims` (H, I_p): G_eff = G (not channelwise, not reduced) and G does not divide it. Only
+    rows with `MethodLayout.partial_groups` hold such a layer (`--plan`'s column and the in-place fill ask this
+    one question)."""
+    return group_eff == group_size > 0 and any(d % group_size for d in dims)
+
+
 def allocated_groups(k: int, group_size: int) -> int:
     """Groups along an input dim of `k` columns as vLLM's MoE methods allocate their scales and zero points:
     k // G, floor (1 channelwise, G = -1); e.g. gptq_marlin's create_weights, `scales_size13 = hidden_size //

@@ -25,7 +25,8 @@ import torch
 
 from ..errors import ConfigError, LayoutMismatchError
 from ..layouts.relayout import fill_param
-from ..layouts.spec import Half, MethodLayout, ParamDecl, Sizes, allocated_groups, shape_of
+from ..layouts.spec import (Half, MethodLayout, ParamDecl, Sizes, allocated_groups, leaves_partial_group,
+                            shape_of)
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
@@ -101,29 +102,27 @@ def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: 
         raise LayoutMismatchError(f"{prefix}: the engine's {target.layout.name} parameters do not fit this rank's "
                                   f"layer ({sizes}): {'; '.join(wrong + [f'{m} missing' for m in missing])}; load "
                                   f"it with the engine's own loader or shard it for the engine's TP/EP sizes")
-    _check_whole_groups(prefix, target.layout.name, decls, sizes, group_size, spec.group_size)
+    _check_whole_groups(prefix, target.layout, decls, sizes, group_size, spec.group_size)
     return decls
 
 
-def _check_whole_groups(prefix: str, method: str, decls: tuple[ParamDecl, ...], sizes: Sizes, group_size: int,
-                        g_eff: int) -> None:
-    """Refuse a method row that sizes scales or zero points by the engine's group count (H // G, I_p // G)
-    where the fused layer holds the checkpoint's groups (G_eff = G), one more of them partial (G does not
-    divide H or I_p): its last columns' scales would have no place (and where the counts divide each other,
-    a regrouping would keep the wrong ones). A layer whose G_eff is below G (a TP cut) is `relayout`'s to
-    accept or refuse."""
-    if group_size <= 0 or g_eff != group_size:
+def _check_whole_groups(prefix: str, layout: MethodLayout, decls: tuple[ParamDecl, ...], sizes: Sizes,
+                        group_size: int, g_eff: int) -> None:
+    """Refuse a method row without `partial_groups` (its scales sized by the engine's H // G, I_p // G) for a
+    layer whose G leaves a last, partial group (`leaves_partial_group`): those columns' scales would have no
+    place (and where the counts divide each other, a regrouping would keep the wrong ones). A layer whose
+    G_eff is below G (a TP cut) is `relayout`'s to accept or refuse."""
+    if layout.partial_groups or not leaves_partial_group(group_size, g_eff, sizes.H, sizes.I_p):
         return
     stored = replace(sizes, GH=-(-sizes.H // group_size), GI=-(-sizes.I_p // group_size))
     short = [d.name for d in decls if shape_of(d, sizes) != shape_of(d, stored)]
-    if short:
-        raise LayoutMismatchError(
-            f"{prefix}: the engine's {method} parameters {', '.join(short)} hold {sizes.GH} groups along H "
-            f"(H {sizes.H} // G {group_size}) and {sizes.GI} along I ({sizes.I_p} // {group_size}), but the "
-            f"checkpoint stores {stored.GH} and {stored.GI} (G {group_size} does not divide "
-            f"{' or '.join(f'{k} {v}' for k, v in (('H', sizes.H), ('I', sizes.I_p)) if v % group_size)}: its last "
-            f"group is partial), so its last columns' scales have no place; serve it with moe_wna16 "
-            f"(--quantization moe_wna16), which holds every group")
+    raise LayoutMismatchError(
+        f"{prefix}: the engine's {layout.name} parameters {', '.join(short)} hold {sizes.GH} groups along H "
+        f"(H {sizes.H} // G {group_size}) and {sizes.GI} along I ({sizes.I_p} // {group_size}), but the "
+        f"checkpoint stores {stored.GH} and {stored.GI} (G {group_size} does not divide "
+        f"{' or '.join(f'{k} {v}' for k, v in (('H', sizes.H), ('I', sizes.I_p)) if v % group_size)}: its "
+        f"last group is partial), so its last columns' scales have no place; serve it with moe_wna16 "
+        f"(--quantization moe_wna16), which holds every group")
 
 
 def staging_of(target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...]) -> dict[str, torch.Tensor] | None:

@@ -58,8 +58,8 @@ def output_layout(out: str | Path, manifest: dict[str, Any]) -> OutputLayout:
         return OutputLayout(value)
     except ValueError:
         raise CheckpointError(f"{Path(out) / MANIFEST_NAME}: params.layout is {value!r}, none of "
-                              f"{[layout.value for layout in OutputLayout]} (a newer wna16-shard's, or an edit); re-shard "
-                              f"the source with this version's wna16-shard.") from None
+                              f"{[layout.value for layout in OutputLayout]} (a newer wna16-shard's, or an edit); "
+                              f"re-shard the source with this version's wna16-shard.") from None
 
 
 def is_presharded(path: str | Path) -> bool:

@@ -54,7 +54,8 @@ from .verify import verify_output
 
 __all__ = [
     "COMMON_DIR", "JOURNAL_NAME", "LAYOUTS", "LOCK_NAME", "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "FilePlan",
-    "LayoutCost", "OutputLayout", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts", "describe_plan",
+    "LayoutCost", "OutputLayout", "RankPlan", "RankSummary", "ShardPlan", "ShardSummary", "describe_layouts",
+    "describe_plan",
     "is_presharded", "layout_cost", "load_presharded", "make_plan", "preshard_checkpoint", "preshard_distributed",
     "rank_folder", "read_manifest", "shard", "split_files", "verify_output",
 ]

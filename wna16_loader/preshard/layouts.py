@@ -17,7 +17,7 @@ import torch
 
 from ..errors import WNA16Error
 from ..formats import QuantSpec
-from ..layouts.spec import accepting
+from ..layouts.spec import accepting, leaves_partial_group
 from ..layouts.vllm import VLLM_LAYOUTS
 from ..load.experts import planned
 from ..load.fused import FusedSpec
@@ -101,11 +101,10 @@ def vllm_methods(quant: QuantSpec, *, group_eff: int, padded: bool, hidden: int,
     """Which of vLLM 0.32's MoE methods take a fused layer of source spec `quant` written with `group_eff`
     (and padding, when `padded`) for H `hidden` and I_p `part`: as it is, or re-laid on load; `none (why)` when
     none does."""
-    whole = quant.group_size == group_eff and group_eff > 0
     return accepting(VLLM_LAYOUTS, quantized=quant.quantized, padded=padded,
                      reduced=quant.quantized and group_eff not in (quant.group_size, -1),
                      asymmetric=quant.quantized and not quant.symmetric,
-                     partial=quant.quantized and whole and bool(hidden % group_eff or part % group_eff))
+                     partial=quant.quantized and leaves_partial_group(quant.group_size, group_eff, hidden, part))
 
 
 def method_lines(ranks: Iterable[tuple[str, Iterable[LayerPlan]]]) -> list[str]:

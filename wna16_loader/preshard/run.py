@@ -40,7 +40,8 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
     layout: OutputLayout.FUSED, "fused" (load_experts' tensors) or OutputLayout.CHECKPOINT, "checkpoint" (source
-    tensors sliced per rank, source names and format). dry_run: plan only, write nothing. resume: keep journaled files whose sha256 still matches.
+    tensors sliced per rank, source names and format). dry_run: plan only, write nothing. resume: keep journaled
+    files whose sha256 still matches.
     verify: re-read the output and compare it with the source; problems land in the summary.
     workers: folders written in parallel processes (output identical to workers=1).
     mtp: shard the MTP layers' experts (default); False copies their tensors unchanged into common/.

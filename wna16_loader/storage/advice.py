@@ -24,7 +24,8 @@ SYSFS = Path("/sys")
 
 def advice_bytes(path: Path, *, sysfs: Path = SYSFS) -> int:
     """The most one WILLNEED call reads of `path`: max(read_ahead_kb, max_sectors_kb) of the queue of the
-    block device holding it (a partition's queue is its disk's), in bytes; FALLBACK_BYTES when unknown."""
+    block device holding it (a partition's queue is its disk's), in bytes; FALLBACK_BYTES when unknown. One
+    stat per call; sysfs is read once per device."""
     device = os.stat(path).st_dev
     return _device_advice_bytes(os.major(device), os.minor(device), sysfs)
 

@@ -189,7 +189,6 @@ class ReadAhead:
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
         self._fds: dict[tuple[Path, bool], int] = {}
         self._maps: dict[Path, mmap.mmap] = {}  # for mincore
-        self._advice_bytes: dict[Path, int] = {}  # path -> the most one WILLNEED call reads of it
         self._lock = threading.Lock()
         self._fills: list[Future[None]] = []
         self._submitted = 0
@@ -311,18 +310,12 @@ class ReadAhead:
     def _fill(self, path: Path, begin: int, end: int) -> None:
         """File bytes [begin, end) into the page cache (read into a scratch buffer and dropped, or advised)."""
         if self.options.fill is CacheFill.ADVISE:  # in calls the kernel reads whole (storage/advice.py)
-            will_need(self._fd(path, False), begin, end, self._advice(path))
+            will_need(self._fd(path, False), begin, end, advice_bytes(path))
             return
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None:
             scratch = self._scratch.buffer = bytearray(self._step)
         read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
-
-    def _advice(self, path: Path) -> int:
-        """The most one WILLNEED call reads of `path` (looked up once per file)."""
-        if path not in self._advice_bytes:
-            self._advice_bytes[path] = advice_bytes(path)
-        return self._advice_bytes[path]
 
     def close(self) -> None:
         """Stop reading ahead (requests not started are dropped), wait for those running, close the files."""
