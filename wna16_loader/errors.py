@@ -66,6 +66,11 @@ class PreshardError(WNA16Error):
     """A pre-sharded output folder is locked, foreign, or was written with other parameters."""
 
 
+class NodeError(WNA16Error):
+    """A rank of the node reading a checkpoint together failed, exited or did not arrive in time: every other
+    rank of the node raises this instead of waiting for it."""
+
+
 class DeviceError(WNA16Error):
     """A requested device does not exist or this PyTorch build cannot drive it."""
 

@@ -22,7 +22,7 @@ from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
 from .plan import LayerPlan, plan_layers
-from .reads import planned_ranges
+from .reads import load_groups
 from .presharded import is_presharded, load_presharded, output_prefixes
 from .results import LoadedExperts, LoadReport
 from .scan import CheckpointScan
@@ -88,21 +88,21 @@ def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy,
     """`load_experts` of a checkpoint folder (not pre-sharded): layer by layer, each layer's bytes read
     ahead while earlier layers convert (`storage.readahead`)."""
     start = time.perf_counter()
-    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans), \
-            index.reading_ahead([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans],
-                                reads, pin=policy.gpu) as ahead:
-        result = LoadedExperts()
-        written = tensors = 0
-        for number, plan in enumerate(plans):
-            ahead.start(number)
-            layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite,
-                                              convert_on_device=convert_on_device)
-            result[plan.prefix] = layer
-            tensors += count
-            written += nbytes
-        policy.synchronize()
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
+        own, together = load_groups(index, moe, parallel, scan, plans, reads)
+        with index.reading_ahead(own, reads, pin=policy.gpu, node_groups=together) as ahead:
+            result = LoadedExperts()
+            written = tensors = 0
+            for number, plan in enumerate(plans):
+                ahead.start(number)
+                layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite,
+                                                  convert_on_device=convert_on_device)
+                result[plan.prefix] = layer
+                tensors += count
+                written += nbytes
+            policy.synchronize()
         result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=index.bytes_read,
-                                      bytes_written=written, start=start)
+                                      bytes_written=written, start=start, window_bytes=ahead.window_bytes)
         result.ignored = scan.others
     rank_logger(parallel).info("loaded: %s", result.report)
     return result

@@ -4,16 +4,26 @@
 | planned_ranges(index, plan) | [PlannedRange]: one per tensor slice the plan reads; `shared` when the span |
 |                             | holds more bytes than the slice (a column cut: other ranks' columns share  |
 |                             | its pages), else the rank's own bytes                                      |
+| load_groups(...)            | what a load from a checkpoint folder reads ahead: its own groups, and with |
+|                             | a node of several ranks the node's (every rank's ranges, layer by layer)   |
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import ShardingError
+from ..models.config import MoEConfig
+from ..parallel.config import Node, ParallelConfig
 from ..storage.index import CheckpointIndex
-from ..storage.readahead import PlannedRange, span_of
+from ..storage.readahead import PlannedRange, ReadOptions, span_of
+from .ledger import Ledger
 from .params import rank_spans, storage_index
-from .plan import LayerPlan
+from .plan import LayerPlan, plan_layers
+from .scan import CheckpointScan
+from .tables import LayerTables
+
+Groups = list[list[PlannedRange]]
 
 
 def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes: int = 0) -> list[PlannedRange]:
@@ -39,3 +49,35 @@ def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes:
                 path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
                 out.append(PlannedRange(path, begin + low, begin + high, high - low > nbytes))
     return out
+
+
+def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, scan: CheckpointScan,
+                plans: list[LayerPlan], reads: ReadOptions) -> tuple[Groups, Groups | None]:
+    """(this rank's groups, the node's groups or None): a layer each. A rank reads its groups itself, every
+    byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group
+    of the node's is that layer's ranges of every rank of the node, the same on each of them."""
+    own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)]
+           for plan in plans]
+    node = reads.node
+    if node is None or node.size == 1:
+        return own, None
+    members = node_members(node, parallel)
+    tables, by_layer = LayerTables(index, moe), [list(group) for group in own]
+    for member in members:
+        if member == parallel:
+            continue
+        for number, plan in enumerate(plan_layers(index, moe, member, Ledger(), scan, tables)):
+            by_layer[number] += planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)
+    return own, by_layer
+
+
+def node_members(node: Node, parallel: ParallelConfig) -> list[ParallelConfig]:
+    """The parallel config of every rank of `node`, in local order (checked against `parallel`)."""
+    world = parallel.world_size
+    if node.rank != parallel.rank or max(node.ranks) >= world:
+        raise ShardingError(f"Node: ranks {list(node.ranks)} with this process at local rank {node.local_rank} "
+                            f"(global rank {node.rank}) do not fit ParallelConfig rank {parallel.rank} of "
+                            f"{world} (tp {parallel.tp_size} x ep {parallel.ep_size}); build both from the same "
+                            f"process group (ParallelConfig.from_environment, Node.from_environment).")
+    return [ParallelConfig.from_rank(rank, tp_size=parallel.tp_size, ep_size=parallel.ep_size,
+                                     expert_placement=parallel.expert_placement) for rank in node.ranks]

@@ -3,6 +3,6 @@ span of the intermediate dimension (`partition`: effective group size, padding).
 
 from __future__ import annotations
 
-from .config import ExpertPlacement, ParallelConfig
+from .config import ExpertPlacement, Node, ParallelConfig
 
-__all__ = ["ExpertPlacement", "ParallelConfig"]
+__all__ = ["ExpertPlacement", "Node", "ParallelConfig"]

@@ -3,7 +3,9 @@
 TP and EP compose: experts are split across `ep_size` ranks, and each expert's
 intermediate dimension across `tp_size` ranks. The global rank of a (tp, ep)
 pair is `ep_rank * tp_size + tp_rank`. `ShardJob` is the same for the processes of a
-rank-parallel `wna16-shard` run.
+rank-parallel `wna16-shard` run. `Node` names the ranks that share one machine (its storage and page cache),
+which read a checkpoint together. This module is the one place that reads torch.distributed and the
+environment to build them.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import enum
 import json
 import os
+import re
+import socket
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,6 +205,93 @@ class ShardJob:
 
         if self.processes > 1:
             dist.barrier(group=self.process_group)
+
+
+@dataclass(frozen=True)
+class Node:
+    """The ranks that share this machine and load together (`ReadOptions(node=...)`): each byte the node
+    needs is read from storage once, by one of them, into a shared window, and each rank takes its own
+    slices from there (`storage/node.py`). `ParallelConfig` stays the source of every TP/EP size and rank.
+
+    `ranks`: the global ranks (`ParallelConfig.rank`) of the node's processes, in local-rank order, this
+    process at `local_rank`; `key`: the same text on every rank of the node and a different one for every
+    job (it names the shared window); `window_bytes`: the shared memory the node reads into (two halves,
+    each grown to the largest layer where one does not fit: the load reports what it used); `timeout_s`: how
+    long a rank waits for the others at one step before raising `NodeError`."""
+
+    ranks: tuple[int, ...]
+    local_rank: int
+    key: str
+    window_bytes: int = 1 << 30
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        if not self.ranks or len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise ShardingError(f"Node: ranks={self.ranks!r} must be distinct global ranks >= 0, at least one.")
+        if not 0 <= self.local_rank < len(self.ranks):
+            raise ShardingError(f"Node: local_rank={self.local_rank} is out of range for {len(self.ranks)} ranks; "
+                                f"valid local ranks are 0..{len(self.ranks) - 1}.")
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,120}", self.key):
+            raise ShardingError(f"Node: key={self.key!r} must be 1-120 letters, digits, '.', '_' or '-' "
+                                f"(it names a file in /dev/shm); pass the same such text on every rank.")
+        if self.window_bytes < 1 or self.timeout_s <= 0:
+            raise ShardingError(f"Node: window_bytes={self.window_bytes} and timeout_s={self.timeout_s} must be "
+                                f"positive.")
+
+    @property
+    def size(self) -> int:
+        """How many ranks load together."""
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank."""
+        return self.ranks[self.local_rank]
+
+    @classmethod
+    def alone(cls, rank: int = 0) -> "Node":
+        """A node of one rank: it reads everything it needs itself."""
+        return cls((rank,), 0, f"alone-{os.getpid()}")
+
+    @classmethod
+    def from_environment(cls, process_group: Any = None, *, window_bytes: int = 1 << 30,
+                         timeout_s: float = 300.0) -> "Node":
+        """The node of this process: the ranks of an initialised torch.distributed group (`process_group`,
+        else the world) on this host, found by all-gathering host names; else torchrun's `LOCAL_RANK` /
+        `LOCAL_WORLD_SIZE` / `RANK`; else this process alone. Global ranks are those of
+        `ParallelConfig.from_environment` with the same `process_group`."""
+        ranks, local, key = _detect_node(process_group)
+        return cls(ranks, local, key, window_bytes=window_bytes, timeout_s=timeout_s)
+
+
+def _detect_node(process_group: Any) -> tuple[tuple[int, ...], int, str]:
+    """(the node's global ranks, this process's index among them, the node's key)."""
+    import torch.distributed as dist
+
+    host = socket.gethostname()
+    if dist.is_available() and dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(everyone, (host, os.getpid()), group=process_group)
+        ranks = tuple(r for r, (name, _) in enumerate(everyone) if name == host)
+        first = everyone[ranks[0]][1]
+        return ranks, ranks.index(dist.get_rank(process_group)), _key(f"{host}-{first}-{len(everyone)}")
+    env = os.environ
+    if all(name in env for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK")):
+        try:
+            local, count, rank = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), int(env["RANK"])
+        except ValueError:
+            raise ShardingError(f"Node.from_environment: LOCAL_RANK={env['LOCAL_RANK']!r}, LOCAL_WORLD_SIZE="
+                                f"{env['LOCAL_WORLD_SIZE']!r} and RANK={env['RANK']!r} must be integers (as torchrun "
+                                f"sets them).") from None
+        job = f"{env.get('TORCHELASTIC_RUN_ID', 'run')}-{env.get('MASTER_PORT', '0')}-{os.getppid()}"
+        return tuple(range(rank - local, rank - local + count)), local, _key(f"{host}-{job}")
+    return (_detect_rank_and_world(process_group)[0],), 0, f"alone-{os.getpid()}"
+
+
+def _key(text: str) -> str:
+    """`text` as a node key: characters a file name takes, at most 120."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)[:120]
 
 
 def _detect_rank_and_world(process_group: Any) -> tuple[int, int]:

@@ -30,6 +30,7 @@ import torch
 from ..errors import CheckpointError, format_offenders
 from .bulk import gc_paused
 from .filemap import Index, MappedFile, gather, stacked_view
+from .node import NodeRead
 from .readahead import PlannedRange, ReadAhead, ReadOptions
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -167,14 +168,22 @@ class CheckpointIndex:
 
     @contextmanager
     def reading_ahead(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, *,
-                      pin: bool = False) -> Iterator[ReadAhead]:
+                      pin: bool = False, node_groups: Sequence[Sequence[PlannedRange]] | None = None
+                      ) -> Iterator[ReadAhead | NodeRead]:
         """A `ReadAhead` of `groups` (in use order; call its `start(i)` before reading group i) whose regions
-        this index's views come from while the block runs (`MappedFile.rebased`); closed after it."""
-        ahead = ReadAhead(groups, options, pin=pin)
+        this index's views come from while the block runs (`MappedFile.rebased`); closed after it. With
+        `options.node` of several ranks and `node_groups` (the same groups for every rank of the node, each
+        the union of the ranks' `groups`), a `NodeRead` of those instead: the node reads them together."""
+        node = options.node
+        together = node is not None and node.size > 1 and node_groups is not None and options.enabled
+        ahead = NodeRead(node_groups, options, node) if together else ReadAhead(groups, options, pin=pin)
         for mapped in self._maps.values() if ahead.active else ():
             mapped.overlay = ahead
         try:
             yield ahead
+        except BaseException as error:
+            ahead.fail(error)
+            raise
         finally:
             for mapped in self._maps.values():
                 mapped.overlay = None

@@ -42,6 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 
 from ..errors import WNA16Error
+from ..parallel.config import Node
 from .advice import advice_bytes, will_need
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
@@ -78,7 +79,10 @@ class ReadOptions:
     bytes than this read through the mapping alone (threads would cost more than they save), and so do
     layers whose expert tensors are all under `min_tensor_bytes` (a range per tiny tensor costs more);
     `enabled=False` reads everything through the mapping, as before read-ahead existed; `fill`: how
-    shared bytes reach the page cache (`CacheFill`)."""
+    shared bytes reach the page cache (`CacheFill`); `node`: the ranks of this machine loading together
+    (`parallel.Node`, e.g. `Node.from_environment()`): a load from a checkpoint folder reads each byte the
+    node needs once, into a shared window (`storage/node.py`); without one (or of one rank) a rank loads
+    alone and reads every byte it needs itself, direct."""
 
     threads: int = 8
     request_bytes: int = 16 << 20
@@ -89,6 +93,7 @@ class ReadOptions:
     min_tensor_bytes: int = 64 << 10
     enabled: bool = True
     fill: CacheFill = CacheFill.ADVISE
+    node: Node | None = None
 
     def __post_init__(self) -> None:
         for name, least, why in (("threads", 1, "one request in flight"), ("ahead", 1, "the next layer read ahead"),
@@ -194,6 +199,8 @@ class ReadAhead:
         self._submitted = 0
         self._scratch = threading.local()
         self._step = max(ALIGN, options.request_bytes // ALIGN * ALIGN)
+
+    window_bytes = 0  # (a node's read reports its shared window here)
 
     @property
     def active(self) -> bool:
@@ -316,6 +323,12 @@ class ReadAhead:
         if scratch is None:
             scratch = self._scratch.buffer = bytearray(self._step)
         read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
+
+    def fail(self, error: BaseException) -> None:
+        """The load stopped on `error`: requests not started yet are dropped now (`close` waits for the
+        running ones)."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         """Stop reading ahead (requests not started are dropped), wait for those running, close the files."""

@@ -1,0 +1,229 @@
+"""storage/node.py: a node's ranks read a checkpoint together.
+
+Pure parts (windows, stripes) as hypothesis properties; the shared window's waits in one process; then real
+processes: 4 ranks over gloo (their Node from `Node.from_environment`) load a cold checkpoint together,
+byte-identical to lone loads, with their storage bytes within 1.1x the union of their ranges; and a rank
+killed mid-load makes the others raise NodeError, naming it, well within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wna16_loader import ParallelConfig, load_experts
+from wna16_loader.errors import NodeError
+from wna16_loader.load import experts as experts_module
+from wna16_loader.parallel.config import Node
+from wna16_loader.storage.node import ALIGN, NodeRead, SharedWindow, Word, placed, stripe, windows_of
+from wna16_loader.storage.readahead import PlannedRange, ReadOptions
+from wna16_loader.testing.synthetic import quant_config, write_checkpoint
+
+FILES = [Path("/f/a.safetensors"), Path("/f/b.safetensors")]
+
+
+@st.composite
+def layer_groups(draw: st.DrawFn) -> list[list[PlannedRange]]:
+    groups = []
+    for _ in range(draw(st.integers(1, 6))):
+        group = []
+        for _ in range(draw(st.integers(0, 5))):
+            begin = draw(st.integers(0, 1 << 20))
+            group.append(PlannedRange(draw(st.sampled_from(FILES)), begin, begin + draw(st.integers(1, 1 << 18)),
+                                      draw(st.booleans())))
+        groups.append(group)
+    return groups
+
+
+def covered(spans: list[tuple[Path, int, int]]) -> set[tuple[Path, int]]:
+    """The ALIGN-sized pages of `spans`."""
+    return {(path, page) for path, begin, end in spans for page in range(begin // ALIGN, -(-end // ALIGN))}
+
+
+@settings(max_examples=60, deadline=None)
+@given(layer_groups(), st.integers(1, 1 << 20), st.integers(1, 8), st.sampled_from([ALIGN, 4 * ALIGN, 64 * ALIGN]))
+def test_windows_and_stripes_cover_every_planned_byte_once(groups: list[list[PlannedRange]], window_bytes: int,
+                                                           ranks: int, request: int) -> None:
+    windows, half = windows_of(groups, window_bytes, gap=ALIGN)
+    assert [(w.first, w.stop) for w in windows][0][0] == 0 and windows[-1].stop == len(groups)
+    assert all(a.stop == b.first for a, b in zip(windows, windows[1:]))
+    for window in windows:
+        assert window.nbytes <= half and half % ALIGN == 0
+        planned = covered([(r.file, r.begin, r.end) for g in groups[window.first:window.stop] for r in g])
+        assert covered([(s.path, s.begin, s.end) for s in window.spans]) >= planned
+        requests = [r for rank in range(ranks) for r in stripe(window, rank, ranks, request)]
+        assert sorted((r.offset, r.end - r.begin) for r in requests) == sorted(
+            (s.offset + at - s.begin, min(request, s.end - at)) for s in window.spans for at in range(s.begin, s.end,
+                                                                                                      request))
+        assert sum(r.end - r.begin for r in requests) == window.nbytes
+        assert all(r.begin % ALIGN == 0 and r.offset % ALIGN == 0 and r.end - r.begin <= request for r in requests)
+
+
+def test_placed_lays_coalesced_spans_back_to_back() -> None:
+    a, b = FILES
+    spans, nbytes = placed([PlannedRange(a, 5000, 6000, False), PlannedRange(a, 100, 200, True),
+                            PlannedRange(b, 3 * ALIGN, 3 * ALIGN + 1, False)], gap=ALIGN)
+    assert [(s.path, s.begin, s.end, s.offset) for s in spans] == [
+        (a, 0, 2 * ALIGN, 0), (b, 3 * ALIGN, 4 * ALIGN, 2 * ALIGN)]
+    assert nbytes == 3 * ALIGN
+
+
+def test_a_layer_larger_than_half_the_window_grows_the_half() -> None:
+    group = [PlannedRange(FILES[0], 0, 10 * ALIGN, False)]
+    windows, half = windows_of([group, [PlannedRange(FILES[1], 0, ALIGN, True)]], window_bytes=4 * ALIGN, gap=0)
+    assert half == 10 * ALIGN and [(w.first, w.stop) for w in windows] == [(0, 1), (1, 2)]
+
+
+def test_a_rank_that_never_comes_times_out_naming_it() -> None:
+    node = Node((4, 5), 0, f"test-{uuid.uuid4().hex}", window_bytes=2 * ALIGN, timeout_s=0.3)
+    start = time.monotonic()
+    with pytest.raises(NodeError) as caught:
+        NodeRead([[PlannedRange(Path(__file__), 0, 100, False)]], ReadOptions(), node)
+    assert time.monotonic() - start < 5
+    assert str(caught.value).startswith(f"node {node.key}: rank(s) 5 (pid not started) did not finish attaching the "
+                                        f"shared window within timeout_s=0.3")
+    assert not (Path("/dev/shm") / f"wna16-node-{node.key}").exists()
+
+
+def test_a_follower_without_its_leader_times_out_naming_the_key() -> None:
+    node = Node((0, 1), 1, f"test-{uuid.uuid4().hex}", timeout_s=0.2)
+    with pytest.raises(NodeError, match=f"node {node.key}: local rank 0 \\(global rank 0\\) did not create the "
+                                        f"shared window /dev/shm/wna16-node-{node.key} within timeout_s=0.2; start "
+                                        f"every rank of the node with the same Node.key"):
+        SharedWindow(node, ALIGN)
+
+
+def test_ranks_that_planned_different_windows_are_told_so() -> None:
+    key = f"test-{uuid.uuid4().hex}"
+    leader = SharedWindow(Node((0, 1), 0, key, timeout_s=1), 2 * ALIGN)
+    try:
+        with pytest.raises(NodeError, match=f"the shared window /dev/shm/wna16-node-{key} holds {4096 + 4 * ALIGN} "
+                                            f"bytes for 2 ranks, this rank planned {4096 + 2 * ALIGN} bytes for 2: "
+                                            f"the ranks planned different loads"):
+            SharedWindow(Node((0, 1), 1, key, timeout_s=1), ALIGN)
+    finally:
+        leader.unlink()
+        leader.close()
+
+
+def test_a_failed_rank_is_named_by_the_others() -> None:
+    key = f"test-{uuid.uuid4().hex}"
+    leader = SharedWindow(Node((0, 1), 0, key, timeout_s=5), ALIGN)
+    follower = SharedWindow(Node((0, 1), 1, key, timeout_s=5), ALIGN)
+    leader.unlink()
+    follower.set(Word.FAILED, 1)
+    with pytest.raises(NodeError, match=f"node {key}: rank\\(s\\) 1 \\(pid {os.getpid()}\\) failed while the node was "
+                                        f"reading window 0 of 1 \\(its own error says why\\); rank 0 stops its load "
+                                        f"too. Restart every rank of the node."):
+        leader.wait(Word.READ, 1, "reading window 0 of 1", lambda: None)
+    leader.close()
+    follower.close()
+
+
+def test_node_rejects_what_cannot_name_a_window() -> None:
+    with pytest.raises(ValueError, match="Node: key='a/b' must be 1-120 letters, digits"):
+        Node((0, 1), 0, "a/b")
+    with pytest.raises(ValueError, match="Node: local_rank=2 is out of range for 2 ranks; valid local ranks are 0..1."):
+        Node((0, 1), 2, "k")
+
+
+# --- real processes -------------------------------------------------------------------------------------------
+
+def _evict(folder: Path) -> None:
+    os.sync()
+    for file in folder.glob("*.safetensors"):
+        fd = os.open(file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def _read_bytes() -> int:
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["read_bytes"])
+
+
+def _options(node: Node | None) -> ReadOptions:
+    return ReadOptions(min_bytes=0, min_tensor_bytes=0, request_bytes=4 * ALIGN, node=node)
+
+
+def _together(rank: int, world: int, init: str, folder: str, out: str) -> None:
+    """One rank: for TP 4 and for TP 2 x EP 2, a lone load (its imports made), then the node's cold load."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    node = Node.from_environment(window_bytes=24 * ALIGN, timeout_s=60)
+    results = {"node": list(node.ranks)}
+    for tp, ep in SPLITS:
+        parallel = ParallelConfig.from_environment(tp_size=tp, ep_size=ep)
+        alone = load_experts(folder, parallel, reads=_options(None))
+        dist.barrier()
+        if rank == 0:
+            _evict(Path(folder))
+        dist.barrier()
+        before = _read_bytes()
+        together = load_experts(folder, parallel, reads=_options(node))
+        results[f"{tp}x{ep}"] = _read_bytes() - before
+        for prefix, layer in alone.items():
+            for name, tensor in layer.tensors.items():
+                assert torch.equal(getattr(together[prefix], name), tensor), (tp, ep, prefix, name)
+        assert together.report.window_bytes >= 24 * ALIGN and alone.report.window_bytes == 0
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+SPLITS = ((4, 1), (2, 2))
+
+
+def test_four_ranks_read_a_cold_checkpoint_together(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", act_order=True), num_experts=8, hidden=256,
+                            intermediate=512, num_layers=3, files=2, references=False)
+    mp.spawn(_together, args=(4, str(tmp_path / "init"), str(ckpt.folder), str(tmp_path)), nprocs=4, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["node"] == [0, 1, 2, 3] for r in results)
+    checkpoint_bytes = sum(f.stat().st_size for f in ckpt.folder.glob("*.safetensors"))
+    for tp, ep in SPLITS:
+        assert sum(r[f"{tp}x{ep}"] for r in results) <= 1.1 * checkpoint_bytes, (tp, ep)
+
+
+def _killed(local: int, key: str, folder: str, out: str) -> None:
+    node = Node((0, 1, 2, 3), local, key, window_bytes=2 * ALIGN, timeout_s=30)
+    if local == 2:
+        def die(*args: object, **kwargs: object) -> None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        experts_module.load_layer = die
+    start = time.monotonic()
+    try:
+        load_experts(folder, ParallelConfig(tp_size=4, tp_rank=local), reads=_options(node))
+        text = "no error"
+    except NodeError as exc:
+        text = str(exc)
+    Path(out, f"rank{local}.json").write_text(json.dumps({"error": text, "seconds": time.monotonic() - start}))
+
+
+def test_a_rank_killed_mid_load_makes_the_others_raise_naming_it(tmp_path: Path) -> None:
+    ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("awq"), num_experts=4, hidden=128, intermediate=256,
+                            num_layers=3, references=False)
+    key = f"test-{uuid.uuid4().hex}"
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_killed, args=(local, key, str(ckpt.folder), str(tmp_path)))
+                 for local in range(4)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+    assert processes[2].exitcode == -signal.SIGKILL
+    for local in (0, 1, 3):
+        result = json.loads((tmp_path / f"rank{local}.json").read_text())
+        assert f"node {key}: rank(s) 2 (pid {processes[2].pid}) exited while the node was" in result["error"]
+        assert result["error"].endswith(f"rank {local} stops its load too. Restart every rank of the node.")
+        assert result["seconds"] < 30

@@ -1,0 +1,379 @@
+"""Reading a checkpoint together: the ranks of one machine (`parallel.Node`) read every byte their loads
+need once, into one shared window, and each rank takes its own slices from there.
+
+The node's planned byte ranges (the union over its ranks, a group a layer, in use order) are packed into
+windows of whole layers; each window is cut into requests dealt round-robin to the ranks (`stripes`), and
+each rank reads its requests (O_DIRECT where the file system takes it) into the window's half of a shared
+file in /dev/shm while the ranks convert the previous window from the other half:
+
+| window file   | [0, HEADER): int64 words: magic, size, ranks; then per rank: pid, windows read, windows |
+| (/dev/shm,    | used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows 1, 3, ...), each     |
+| unlinked once | `half_bytes` long                                                                        |
+| all have it)  |                                                                                          |
+
+| NodeRead.start(i)      | group i is about to be read: once its window is read by every rank, its regions are |
+|                        | the ones `covering` finds (views valid until the next window starts)                |
+| NodeRead.covering(...) | the region holding file bytes [lo, hi) in the current window, or None               |
+
+Every wait watches the other ranks: one that failed, exited or stays behind longer than `timeout_s`
+makes this rank raise `NodeError` (never a hang).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from enum import IntEnum
+from pathlib import Path
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from ..errors import NodeError
+from ..parallel.config import Node
+from .readahead import ALIGN, DIRECT, PlannedRange, ReadOptions, Region, coalesced, pieces, read_fully
+
+HEADER = 4096
+MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
+SHM = Path("/dev/shm")
+
+
+class Word(IntEnum):
+    """A rank's words in the header (after the three of the file)."""
+
+    PID = 0
+    READ = 1  # windows this rank has read its stripe of
+    USED = 2  # windows this rank is done with (their views no longer used)
+    FAILED = 3  # Failure: why this rank stopped (0 while it runs or once it is done)
+
+
+class Failure(IntEnum):
+    """A rank's FAILED word."""
+
+    NONE = 0
+    OWN = 1  # its own load failed
+    PEER = 2  # it stopped because another rank failed or exited
+    DONE = 3  # it finished: every window read and used (its process may exit)
+
+
+class Placed(NamedTuple):
+    """File bytes [begin, end) of `path` (begin aligned) at byte `offset` of a window's half."""
+
+    path: Path
+    begin: int
+    end: int
+    offset: int
+
+
+class Window(NamedTuple):
+    """Groups [first, stop) read together into one half: `spans` in half order, `nbytes` long."""
+
+    first: int
+    stop: int
+    spans: tuple[Placed, ...]
+    nbytes: int
+
+
+def placed(ranges: Sequence[PlannedRange], gap: int) -> tuple[tuple[Placed, ...], int]:
+    """`ranges` coalesced file by file (begins aligned down, ends up) and laid one after another: the spans and
+    the bytes they take."""
+    spans, at = [], 0
+    by_file: dict[Path, list[tuple[int, int]]] = {}
+    for r in ranges:
+        by_file.setdefault(r.file, []).append((r.begin // ALIGN * ALIGN, -(-r.end // ALIGN) * ALIGN))
+    for path in sorted(by_file):
+        for begin, end in coalesced(by_file[path], gap):
+            spans.append(Placed(path, begin, end, at))
+            at += end - begin
+    return tuple(spans), at
+
+
+def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> tuple[list[Window], int]:
+    """Consecutive groups packed into windows of at most one half each (`window_bytes` // 2, grown to the
+    largest group where one does not fit): the windows and the half's size."""
+    half = max(window_bytes // 2 // ALIGN * ALIGN, max((placed(g, gap)[1] for g in groups), default=0), ALIGN)
+    out: list[Window] = []
+    first = 0
+    for stop in range(1, len(groups) + 1):
+        spans, nbytes = placed([r for g in groups[first:stop] for r in g], gap)
+        if nbytes > half:
+            out.append(Window(first, stop - 1, *placed([r for g in groups[first:stop - 1] for r in g], gap)))
+            first = stop - 1
+        if stop == len(groups):
+            out.append(Window(first, stop, *placed([r for g in groups[first:stop] for r in g], gap)))
+    return out, half
+
+
+def stripe(window: Window, local_rank: int, ranks: int, request_bytes: int) -> list[Placed]:
+    """This rank's requests of `window`: its spans cut into requests of at most `request_bytes`, dealt
+    round-robin to the node's ranks."""
+    requests = [Placed(s.path, begin, end, s.offset + begin - s.begin)
+                for s in window.spans for begin, end in pieces(s.begin, s.end, request_bytes)]
+    return requests[local_rank::ranks]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
+class SharedWindow:
+    """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
+    its header words are how the ranks wait for each other."""
+
+    def __init__(self, node: Node, half_bytes: int) -> None:
+        self.node, self.half_bytes = node, half_bytes
+        self.size = HEADER + 2 * half_bytes
+        self.path = SHM / f"wna16-node-{node.key}"
+        self._map = self._create() if node.local_rank == 0 else self._attach()
+        self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * half_bytes, offset=HEADER)
+        self.set(Word.PID, os.getpid())
+
+    def _create(self) -> mmap.mmap:
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, self.size)
+            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        words = (ctypes.c_int64 * 3).from_buffer(mapped)
+        words[1], words[2], words[0] = self.size, self.node.size, MAGIC
+        del words
+        os.replace(temporary, self.path)
+        return mapped
+
+    def _attach(self) -> mmap.mmap:
+        deadline, delay = time.monotonic() + self.node.timeout_s, 1e-3
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR)
+            except FileNotFoundError:
+                fd = -1
+            if fd >= 0:
+                try:
+                    if os.fstat(fd).st_size >= HEADER:
+                        mapped = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
+                        return self._checked(mapped)
+                finally:
+                    os.close(fd)
+            if time.monotonic() > deadline:
+                raise NodeError(f"node {self.node.key}: local rank 0 (global rank {self.node.ranks[0]}) did not "
+                                f"create the shared window {self.path} within timeout_s={self.node.timeout_s}; start "
+                                f"every rank of the node with the same Node.key, or raise timeout_s.")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
+
+    def _checked(self, mapped: mmap.mmap) -> mmap.mmap:
+        words = (ctypes.c_int64 * 3).from_buffer(mapped)
+        magic, size, ranks = words[0], words[1], words[2]
+        del words
+        if magic != MAGIC or size != self.size or ranks != self.node.size or len(mapped) != size:
+            mapped.close()
+            raise NodeError(f"node {self.node.key}: the shared window {self.path} holds {size} bytes for {ranks} "
+                            f"ranks, this rank planned {self.size} bytes for {self.node.size}: the ranks planned "
+                            f"different loads; load the same checkpoint with the same ReadOptions and parallel "
+                            f"sizes on every rank of the node.")
+        if hasattr(mmap, "MADV_WILLNEED"):
+            mapped.madvise(mmap.MADV_WILLNEED)
+        return mapped
+
+    def word(self, local_rank: int, word: Word) -> int:
+        return self.words[3 + 4 * local_rank + word]
+
+    def set(self, word: Word, value: int) -> None:
+        self.words[3 + 4 * self.node.local_rank + word] = value
+
+    def half(self, window: int) -> torch.Tensor:
+        """The bytes of the half window `window` is read into."""
+        start = window % 2 * self.half_bytes
+        return self.data[start:start + self.half_bytes]
+
+    def wait(self, word: Word, target: int, doing: str, own: Callable[[], None]) -> None:
+        """Until every rank's `word` is at least `target` (`own()` raises this rank's own failure). Raises
+        NodeError when a rank failed, exited, or stays behind longer than the node's timeout."""
+        deadline, delay = time.monotonic() + self.node.timeout_s, 1e-4
+        while True:
+            own()
+            behind = [i for i in range(self.node.size) if self.word(i, word) < target]
+            self._check(doing)
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise NodeError(self._about(behind, f"did not finish {doing} within timeout_s={self.node.timeout_s}"
+                                                    f" (raise Node.timeout_s for a slower storage)"))
+            time.sleep(delay)
+            delay = min(2 * delay, 5e-3)
+
+    def _check(self, doing: str) -> None:
+        """Raise NodeError naming the ranks that exited before they were done, else those whose load failed,
+        else those that stopped because of another."""
+        states = [(i, Failure(self.word(i, Word.FAILED)), self.word(i, Word.PID)) for i in range(self.node.size)]
+        gone = [i for i, state, pid in states if pid and state is not Failure.DONE and not alive(pid)]
+        if gone:
+            raise NodeError(self._about(gone, f"exited while the node was {doing}"))
+        for failure, what in ((Failure.OWN, "failed"), (Failure.PEER, "stopped because of another rank")):
+            if found := [i for i, state, _ in states if state is failure]:
+                raise NodeError(self._about(found, f"{what} while the node was {doing} (its own error says why)"))
+
+    def _about(self, local: list[int], what: str) -> str:
+        ranks = ", ".join(f"{self.node.ranks[i]} (pid {self.word(i, Word.PID) or 'not started'})" for i in local)
+        return (f"node {self.node.key}: rank(s) {ranks} {what}; rank {self.node.rank} stops its load too. Restart "
+                f"every rank of the node.")
+
+    def unlink(self) -> None:
+        """Remove the file's name (the mappings stay)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Drop this object's hold on the mapping (unmapped once no view of it is left)."""
+        self.words = None
+        self.data = torch.empty(0, dtype=torch.uint8)
+
+
+class NodeRead:
+    """The overlay of a load that reads together with its node (module table): `groups` are the node's
+    planned ranges (every rank's), the same on every rank."""
+
+    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node) -> None:
+        self.node, self.options = node, options
+        self.windows, half = windows_of(groups, node.window_bytes, options.gap_bytes)
+        self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
+        self.shared = SharedWindow(node, half)
+        self.window_bytes = 2 * half
+        self.current = -1
+        self.failed = False
+        self._files: dict[Path, tuple[list[int], list[Region]]] = {}
+        self._error: BaseException | None = None
+        self._fds: dict[bool, dict[Path, int]] = {True: {}, False: {}}
+        self._workers = ThreadPoolExecutor(options.threads, thread_name_prefix="wna16-node")
+        try:
+            self.shared.wait(Word.PID, 1, "attaching the shared window", self._own)
+        except BaseException as error:
+            self.fail(error)
+            raise
+        finally:  # attached by all (or given up): the name is no longer needed
+            if node.local_rank == 0:
+                self.shared.unlink()
+        self._reader = threading.Thread(target=self._read_all, name="wna16-node-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def active(self) -> bool:
+        return True
+
+    def start(self, group: int) -> None:
+        """Group `group` is about to be read: once every rank has read its window, that window's regions
+        are the ones `covering` finds (the previous window's views must no longer be used)."""
+        window = self.window_of[group]
+        if window == self.current:
+            return
+        self.shared.set(Word.USED, window)
+        self.shared.wait(Word.READ, window + 1, f"reading window {window} of {len(self.windows)}", self._own)
+        self.current = window
+        half, files = self.shared.half(window), {}
+        for span in self.windows[window].spans:
+            region = Region(span.path, span.begin, span.end, half[span.offset:span.offset + span.end - span.begin])
+            files.setdefault(span.path, []).append(region)
+        self._files = {path: ([r.begin for r in regions], regions) for path, regions in files.items()}
+
+    def covering(self, path: Path, low: int, high: int) -> Region | None:
+        """The region of the current window holding file bytes [low, high) of `path`, or None."""
+        found = self._files.get(path)
+        if found is None:
+            return None
+        at = bisect.bisect_right(found[0], low) - 1
+        return found[1][at] if at >= 0 and found[1][at].end >= high else None
+
+    def holds(self, path: Path) -> bool:
+        return path in self._files
+
+    def _own(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _read_all(self) -> None:
+        """This rank's stripe of every window, each once every rank is done with the window before the one
+        before it (whose half it reuses)."""
+        try:
+            for number, window in enumerate(self.windows):
+                self.shared.wait(Word.USED, number - 1, f"converting window {number - 2}", lambda: None)
+                half = self.shared.half(number)
+                requests = stripe(window, self.node.local_rank, self.node.size, self.options.request_bytes)
+                for done in [self._workers.submit(self._read, r, half) for r in requests]:
+                    done.result()
+                self.shared.set(Word.READ, number + 1)
+        except BaseException as exc:  # the main thread raises it at its next wait; the others see FAILED
+            self._error = exc
+            if self.shared.words is not None:
+                self.shared.set(Word.FAILED, Failure.PEER if isinstance(exc, NodeError) else Failure.OWN)
+
+    def _read(self, request: Placed, half: torch.Tensor) -> None:
+        view = memoryview(half[request.offset:request.offset + request.end - request.begin].numpy())
+        direct = self.options.direct and bool(DIRECT)
+        try:
+            read_fully(self._fd(request.path, direct), view, request.begin, direct)
+        except OSError:
+            if not direct:
+                raise
+            read_fully(self._fd(request.path, False), view, request.begin)
+
+    def _fd(self, path: Path, direct: bool) -> int:
+        fds = self._fds[direct]
+        if path not in fds:
+            try:
+                fds.setdefault(path, os.open(path, os.O_RDONLY | (DIRECT if direct else 0)))
+            except OSError:
+                if not direct:
+                    raise
+                return self._fd(path, False)
+        return fds[path]
+
+    def fail(self, error: BaseException) -> None:
+        """This rank's load stopped on `error`: the other ranks are told at once (they raise NodeError), and
+        `close` no longer waits for them."""
+        self.failed = True
+        if self.shared.words is not None and not self.shared.word(self.node.local_rank, Word.FAILED):
+            self.shared.set(Word.FAILED, Failure.PEER if isinstance(error, NodeError) else Failure.OWN)
+
+    def close(self) -> None:
+        """End the node's read: unless it failed, once this rank's stripe of every window is read (the
+        others need it), raising the reader's error if it had one."""
+        try:
+            if not self.failed:
+                self.shared.set(Word.USED, len(self.windows))
+            self._reader.join()
+            if not self.failed:
+                self._own()
+                self.shared.set(Word.FAILED, Failure.DONE)
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+        finally:
+            self._workers.shutdown(wait=True, cancel_futures=True)
+            for fds in self._fds.values():
+                for fd in fds.values():
+                    os.close(fd)
+            self._files.clear()
+            if self.node.local_rank == 0:
+                self.shared.unlink()
+            self.shared.close()
