@@ -4,32 +4,27 @@
   cuts of w13 are shared and its row cuts of w2 its own; every range lies inside its tensor.
 - A load that reads ahead (any request size, gap, thread count, direct or not) is byte-identical to one
   through the file mappings alone.
-- A node reads each byte once: 4 TP ranks (gloo processes) loading one checkpoint cold together read its
-  expert bytes from storage about once between them (`/proc/self/io` read_bytes), since the pages that
-  TP ranks share go through the page cache. No rank waits on another: each reads its own planned
-  ranges ahead itself (there is no coordination between ranks to wait on); where two ranks want one
-  page, the second waits only for that page's read already in flight, which it would otherwise issue.
+- `load_groups`: a lone rank reads all its ranges as its own; with a node, each layer's group holds every
+  rank's ranges (the node's read of several processes is tested in tests/storage/test_node.py).
 """
 
 from __future__ import annotations
 
-import ctypes
-import json
-import mmap
-import os
-from datetime import timedelta
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wna16_loader import ParallelConfig, load_experts
+from wna16_loader.errors import ShardingError
 from wna16_loader.load.experts import planned
-from wna16_loader.load.reads import planned_ranges
+from wna16_loader.load.ledger import Ledger
+from wna16_loader.load.plan import plan_layers
+from wna16_loader.load.reads import load_groups, node_members, planned_ranges
+from wna16_loader.parallel.config import Node
 from wna16_loader.storage.readahead import ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
@@ -106,73 +101,27 @@ def test_other_formats_read_ahead_byte_identical(tmp_path, fmt) -> None:
                 assert torch.equal(tensor, after[prefix].tensors[name]), (fmt, parallel, name)
 
 
-# ---------------------------------------------------------------- a node reads each byte once (gloo, cold)
 
-def read_bytes() -> int | None:
-    """This process's bytes fetched from storage so far (/proc/self/io read_bytes; None without it)."""
-    try:
-        lines = Path("/proc/self/io").read_text().splitlines()
-    except OSError:
-        return None
-    return next((int(line.split()[1]) for line in lines if line.startswith("read_bytes:")), None)
-
-
-def evicted(files: list[Path]) -> int:
-    """Write back, drop every file's pages from the page cache, and return the bytes still resident."""
-    os.sync()
-    libc, left = ctypes.CDLL(None, use_errno=True), 0
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
-        anchor = ctypes.c_char.from_buffer(mapped)
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vector = (ctypes.c_ubyte * pages)()
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector)
-        del anchor
-        mapped.close()
-        left += size if rc else sum(v & 1 for v in vector) * mmap.PAGESIZE
-    return left
+def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
+    folder = write_checkpoint(tmp_path, quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
+                              num_layers=2, references=False).folder
+    parallel = ParallelConfig(2, 1, 2, 0)
+    node = Node((0, 1, 2, 3), 1, "k")
+    with planned(folder, parallel) as (moe, index, scan, plans):
+        own, none = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD)
+        assert none is None and not any(r.shared for group in own for r in group)
+        assert [len(g) for g in own] == [len(planned_ranges(index, plan)) for plan in plans]
+        again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node))
+        assert again == own
+        for number, group in enumerate(together):
+            every = [r for rank in node.ranks for r in planned_ranges(
+                index, plan_layers(index, moe, ParallelConfig.from_rank(rank, tp_size=2, ep_size=2), Ledger(),
+                                   scan)[number])]
+            assert sorted(r[:3] for r in group) == sorted(r[:3] for r in every)
 
 
-def node_rank(rank: int, world: int, folder: str, init_file: str, out: str) -> None:
-    """One TP rank: wait for all, load cold, report the bytes it read from storage (a spawned process)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
-    try:
-        dist.barrier()
-        before = read_bytes()
-        load_experts(folder, ParallelConfig.from_process_group(tp_size=world, process_group=dist.group.WORLD),
-                     reads=EVERY_READ_AHEAD)
-        counts = [None] * world
-        dist.all_gather_object(counts, read_bytes() - before)
-        if rank == 0:
-            Path(out).write_text(json.dumps(counts))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_four_tp_ranks_read_the_expert_bytes_about_once(tmp_path) -> None:
-    if read_bytes() is None:
-        pytest.skip("no /proc/self/io on this system: read_bytes cannot be counted")
-    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", group_size=128), num_experts=8, hidden=1024,
-                              intermediate=1024, references=False).folder
-    files = sorted(folder.glob("*.safetensors"))
-    with planned(folder, ParallelConfig(1, 0)) as (_, index, _, plans):
-        names = {ref.name for plan in plans for src in plan.sources.values() for ref in src.tensors.values()}
-        expert_bytes = sum(index.refs[name].nbytes for name in names)
-    if evicted(files) > expert_bytes // 10:
-        pytest.skip("this file system keeps the checkpoint's pages after POSIX_FADV_DONTNEED (tmpfs?): no cold read")
-    mp.spawn(node_rank, args=(4, str(folder), str(tmp_path / "init"), str(tmp_path / "counts.json")), nprocs=4,
-             join=True)
-    counts = json.loads((tmp_path / "counts.json").read_text())
-    if not sum(counts):
-        pytest.skip("the file system reports no read_bytes for these reads (no block-device accounting)")
-    ratio = sum(counts) / expert_bytes
-    assert 0.75 <= ratio <= 1.6, (f"4 TP ranks read {sum(counts)} bytes from storage for {expert_bytes} expert "
-                                  f"bytes ({ratio:.2f}x; per rank {counts})")
+def test_a_node_that_does_not_hold_the_rank_is_refused() -> None:
+    with pytest.raises(ShardingError, match=r"Node: ranks \[0, 1\] with this process at local rank 1 \(global rank "
+                                            r"1\) do not fit ParallelConfig rank 2 of 4 \(tp 2 x ep 2\); build both "
+                                            r"from the same process group"):
+        node_members(Node((0, 1), 1, "k"), ParallelConfig(2, 0, 2, 1))
