@@ -40,6 +40,7 @@ from .errors import (
                      ExpertsPrefixError,
                      FormatError,
                      LayoutMismatchError,
+                     NodeError,
                      PreshardError,
                      ShardingError,
                      ShardInterrupted,
@@ -51,7 +52,7 @@ from .load.fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec
 from .load.outputs import parallel_config, read_manifest
 from .load.results import LoadedExperts, LoadReport
 from .models.config import MoEConfig
-from .parallel.config import ExpertPlacement, ParallelConfig
+from .parallel.config import ExpertPlacement, Node, ParallelConfig
 from .preshard import OutputLayout, ShardSummary, shard
 from .storage.hub import resolve_checkpoint
 from .storage.readahead import CacheFill, ReadOptions
@@ -70,4 +71,4 @@ __all__ += [
     "read_manifest", "reference_forward", "resolve_checkpoint",
 ]
 __all__ += ["OutputLayout", "ShardSummary", "shard"]
-__all__ += ["CacheFill", "ReadOptions"]
+__all__ += ["CacheFill", "Node", "NodeError", "ReadOptions"]

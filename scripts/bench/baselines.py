@@ -30,7 +30,7 @@ from wna16_loader.models.config import read_config_files
 from wna16_loader.models.names import Proj
 from wna16_loader.storage.index import CheckpointIndex
 
-SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8}  # suite_scale: MoE layers of each real-scale size
+SCALE_SIZES = {"qwen3-30b": 48, "qwen3-30b-8l": 8, "qwen3-30b-16l": 16}  # suite_scale: MoE layers of each real-scale size
 # suite_names: DeepSeek-V3's tensor list at tiny sizes (decoder layers, dense ones, experts, H, I, G)
 NAME_SIZES = {"deepseek-names": {"layers": 61, "dense": 3, "experts": 256, "hidden": 64, "inter": 256, "group": 32}}
 

@@ -50,6 +50,20 @@ SCALE_TARGETS: tuple[Target, ...] = (
     Target("warm: TP 1 ÷ reading every expert byte (8 layers)", "tp1 warm", "floor warm", 1.5, "<=", 13),
 )
 
+# The node suite (suite node): "KEY cold|warm" node seconds, "best peer COND" (the fastest peer row of N ranks),
+# "floor cold" (one reader fetching the checkpoint once), "KEY storage" (bytes from storage ÷ the checkpoint).
+NODE_TARGETS: tuple[Target, ...] = (
+    Target("cold: TP N node ÷ the best peer node", "tp cold", "best peer cold", 0.5),
+    Target("cold: TP N node ÷ our EP N node", "tp cold", "ep cold", 1.2),
+    Target("cold: EP N node ÷ the best peer node", "ep cold", "best peer cold", 0.4),
+    Target("cold: TP N node's storage bytes ÷ the checkpoint", "tp storage", None, 1.1),
+    Target("cold: EP N node's storage bytes ÷ the checkpoint", "ep storage", None, 1.1),
+    Target("cold: TP N node ÷ one reader (goal with a core per rank)", "tp cold", "floor cold", 1.3),
+    Target("cold: EP N node ÷ one reader (goal with a core per rank)", "ep cold", "floor cold", 1.3),
+    Target("warm ÷ cold: TP N node (no load slower warm)", "tp warm", "tp cold", 1.0),
+    Target("warm ÷ cold: EP N node (no load slower warm)", "ep warm", "ep cold", 1.0),
+)
+
 # The name scale (suite names, and suite bounds on the same loads): contender -> ((base, limit), ...), each a
 # "<= limit × base". EP 8 at 0.30 (issue 31: was 0.15 in issue 21; a native header index would be needed).
 NAME_TARGETS: dict[str, tuple[tuple[str, float], ...]] = {

@@ -85,7 +85,7 @@ def resident(path: Path) -> int:
     try:
         size = path.stat().st_size
         pages = (size + 4095) // 4096
-        return sum(4096 for page in range(pages) if probe._cached(path, page * 4096, page * 4096 + 4096))
+        return sum(4096 for page in range(pages) if probe._reader.pages.holds(path, page * 4096, page * 4096 + 4096))
     finally:
         probe.close()
 

@@ -52,7 +52,7 @@ def evict(path: Path) -> bool:
     os.close(fd)
     probe = ReadAhead([], ReadOptions())
     try:
-        return not probe._cached(path, 0, path.stat().st_size)
+        return not probe._reader.pages.holds(path, 0, path.stat().st_size)
     finally:
         probe.close()
 

@@ -36,7 +36,7 @@ import torch
 
 from ..errors import NodeError
 from ..parallel.config import Node
-from .readahead import ALIGN, DIRECT, PlannedRange, ReadOptions, Region, coalesced, pieces, read_fully
+from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, coalesced, pieces
 
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
@@ -264,8 +264,8 @@ class NodeRead:
         self.failed = False
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}
         self._error: BaseException | None = None
-        self._fds: dict[bool, dict[Path, int]] = {True: {}, False: {}}
         self._workers = ThreadPoolExecutor(options.threads, thread_name_prefix="wna16-node")
+        self._reader = FileReader(options.direct)
         try:
             self.shared.wait(Word.PID, 1, "attaching the shared window", self._own)
         except BaseException as error:
@@ -274,8 +274,8 @@ class NodeRead:
         finally:  # attached by all (or given up): the name is no longer needed
             if node.local_rank == 0:
                 self.shared.unlink()
-        self._reader = threading.Thread(target=self._read_all, name="wna16-node-reader", daemon=True)
-        self._reader.start()
+        self._thread = threading.Thread(target=self._read_all, name="wna16-node-reader", daemon=True)
+        self._thread.start()
 
     @property
     def active(self) -> bool:
@@ -328,25 +328,9 @@ class NodeRead:
                 self.shared.set(Word.FAILED, Failure.PEER if isinstance(exc, NodeError) else Failure.OWN)
 
     def _read(self, request: Placed, half: torch.Tensor) -> None:
-        view = memoryview(half[request.offset:request.offset + request.end - request.begin].numpy())
-        direct = self.options.direct and bool(DIRECT)
-        try:
-            read_fully(self._fd(request.path, direct), view, request.begin, direct)
-        except OSError:
-            if not direct:
-                raise
-            read_fully(self._fd(request.path, False), view, request.begin)
-
-    def _fd(self, path: Path, direct: bool) -> int:
-        fds = self._fds[direct]
-        if path not in fds:
-            try:
-                fds.setdefault(path, os.open(path, os.O_RDONLY | (DIRECT if direct else 0)))
-            except OSError:
-                if not direct:
-                    raise
-                return self._fd(path, False)
-        return fds[path]
+        """One request into its place in `half` (`FileReader`: direct unless the page cache holds it)."""
+        self._reader.read(request.path, request.begin,
+                          memoryview(half[request.offset:request.offset + request.end - request.begin].numpy()))
 
     def fail(self, error: BaseException) -> None:
         """This rank's load stopped on `error`: the other ranks are told at once (they raise NodeError), and
@@ -361,7 +345,7 @@ class NodeRead:
         try:
             if not self.failed:
                 self.shared.set(Word.USED, len(self.windows))
-            self._reader.join()
+            self._thread.join()
             if not self.failed:
                 self._own()
                 self.shared.set(Word.FAILED, Failure.DONE)
@@ -370,9 +354,7 @@ class NodeRead:
             raise
         finally:
             self._workers.shutdown(wait=True, cancel_futures=True)
-            for fds in self._fds.values():
-                for fd in fds.values():
-                    os.close(fd)
+            self._reader.close()
             self._files.clear()
             if self.node.local_rank == 0:
                 self.shared.unlink()

@@ -10,13 +10,17 @@ one) and cut into requests of at most `request_bytes`:
 | (`PlannedRange`)      | holds every rank's columns): brought into the page cache (`CacheFill`), where the     |
 |                       | caller's file mapping (and the other ranks) find them: each page read from storage    |
 |                       | once per node                                                                         |
-| a range of the rank's | read into a buffer of our own (`Region`: O_DIRECT where the file system takes it,      |
-| own                   | 4 KiB aligned; buffered where it refuses O_DIRECT), which the caller reads views of    |
-|                       | instead of the mapping (`MappedFile.rebased`): no page cache, no page faults. Ranges  |
-|                       | whose pages are mostly cached already (mincore) are left to the mapping, which reads  |
-|                       | them from memory as before. Own ranges in a file where the group also has shared ones |
-|                       | (a TP rank's rows of w2 between w13's columns) go to the page cache with those: views |
-|                       | of several experts span both kinds                                                    |
+| a range of the rank's | read into a buffer of our own (`Region`, 4 KiB aligned; `FileReader`: O_DIRECT where  |
+| own                   | the file system takes it, buffered where it refuses O_DIRECT or the page cache holds   |
+|                       | the bytes already, mincore), which the caller reads views of instead of the mapping   |
+|                       | (`MappedFile.rebased`): no page faults on the mapping, warm or cold. Own ranges in a   |
+|                       | file where the group also has shared ones (a TP rank's rows of w2 between w13's        |
+|                       | columns) go to the page cache with those: views of several experts span both kinds     |
+
+A load from a checkpoint folder marks nothing shared: a rank alone reads every byte it needs itself, and
+the ranks of one machine that pass `ReadOptions(node=...)` read together instead (`storage/node.py`). The
+in-place fill of an engine's parameters (`load/inplace.py`) marks everything shared: its memory stays the
+parameters.
 
 | ReadAhead.start(i)       | group i is about to be read: groups i..i+ahead submitted, groups before i released     |
 | ReadAhead.covering(...)  | the `Region` holding file bytes [lo, hi), once read (waits for it), or None            |
@@ -181,6 +185,81 @@ def span_of(begin: int, shape: tuple[int, ...], itemsize: int, index: Sequence[s
     return begin + low, begin + high + itemsize, count * itemsize
 
 
+class PageCache:
+    """Which file bytes the page cache holds: mincore(2) over a private mapping of each file (made once, and
+    faulting in nothing)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def holds(self, path: Path, begin: int, end: int) -> bool:
+        """Whether every page of file bytes [begin, end) is in the page cache (False where mincore is not to
+        be had)."""
+        with self._lock:
+            if path not in self._maps:
+                with open(path, "rb") as handle:
+                    self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapped = self._maps[path]
+        begin, end = begin // ALIGN * ALIGN, min(end, len(mapped))  # mincore takes a page-aligned address
+        if end <= begin or LIBC is None:
+            return False
+        pages = (end - begin + ALIGN - 1) // ALIGN
+        vector = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mapped, begin)
+        try:
+            failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
+        finally:
+            del anchor
+        return not failed and sum(bytes(vector)) == pages  # (each entry 0 or 1)
+
+    def close(self) -> None:
+        with self._lock:
+            for mapped in self._maps.values():
+                mapped.close()
+            self._maps.clear()
+
+
+class FileReader:
+    """File bytes into memory, shared by worker threads: direct (O_DIRECT, where the file system takes it) when
+    `direct`, except bytes the page cache holds already (a buffered read copies them from memory; a direct one
+    would fetch them from storage again); one descriptor per file and mode."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct and bool(DIRECT)
+        self.pages = PageCache()
+        self._fds: dict[tuple[Path, bool], int] = {}
+
+    def read(self, path: Path, begin: int, view: memoryview) -> int:
+        """`view` filled from byte `begin` of `path` (short only at the end of the file); the bytes read."""
+        direct = self.direct and not self.pages.holds(path, begin, begin + len(view))
+        try:
+            return read_fully(self.fd(path, direct), view, begin, direct)
+        except OSError:
+            if not direct:
+                raise
+            return read_fully(self.fd(path, False), view, begin)
+
+    def fd(self, path: Path, direct: bool) -> int:
+        """A shared descriptor of `path` (O_DIRECT with `direct`, when the file system takes it)."""
+        key = (path, direct)
+        if key not in self._fds:
+            try:
+                fd = os.open(path, os.O_RDONLY | (DIRECT if direct else 0))
+            except OSError:
+                if not direct:
+                    raise
+                fd = self.fd(path, False)
+            self._fds.setdefault(key, fd)
+        return self._fds[key]
+
+    def close(self) -> None:
+        for fd in set(self._fds.values()):
+            os.close(fd)
+        self._fds.clear()
+        self.pages.close()
+
+
 class ReadAhead:
     """Reads `groups` of `PlannedRange`s (one a layer, in use order) ahead of the caller (module table)."""
 
@@ -192,9 +271,7 @@ class ReadAhead:
         self._buffers = BufferPool(pin)
         self._regions: dict[int, list[Region]] = {}  # group -> its regions, while submitted and not released
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
-        self._fds: dict[tuple[Path, bool], int] = {}
-        self._maps: dict[Path, mmap.mmap] = {}  # for mincore
-        self._lock = threading.Lock()
+        self._reader = FileReader(options.direct)
         self._fills: list[Future[None]] = []
         self._submitted = 0
         self._scratch = threading.local()
@@ -245,9 +322,9 @@ class ReadAhead:
         for path in own.keys() & shared.keys():  # between shared ranges: the mapping reads them (views span both)
             shared[path] += own.pop(path)
         regions = self._regions.setdefault(group, [])
-        for path, spans in own.items():  # what the page cache holds already the mapping reads as it is
+        for path, spans in own.items():
             regions += [self._region(path, begin // ALIGN * ALIGN, end)
-                        for begin, end in coalesced(spans, self.options.gap_bytes) if not self._cached(path, begin, end)]
+                        for begin, end in coalesced(spans, self.options.gap_bytes)]
         for path, spans in shared.items():
             for begin, end in coalesced(spans, self.options.gap_bytes):
                 self._fills += [self._workers.submit(self._fill, path, *piece)
@@ -269,60 +346,19 @@ class ReadAhead:
         self._files = {path: ([r.begin for r in found], found)
                        for path, found in ((p, sorted(rs, key=lambda r: r.begin)) for p, rs in files.items())}
 
-    def _fd(self, path: Path, direct: bool) -> int:
-        """A shared descriptor of `path` (O_DIRECT with `direct`, when the file system takes it)."""
-        key = (path, direct)
-        if key not in self._fds:
-            try:
-                fd = os.open(path, os.O_RDONLY | (DIRECT if direct else 0))
-            except OSError:
-                if not direct:
-                    raise
-                fd = self._fd(path, False)
-            self._fds.setdefault(key, fd)
-        return self._fds[key]
-
     def _read(self, region: Region, begin: int, end: int) -> None:
-        """File bytes [begin, end) into the region's buffer: direct (buffered where the file system refuses
-        it, or with `direct=False`)."""
-        view = memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin]
-        direct = self.options.direct and bool(DIRECT)
-        try:
-            read_fully(self._fd(region.path, direct), view, begin, direct)
-        except OSError:
-            if not direct:
-                raise
-            read_fully(self._fd(region.path, False), view, begin)
-
-    def _cached(self, path: Path, begin: int, end: int) -> bool:
-        """Whether most pages of file bytes [begin, end) are in the page cache (mincore over a private
-        mapping of the file; False where mincore is not to be had)."""
-        with self._lock:
-            if path not in self._maps:
-                with open(path, "rb") as handle:
-                    self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-            mapped = self._maps[path]
-        begin, end = begin // ALIGN * ALIGN, min(end, len(mapped))  # mincore takes a page-aligned address
-        if end <= begin or LIBC is None:
-            return False
-        pages = (end - begin + ALIGN - 1) // ALIGN
-        vector = (ctypes.c_ubyte * pages)()
-        anchor = ctypes.c_char.from_buffer(mapped, begin)
-        try:
-            failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
-        finally:
-            del anchor
-        return not failed and 2 * sum(bytes(vector)) >= pages  # (each entry 0 or 1)
+        """File bytes [begin, end) into the region's buffer (`FileReader`: direct unless already cached)."""
+        self._reader.read(region.path, begin, memoryview(region.buffer.numpy())[begin - region.begin:end - region.begin])
 
     def _fill(self, path: Path, begin: int, end: int) -> None:
         """File bytes [begin, end) into the page cache (read into a scratch buffer and dropped, or advised)."""
         if self.options.fill is CacheFill.ADVISE:  # in calls the kernel reads whole (storage/advice.py)
-            will_need(self._fd(path, False), begin, end, advice_bytes(path))
+            will_need(self._reader.fd(path, False), begin, end, advice_bytes(path))
             return
         scratch = getattr(self._scratch, "buffer", None)
         if scratch is None:
             scratch = self._scratch.buffer = bytearray(self._step)
-        read_fully(self._fd(path, False), memoryview(scratch)[:end - begin], begin)
+        read_fully(self._reader.fd(path, False), memoryview(scratch)[:end - begin], begin)
 
     def fail(self, error: BaseException) -> None:
         """The load stopped on `error`: requests not started yet are dropped now (`close` waits for the
@@ -336,12 +372,7 @@ class ReadAhead:
             self._workers.shutdown(wait=True, cancel_futures=True)
         self._regions.clear()
         self._files.clear()
-        for fd in set(self._fds.values()):
-            os.close(fd)
-        self._fds.clear()
-        for mapped in self._maps.values():
-            mapped.close()
-        self._maps.clear()
+        self._reader.close()
 
 
 def read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> int:
