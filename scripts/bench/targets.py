@@ -51,7 +51,7 @@ SCALE_TARGETS: tuple[Target, ...] = (
 )
 
 # The name scale (suite names, and suite bounds on the same loads): contender -> ((base, limit), ...), each a
-# "<= limit × base". EP 8 at 0.30 (issue 31: was 0.15 in issue 21; a native header index would be needed).
+# "<= limit × base". EP 8 at 0.30: 0.15 would need a native header index (docs/performance.md, the name scale).
 NAME_TARGETS: dict[str, tuple[tuple[str, float], ...]] = {
     "tp8": (("floor", 0.5), ("headers", 5.0)),
     "ep8": (("floor", 0.30),),
@@ -61,8 +61,9 @@ NAME_TARGETS: dict[str, tuple[tuple[str, float], ...]] = {
 }
 
 # The 550 MB shape and smaller (suite small), per format.
-SMALL_TP1_FLOOR = {"gptq": 1.5, "awq": 2.1, "ct": 1.5}  # TP 1 ÷ its floor (AWQ 2.1: issue 31, was 2.0)
-SMALL_TP4_PRESHARDED = 1.5  # a TP 4 rank ÷ the pre-sharded rank of the same split (issue 31; was ≤ 0.35× TP 1)
+SMALL_TP1_FLOOR = {"gptq": 1.5, "awq": 2.1, "ct": 1.5}  # TP 1 ÷ its floor (AWQ 2.1: its nibble transpose)
+SMALL_TP4_PRESHARDED = 1.5  # a TP 4 rank ÷ the pre-sharded rank of the same split (not ÷ TP 1: CT's
+# pre-sharded rank, reading only its own bytes, already takes 0.40× its TP 1)
 SMALL_WHOLE_TP4 = 3.0  # the whole-tensor loader ÷ ours at TP 4, at least
 
 

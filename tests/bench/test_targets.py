@@ -15,7 +15,7 @@ def test_every_scale_target_names_values_the_suite_measures() -> None:
             assert name in SHARD_VALUES or (condition in ("warm", "cold") and (key in BY_KEY or key == "best peer")), name
 
 
-def test_issue_31_revised_targets() -> None:
+def test_the_revised_targets() -> None:
     assert NAME_TARGETS["ep8"] == (("floor", 0.30),)
     assert SMALL_TP1_FLOOR["awq"] == 2.1
     cold = {t.label: t.limit for t in SCALE_TARGETS if t.label.startswith("cold")}
