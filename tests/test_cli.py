@@ -172,7 +172,7 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert exc.value.code == 2 and "OUT is required" in capsys.readouterr().err
 
 
-# One test per row of the first-hour table (issue 15): exit code, exactly one line on stderr, no traceback.
+# What a new user tries in the first hour, one test each: exit code, exactly one line on stderr, no traceback.
 
 def one_error_line(run: subprocess.CompletedProcess, code: int = 2) -> str:
     """The single stderr line of a failed run (asserting the exit code and that nothing else was printed)."""
@@ -343,7 +343,7 @@ def test_padding_is_reported_per_rank_and_empty_ranks_warned(tmp_path: Path) -> 
             "columns (only padding)") in summary
 
 
-# Issue 32: the first day of a user, part three (one test per row; CLI rows as subprocesses).
+# More of what a new user tries on the first day (one test each; CLI cases as subprocesses).
 
 INTERRUPT_AT = {  # where the Ctrl-C lands: a hook that sends this process SIGINT there, then runs the console script
     "after the manifest": "import wna16_loader.preshard.run as m; real = m.write_json_atomic; "
@@ -356,7 +356,7 @@ INTERRUPT_AT = {  # where the Ctrl-C lands: a hook that sends this process SIGIN
 
 @pytest.mark.parametrize("point", list(INTERRUPT_AT))
 def test_ctrl_c_after_the_last_file_is_one_line_and_exit_130(source: Path, tmp_path: Path, point: str) -> None:
-    """Row 16: a Ctrl-C just after the last file is written (and later, up to the process's exit) gives one line
+    """A Ctrl-C just after the last file is written (and later, up to the process's exit) gives one line
     and exit 130, never a death by the signal; the output is complete or finished by --resume."""
     out = tmp_path / "out"
     code = f"import os, signal, sys; import wna16_loader.cli as c; {INTERRUPT_AT[point]}; c.run()"
@@ -398,7 +398,7 @@ def edited_mixed(tmp_path: Path, edit) -> Path:
 
 
 def test_the_summary_says_which_vllm_methods_take_the_output(tmp_path: Path) -> None:
-    """Row 11: the summary says, per layer and rank, which vLLM 0.32 MoE methods take the output (from the layout
+    """The summary says, per layer and rank, which vLLM 0.32 MoE methods take the output (from the layout
     rows): the mixed fixture's quantized layers and its float layer apart; GPTQ I 128 at --tp 3, where rank 2's
     share is padded (I' 144) and no method but moe_wna16 takes G_eff 16, and none takes padding."""
     mixed = cli(str(MIXED), str(tmp_path / "mixed"), "--tp", "2")
@@ -419,7 +419,7 @@ def test_the_summary_says_which_vllm_methods_take_the_output(tmp_path: Path) -> 
 
 
 def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> None:
-    """Rows 5 and 12: the mixed fixture (its layer 2 in float16, 4 experts) at --ep 3: the summary's group column
+    """The mixed fixture (its layer 2 in float16, 4 experts) at --ep 3: the summary's group column
     says `float fp16` (not `chan`), --plan's G_eff column `float` (not -1), --dry-run and the manifest `float fp16`;
     the summary and --plan give each rank's experts (2, 1, 1)."""
     out = tmp_path / "out"
@@ -445,7 +445,7 @@ def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> Non
 
 
 def test_include_mtp_on_an_output_written_with_no_mtp(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Row 6: include_mtp=True on a --no-mtp output names where the MTP experts went (once); on a model without MTP
+    """`include_mtp=True` on a --no-mtp output names where the MTP experts went (once); on a model without MTP
     it says so once."""
     import logging
 
@@ -469,7 +469,7 @@ def test_include_mtp_on_an_output_written_with_no_mtp(tmp_path: Path, caplog: py
 
 
 def test_an_output_passed_as_the_source(tmp_path: Path) -> None:
-    """Row 7: a wna16-shard output as SRC (to shard or to --plan) is named as one, with what to do with it."""
+    """A wna16-shard output as SRC (to shard or to --plan) is named as one, with what to do with it."""
     out = tmp_path / "out"
     assert main([str(MIXED), str(out), "--tp", "2", "--quiet"]) == 0
     want = (f"wna16-shard: error: {out}: this is a wna16-shard output, not a checkpoint: load it (load_experts("
@@ -480,7 +480,7 @@ def test_an_output_passed_as_the_source(tmp_path: Path) -> None:
 
 
 def test_the_parent_of_the_checkpoint_folder(tmp_path: Path) -> None:
-    """Row 8: pointing at the folder above the checkpoint asks "did you mean .../NAME?"."""
+    """Pointing at the folder above the checkpoint asks "did you mean .../NAME?"."""
     import shutil
     shutil.copytree(MIXED, tmp_path / "models" / "Qwen3-MoE-GPTQ")
     (tmp_path / "models" / "notes").mkdir()
@@ -491,7 +491,7 @@ def test_the_parent_of_the_checkpoint_folder(tmp_path: Path) -> None:
 
 
 def test_a_misspelt_quant_method(tmp_path: Path) -> None:
-    """Row 9: `quant_method: "gtpq"`: a did-you-mean and the file's path."""
+    """`quant_method: "gtpq"`: a did-you-mean and the file's path."""
     folder = edited_mixed(tmp_path, lambda q: q.update(quant_method="gtpq"))
     line = one_error_line(cli(str(folder), str(tmp_path / "out"), "--tp", "2"))
     assert line == (f"wna16-shard: error: {folder / 'config.json'}: quantization_config: quant_method='gtpq' is not "
@@ -500,7 +500,7 @@ def test_a_misspelt_quant_method(tmp_path: Path) -> None:
 
 
 def test_a_dynamic_rule_that_is_not_a_regex(tmp_path: Path) -> None:
-    """Row 10: a GPTQModel `dynamic` key that is no valid regex is a ConfigError naming the rule, the position and
+    """A GPTQModel `dynamic` key that is no valid regex is a ConfigError naming the rule, the position and
     the fix (not a `re.error` traceback)."""
     def edit(q: dict) -> None:
         q["dynamic"] = {"+:model\\.layers\\.(1\\.mlp": {"bits": 8}}
@@ -512,7 +512,7 @@ def test_a_dynamic_rule_that_is_not_a_regex(tmp_path: Path) -> None:
 
 
 def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None:
-    """Row 13: a truncated rank file: loading names the file with verify / --resume; re-sharding says what it rewrites
+    """A truncated rank file: loading names the file with verify / --resume; re-sharding says what it rewrites
     (one warning line, every file, and how many --resume keeps); --resume rewrites only that file."""
     out = tmp_path / "out"
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
@@ -538,7 +538,7 @@ def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None
 
 
 def test_another_source_into_an_existing_output(source: Path, tmp_path: Path) -> None:
-    """Row 14: the refusal names both sources, not raw sha256 dicts."""
+    """The refusal names both sources, not raw sha256 dicts."""
     out, other = tmp_path / "out", tmp_path / "other"
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, num_experts=8)
@@ -555,7 +555,7 @@ def test_another_source_into_an_existing_output(source: Path, tmp_path: Path) ->
 
 
 def test_a_rerun_without_resume_after_an_interrupted_run(source: Path, tmp_path: Path) -> None:
-    """Row 15: re-running without --resume after a run was stopped says it starts over, and what --resume keeps."""
+    """Re-running without --resume after a run was stopped says it starts over, and what --resume keeps."""
     out = tmp_path / "out"
     code = ("import sys, wna16_loader.preshard.writing as p; p.KILL_AFTER_FILES = 2; from wna16_loader.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
@@ -569,7 +569,7 @@ def test_a_rerun_without_resume_after_an_interrupted_run(source: Path, tmp_path:
 
 
 def test_warnings_only_when_something_is_written(tmp_path: Path) -> None:
-    """Row 17: the G_eff warning comes with the run that writes, not with a no-op re-run ("already complete") nor
+    """The G_eff warning comes with the run that writes, not with a no-op re-run ("already complete") nor
     before an unrelated error."""
     src, out = tmp_path / "src", tmp_path / "out"
     write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)

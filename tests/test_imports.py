@@ -185,12 +185,12 @@ def test_no_module_is_two_jobs() -> None:
     assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
 
 
-README = PACKAGE.parent / "README.md"
+INTERNALS = PACKAGE.parent / "docs" / "internals.md"
 CODE_MAP = ("<!-- code-map: checked by tests/test_imports.py -->", "<!-- /code-map -->")
 
 
 def code_map(text: str) -> set[str]:
-    """Every module the README's code map names, as 'folder.module' ('module' at the top)."""
+    """Every module the code map of docs/internals.md names, as 'folder.module' ('module' at the top)."""
     rows = text.split(CODE_MAP[0])[1].split(CODE_MAP[1])[0].strip().splitlines()[2:]
     named, folder = set(), ""
     for row in rows:
@@ -212,18 +212,18 @@ def package_modules() -> set[str]:
     return out
 
 
-def test_the_readme_code_map_matches_the_folders() -> None:
-    named, present = code_map(README.read_text(encoding="utf-8")), package_modules()
-    assert named == present, (f"README code map names modules that do not exist: {sorted(named - present)}; "
+def test_the_code_map_matches_the_folders() -> None:
+    named, present = code_map(INTERNALS.read_text(encoding="utf-8")), package_modules()
+    assert named == present, (f"docs/internals.md code map names modules that do not exist: {sorted(named - present)}; "
                               f"modules missing from it: {sorted(present - named)}")
 
 
 def test_the_code_map_check_can_fail() -> None:
-    text = README.read_text(encoding="utf-8").replace("| | `bulk` |", "| | `gc` |")
+    text = INTERNALS.read_text(encoding="utf-8").replace("| | `bulk` |", "| | `gc` |")
     assert "storage.gc" in code_map(text) and "storage.bulk" not in code_map(text)
 
 
 def test_every_layer_folder_is_a_code_map_folder() -> None:
-    folders = {name.split(".")[0] for name in code_map(README.read_text(encoding="utf-8")) if "." in name}
+    folders = {name.split(".")[0] for name in code_map(INTERNALS.read_text(encoding="utf-8")) if "." in name}
     assert folders == {unit for names in LAYERS for unit in names if unit} - {"errors", "logs", "version", "cli",
                                                                               "tables"}

@@ -1,5 +1,5 @@
 """The public API (`wna16_loader/__init__.py`) as a newcomer meets it: the licence, `help(wna16_loader)`, one way to
-a rank's config, every error class, the Python twin of the CLI, names that say which is which, reprs (issue 32)."""
+a rank's config, every error class, the Python twin of the CLI, names that say which is which, reprs."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MIXED = ROOT / "tests" / "fixtures" / "gptq_dynamic_mixed" / "checkpoint"  # lay
 
 
 def test_licence_is_apache_2_in_the_file_and_the_metadata() -> None:
-    """Row 1: a LICENSE file with the full Apache-2.0 text, and the package's metadata saying so."""
+    """A LICENSE file with the full Apache-2.0 text, and the package's metadata saying so."""
     text = (ROOT / "LICENSE").read_text()
     assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
     for part in ("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION", "9. Accepting Warranty or Additional "
@@ -37,7 +37,7 @@ def test_licence_is_apache_2_in_the_file_and_the_metadata() -> None:
 
 
 def test_help_opens_on_the_start_here_text() -> None:
-    """Row 2: `python -c "import wna16_loader; help(wna16_loader)"` opens on which call to make, for an engine, a
+    """`python -c "import wna16_loader; help(wna16_loader)"` opens on which call to make, for an engine, a
     script and a rank with only the output."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PAGER": "cat", "MANPAGER": "cat", "TERM": "dumb"}
     run = subprocess.run([sys.executable, "-c", "import wna16_loader; help(wna16_loader)"], cwd=ROOT, env=env,
@@ -54,7 +54,7 @@ def test_help_opens_on_the_start_here_text() -> None:
 
 
 def test_every_error_class_is_exported() -> None:
-    """Row 2: DeviceError and PreshardError (and every other error class) come from `wna16_loader` itself."""
+    """DeviceError and PreshardError (and every other error class) come from `wna16_loader` itself."""
     classes = {name for name, obj in vars(errors).items() if inspect.isclass(obj) and obj.__module__ == errors.__name__}
     assert {"DeviceError", "PreshardError", "ShardInterrupted", "WNA16Error"} <= classes
     assert classes <= set(wna16_loader.__all__)
@@ -63,7 +63,7 @@ def test_every_error_class_is_exported() -> None:
 
 def test_one_documented_way_to_a_rank_config_and_its_aliases(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    """Row 2: `ParallelConfig.from_manifest(OUT, rank=r)` is what the docstring and the CLI print; the other two
+    """`ParallelConfig.from_manifest(OUT, rank=r)` is what the docstring and the CLI print; the other two
     spellings give the same config."""
     out = tmp_path / "out"
     assert main([str(make_source(tmp_path / "src")), str(out), "--tp", "2", "--ep", "2"]) == 0
@@ -78,7 +78,7 @@ def test_one_documented_way_to_a_rank_config_and_its_aliases(tmp_path: Path,
 
 
 def test_shard_is_the_python_twin_of_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Row 2: `shard(src, out, tp=..., ep=...)` writes what `wna16-shard SRC OUT --tp --ep` writes, and returns the
+    """`shard(src, out, tp=..., ep=...)` writes what `wna16-shard SRC OUT --tp --ep` writes, and returns the
     summary the CLI prints."""
     src = make_source(tmp_path / "src")
     summary = shard(src, tmp_path / "python", tp=2, ep=2, max_file_size=20_000, progress=False)
@@ -91,8 +91,8 @@ def test_shard_is_the_python_twin_of_the_cli(tmp_path: Path, capsys: pytest.Capt
 
 
 def test_the_result_and_the_module_have_names_that_say_which_is_which(tmp_path: Path) -> None:
-    """Row 3: `load_experts` returns `FusedTensors` (plain tensors); `FusedMoEModule` is the nn.Module; the names
-    before issue 32 still work."""
+    """`load_experts` returns `FusedTensors` (plain tensors); `FusedMoEModule` is the nn.Module; the former
+    names still work."""
     assert FusedExperts is FusedTensors and FusedMoEExperts is FusedMoEModule
     layers = load_experts(MIXED, ParallelConfig(2, 0))
     assert all(type(layer) is FusedTensors for layer in layers.values())
@@ -103,7 +103,7 @@ def test_the_result_and_the_module_have_names_that_say_which_is_which(tmp_path: 
 
 def test_reprs_name_bits_group_float_mtp_padding_and_loads_from_an_output_log_a_summary(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Row 4: printing a loaded layer (and a module) shows its spec; a load from an output logs the per-rank summary
+    """Printing a loaded layer (and a module) shows its spec; a load from an output logs the per-rank summary
     line that a load from a checkpoint logs."""
     out = tmp_path / "out"
     assert main([str(MIXED), str(out), "--tp", "2", "--quiet"]) == 0

@@ -1,7 +1,7 @@
 """The README's Quickstart, run verbatim on the demo checkpoint: every bash and python block of the section, in
 order, from a folder laid out like the repository root (scripts/ linked in), with `wna16-shard` on PATH as
-`source .venv/bin/activate` puts it; then the API section's block that builds a rank's modules from the output
-alone."""
+`source .venv/bin/activate` puts it; then the "Load a rank" section's block that builds a rank's modules from the
+output alone."""
 
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def test_quickstart_runs_verbatim(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": f"{console.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     code = blocks(section("Quickstart"))
     assert [lang for lang, _ in code] == ["bash", "bash", "python", "bash"]
-    api = [c for lang, c in blocks(section("API")) if lang == "python" and 'read_moe_config("out-tp2")' in c]
-    assert len(api) == 1, "the API section shows how a rank builds its modules from the output alone"
+    api = [c for lang, c in blocks(section("Load a rank")) if lang == "python" and 'read_moe_config("out-tp2")' in c]
+    assert len(api) == 1, "the 'Load a rank' section shows how a rank builds its modules from the output alone"
     outputs = []
     for lang, text in code + [("python", api[0])]:
         command = ["bash", "-euo", "pipefail", "-c", text] if lang == "bash" else [sys.executable, "-c", text]

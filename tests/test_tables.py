@@ -1,4 +1,4 @@
-"""The README's generated tables equal what wna16_loader.tables renders from the declarations."""
+"""The generated tables of docs/models.md equal what wna16_loader.tables renders from the declarations."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ from wna16_loader.formats import FORMATS
 from wna16_loader.models.families import render_table
 from wna16_loader.tables import FAMILIES_END, FAMILIES_START, format_tensors, formats_table, render
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+MODELS = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 
 
 def section(text: str, name: str) -> str:
     match = re.search(rf"<!-- generated: {name} -->\n(.*?)\n<!-- end: {name} -->", text, flags=re.S)
-    assert match, f"README.md has no generated section {name!r}"
+    assert match, f"docs/models.md has no generated section {name!r}"
     return match.group(1)
 
 
-def test_readme_tables_are_the_rendered_ones() -> None:
-    text = README.read_text(encoding="utf-8")
+def test_documented_tables_are_the_rendered_ones() -> None:
+    text = MODELS.read_text(encoding="utf-8")
     assert text.split(FAMILIES_START)[1].split(FAMILIES_END)[0].strip() == render_table()
-    assert section(text, "formats") == formats_table(), "run: python -m wna16_loader.tables README.md"
+    assert section(text, "formats") == formats_table(), "run: python -m wna16_loader.tables docs/models.md"
     assert render(text) == text
 
 

@@ -22,7 +22,8 @@ rank=r)` (`parallel_config(OUT, rank=r)` and `from_manifest(read_manifest(OUT), 
 
 Every error is a `WNA16Error` (a `ValueError`) subclass: ConfigError, FormatError, CheckpointError, ShardingError
 (LayoutMismatchError), CompletenessError, ExpertsPrefixError, PreshardError, DeviceError; Ctrl-C during a pre-shard
-raises ShardInterrupted (a KeyboardInterrupt). The README has the layout, the CLI and the failure catalogue.
+raises ShardInterrupted (a KeyboardInterrupt). The README has the CLI, docs/layout.md the layout and
+docs/failures.md the failure catalogue.
 
 Older names kept as aliases: FusedExperts (= FusedTensors), FusedMoEExperts (= FusedMoEModule).
 """

@@ -1,8 +1,8 @@
-"""The README's generated tables: checkpoint formats (from `formats.FORMATS`, here) and supported model families
-(`families.render_table`), so that the documentation cannot drift from the code.
+"""The generated tables of docs/models.md: checkpoint formats (from `formats.FORMATS`, here) and supported model
+families (`families.render_table`), so that the documentation cannot drift from the code.
 
-`python -m wna16_loader.tables README.md` rewrites every generated section of README.md in place;
-tests/test_tables.py and tests/models/test_families.py fail when the README's tables differ from the renderings.
+`python -m wna16_loader.tables docs/models.md` rewrites every generated section of the file in place;
+tests/test_tables.py and tests/models/test_families.py fail when its tables differ from the renderings.
 A generated section is the text between `<!-- generated: NAME -->` and `<!-- end: NAME -->`.
 """
 

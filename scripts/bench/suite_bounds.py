@@ -1,4 +1,4 @@
-"""Suite bounds: lower bounds of the name-scale targets (issue 21): what `load_experts` would take at TP 8 and EP 8 if the
+"""Suite bounds: lower bounds of the name-scale targets: what `load_experts` would take at TP 8 and EP 8 if the
 checkpoint index's JSON parse, its parse and tiling check, or the whole index cost nothing (a native reader).
 
 Usage: python scripts/bench --suite bounds --workdir /tmp/wna16-names --reps 3 --json out.json

@@ -291,7 +291,7 @@ def measure(path: Path, reps: int, only: list[str] | None = None) -> dict[str, d
 
 
 def report(seconds: dict[str, float], tensors: int) -> str:
-    """The issue 21 name-scale table: seconds, ratios, µs per expert tensor above the floor, targets."""
+    """The name-scale table: seconds, ratios, µs per expert tensor above the floor, targets."""
     floor, headers = seconds.get("floor"), seconds.get("headers")
     rows = [("floor", "reading every expert tensor once", None),
             ("headers", "the headers alone", None),

@@ -1,5 +1,5 @@
 """The target table: every speed and memory target of the benchmark as a row, a ratio of two measured values
-of the same run (or one value against a bound), with the issue that set it. Suites evaluate their rows on
+of the same run (or one value against a bound). Suites evaluate their rows on
 the values they measured; a row whose values were not measured (a peer not installed, a part skipped) is
 reported as not measured, never as passed.
 """
@@ -19,7 +19,6 @@ class Target:
     den: str | None
     limit: float
     op: str = "<="  # or ">="
-    issue: int = 31
 
 
 class Verdict(NamedTuple):
@@ -28,7 +27,6 @@ class Verdict(NamedTuple):
     limit: float
     op: str
     verdict: str  # PASS, FAIL, or "not measured"
-    issue: int
 
 
 # The real-scale run (suite scale): "KEY CONDITION" of contenders.py, "best peer CONDITION" (the fastest peer
@@ -44,10 +42,10 @@ SCALE_TARGETS: tuple[Target, ...] = (
     Target("warm: EP 8 rank ÷ reading its own bytes", "ep8 warm", "own warm", 1.3),
     Target("warm: pre-sharded rank ÷ reading its files", "pre warm", "prefiles warm", 1.1),
     Target("wna16-shard --tp 8 ÷ a durable copy", "shard", "copy", 2.0),
-    Target("warm: the whole-tensor loader ÷ a TP 8 rank", "whole warm", "tp8 warm", 5.0, ">=", 13),
-    Target("peak anonymous RSS of wna16-shard --tp 8, GiB", "shard rss peak_anon_gib", None, 1.0, "<=", 13),
-    Target("2-process wna16-shard ÷ 1 process", "shard2", "shard", 0.6, "<=", 13),
-    Target("warm: TP 1 ÷ reading every expert byte (8 layers)", "tp1 warm", "floor warm", 1.5, "<=", 13),
+    Target("warm: the whole-tensor loader ÷ a TP 8 rank", "whole warm", "tp8 warm", 5.0, ">="),
+    Target("peak anonymous RSS of wna16-shard --tp 8, GiB", "shard rss peak_anon_gib", None, 1.0),
+    Target("2-process wna16-shard ÷ 1 process", "shard2", "shard", 0.6),
+    Target("warm: TP 1 ÷ reading every expert byte (8 layers)", "tp1 warm", "floor warm", 1.5),
 )
 
 # The node suite (suite node): "KEY cold|warm" node seconds, "best peer COND" (the fastest peer row of N ranks),
@@ -65,7 +63,7 @@ NODE_TARGETS: tuple[Target, ...] = (
 )
 
 # The name scale (suite names, and suite bounds on the same loads): contender -> ((base, limit), ...), each a
-# "<= limit × base". EP 8 at 0.30 (issue 31: was 0.15 in issue 21; a native header index would be needed).
+# "<= limit × base". EP 8 at 0.30: 0.15 would need a native header index (docs/performance.md, the name scale).
 NAME_TARGETS: dict[str, tuple[tuple[str, float], ...]] = {
     "tp8": (("floor", 0.5), ("headers", 5.0)),
     "ep8": (("floor", 0.30),),
@@ -75,8 +73,9 @@ NAME_TARGETS: dict[str, tuple[tuple[str, float], ...]] = {
 }
 
 # The 550 MB shape and smaller (suite small), per format.
-SMALL_TP1_FLOOR = {"gptq": 1.5, "awq": 2.1, "ct": 1.5}  # TP 1 ÷ its floor (AWQ 2.1: issue 31, was 2.0)
-SMALL_TP4_PRESHARDED = 1.5  # a TP 4 rank ÷ the pre-sharded rank of the same split (issue 31; was ≤ 0.35× TP 1)
+SMALL_TP1_FLOOR = {"gptq": 1.5, "awq": 2.1, "ct": 1.5}  # TP 1 ÷ its floor (AWQ 2.1: its nibble transpose)
+SMALL_TP4_PRESHARDED = 1.5  # a TP 4 rank ÷ the pre-sharded rank of the same split (not ÷ TP 1: CT's
+# pre-sharded rank, reading only its own bytes, already takes 0.40× its TP 1)
 SMALL_WHOLE_TP4 = 3.0  # the whole-tensor loader ÷ ours at TP 4, at least
 
 
@@ -85,18 +84,18 @@ def evaluate(targets: tuple[Target, ...], values: dict[str, float]) -> list[Verd
     out = []
     for t in targets:
         if t.num not in values or (t.den is not None and not values.get(t.den)):
-            out.append(Verdict(t.label, None, t.limit, t.op, "not measured", t.issue))
+            out.append(Verdict(t.label, None, t.limit, t.op, "not measured"))
             continue
         value = values[t.num] / values[t.den] if t.den is not None else values[t.num]
         ok = value <= t.limit if t.op == "<=" else value >= t.limit
-        out.append(Verdict(t.label, value, t.limit, t.op, "PASS" if ok else "FAIL", t.issue))
+        out.append(Verdict(t.label, value, t.limit, t.op, "PASS" if ok else "FAIL"))
     return out
 
 
 def targets_table(rows: list[Verdict]) -> str:
     """A markdown table of verdicts."""
-    lines = ["| target | value | bound | verdict | issue |", "|---|---|---|---|---|"]
+    lines = ["| target | value | bound | verdict |", "|---|---|---|---|"]
     for r in rows:
         value = "" if r.value is None else f"{r.value:.2f}"
-        lines.append(f"| {r.label} | {value} | {'≤' if r.op == '<=' else '≥'} {r.limit:g} | {r.verdict} | {r.issue} |")
+        lines.append(f"| {r.label} | {value} | {'≤' if r.op == '<=' else '≥'} {r.limit:g} | {r.verdict} |")
     return "\n".join(lines)

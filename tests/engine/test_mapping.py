@@ -1,4 +1,4 @@
-"""engine/mapping.py: checkpoint name -> the fused parameters it feeds, as the README documents it."""
+"""engine/mapping.py: checkpoint name -> the fused parameters it feeds, as docs/api.md documents it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 from wna16_loader import FusedMoEExperts, ParallelConfig, ParamTarget, ShardId, read_moe_config
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+API_DOC = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
 
-def test_map_checkpoint_name_returns_what_the_readme_says(tmp_path: Path) -> None:
-    documented = re.search(r"`ParamTarget\(([a-z_, ]+)\)`", README.read_text(encoding="utf-8"))
-    assert documented is not None, "the README names map_checkpoint_name's return type"
+def test_map_checkpoint_name_returns_what_the_docs_say(tmp_path: Path) -> None:
+    documented = re.search(r"`ParamTarget\(([a-z_, ]+)\)`", API_DOC.read_text(encoding="utf-8"))
+    assert documented is not None, "docs/api.md names map_checkpoint_name's return type"
     assert documented.group(1).split(", ") == [f.name for f in dataclasses.fields(ParamTarget)]
     write_checkpoint(tmp_path, quant_config("gptq"), hidden=64, intermediate=128, num_layers=1)
     prefix = "model.layers.0.mlp.experts"

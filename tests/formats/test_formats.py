@@ -324,7 +324,7 @@ def test_autoround_unknown_packing(packing) -> None:
 
 @pytest.mark.parametrize("method", ["bitsandbytes", "fp8", "hqq", None, "GPTQ"])
 def test_unknown_quant_method(method) -> None:
-    hint = r"did you mean 'gptq'\? " if method == "GPTQ" else ""  # a close spelling is suggested (issue 32)
+    hint = r"did you mean 'gptq'\? " if method == "GPTQ" else ""  # a close spelling is suggested
     with pytest.raises(ConfigError, match=rf"quant_method={method!r} is not a WNA16 format this package loads; "
                                           rf"{hint}expected one of \['awq', 'gptq', 'compressed-tensors', 'auto-round', "
                                           r"'intel/auto-round'\]"):

@@ -80,7 +80,7 @@ def test_every_row_names_its_tp_dim_on_the_I_p_dimension():
      "none (padded I, a partial group)"),
 ])
 def test_plan_says_which_methods_take_an_output(kind, text):
-    """`wna16-shard --plan`'s last column, derived from the rows (issue 32, row 11)."""
+    """`wna16-shard --plan`'s last column, derived from the rows."""
     from wna16_loader.layouts.spec import accepting
     assert accepting(VLLM_LAYOUTS, **kind) == text
 

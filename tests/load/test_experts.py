@@ -544,7 +544,7 @@ def test_undeclared_mtp_layer_is_unexpected_only_when_asked(tmp_path):
 
 def test_an_output_is_self_contained(tmp_path):
     """A rank that has only the wna16-shard output (the source is gone) reads the model config from it and builds
-    its modules from that alone, as the README's API section shows."""
+    its modules from that alone, as the README's "Load a rank" section shows."""
     from wna16_loader import FusedMoEExperts, load_model_experts
     from wna16_loader.preshard import preshard_checkpoint
 

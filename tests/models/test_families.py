@@ -218,7 +218,7 @@ def test_per_layer_sizes_load_with_their_own_geometry(tmp_path):
 
 # --------------------------------------------------------------------------------------------- the table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+MODELS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 TABLE_START, TABLE_END = "<!-- families-table: rendered by wna16_loader.models.families.render_table -->", \
     "<!-- /families-table -->"
 
@@ -233,9 +233,9 @@ def test_rendered_table_has_one_line_per_row():
                         "`mlp_hidden_act` | — |")
 
 
-def test_readme_table_is_the_rendered_one():
-    text = README.read_text()
-    assert TABLE_START in text and TABLE_END in text, "README.md lost its families table markers"
+def test_documented_table_is_the_rendered_one():
+    text = MODELS.read_text(encoding="utf-8")
+    assert TABLE_START in text and TABLE_END in text, "docs/models.md lost its families table markers"
     assert text.split(TABLE_START)[1].split(TABLE_END)[0].strip() == render_table()
 
 

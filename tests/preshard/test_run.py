@@ -453,7 +453,7 @@ def test_verify_names_misplaced_mtp_layers(tmp_path: Path) -> None:
 
 
 def test_progress_moves_by_bytes_within_a_file_in_one_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 32, row 19: a shard of one large file per folder: the bar (one per run, on a terminal) moves as the tensor
+    """A shard of one large file per folder: the bar (one per run, on a terminal) moves as the tensor
     bytes are written, many times within each file and within a large tensor, and ends at the total."""
     import io
 

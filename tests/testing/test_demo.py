@@ -118,7 +118,7 @@ def test_expert_ids_and_table() -> None:
 
 
 def test_the_readme_says_when_the_demo_prints_next(small: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 32, row 18: the README's demo paragraph promises `next:` only with --out or --keep, as the demo does."""
+    """The README's demo paragraph promises `next:` only with --out or --keep, as the demo does."""
     readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
     assert ("with `--out DIR` or `--keep`, which keep the checkpoint, the demo ends with its `next:` command spelled "
             "that way; without them it removes its temporary checkpoint and prints no `next:`") in readme

@@ -228,4 +228,4 @@ class FusedMoEModule(SpecView, nn.Module):
                                  self.activation)
 
 
-FusedMoEExperts = FusedMoEModule  # the name before issue 32, kept as an alias
+FusedMoEExperts = FusedMoEModule  # the former name, kept as an alias

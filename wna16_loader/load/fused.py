@@ -223,7 +223,7 @@ class FusedTensors(SpecView):
         )
 
 
-FusedExperts = FusedTensors  # the name before issue 32, kept as an alias
+FusedExperts = FusedTensors  # the former name, kept as an alias
 
 
 class FusedWriter:

@@ -47,7 +47,7 @@ class MTP:
     routed: bool = True
 
     def describe(self) -> str:
-        """How the MTP layers are named, e.g. `appended model.layers.{L+i}` (for the README table)."""
+        """How the MTP layers are named, e.g. `appended model.layers.{L+i}` (for the docs/models.md table)."""
         if not self.routed:
             return "dense MTP block (no routed experts)"
         where = f"`{self.root}.layers.i`" if self.root else "appended `layers.{L+i}`"
@@ -187,7 +187,7 @@ def _names(family: Family) -> str:
 
 
 def render_table() -> str:
-    """The README's supported-models table, rendered from the rows (so the README cannot drift)."""
+    """The supported-models table of docs/models.md, rendered from the rows (so the page cannot drift)."""
     lines = ["| model_type | decoder config | experts / top-k / expert I | MoE layers | expert tensors | experts | "
              "MTP layers |", "|---|---|---|---|---|---|---|"]
     for family in FAMILIES:
