@@ -6,10 +6,10 @@ windows of whole layers; each window is cut into requests dealt round-robin to t
 each rank reads its requests (O_DIRECT where the file system takes it) into the window's half of a shared
 file in /dev/shm while the ranks convert the previous window from the other half:
 
-| window file   | [0, HEADER): int64 words: magic, size, ranks; then per rank: pid, windows read, windows |
-| (/dev/shm,    | used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows 1, 3, ...), each     |
-| unlinked once | `half_bytes` long                                                                        |
-| all have it)  |                                                                                          |
+| window file   | [0, HEADER): int64 words: magic, size, ranks, warm; then per rank: pid, windows read,   |
+| (/dev/shm,    | windows used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows 1, 3, ...),  |
+| unlinked once | each `half_bytes` long (none when warm: local rank 0 found every planned byte cached,  |
+| all have it)  | and every rank reads through its own mapping)                                            |
 
 | NodeRead.start(i)      | group i is about to be read: once its window is read by every rank, its regions are |
 |                        | the ones `covering` finds (views valid until the next window starts)                |
@@ -40,6 +40,7 @@ from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, coa
 
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
+FILE_WORDS = 4  # magic, size, ranks, warm; then each rank's `Word`s
 SHM = Path("/dev/shm")
 
 
@@ -136,14 +137,21 @@ class SharedWindow:
     """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
     its header words are how the ranks wait for each other."""
 
-    def __init__(self, node: Node, half_bytes: int) -> None:
-        self.node, self.half_bytes = node, half_bytes
-        self.size = HEADER + 2 * half_bytes
+    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False) -> None:
+        """`warm` (local rank 0's word, the others learn it): the page cache holds every planned byte, so the
+        ranks read through their mappings and the window holds no data."""
+        self.node, self.warm = node, warm and node.local_rank == 0
+        self.half_bytes = 0 if self.warm else half_bytes
         self.path = SHM / f"wna16-node-{node.key}"
         self._map = self._create() if node.local_rank == 0 else self._attach()
         self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * half_bytes, offset=HEADER)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.half_bytes, offset=HEADER) \
+            if self.half_bytes else torch.empty(0, dtype=torch.uint8)
         self.set(Word.PID, os.getpid())
+
+    @property
+    def size(self) -> int:
+        return HEADER + 2 * self.half_bytes
 
     def _create(self) -> mmap.mmap:
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -153,8 +161,8 @@ class SharedWindow:
             mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
-        words = (ctypes.c_int64 * 3).from_buffer(mapped)
-        words[1], words[2], words[0] = self.size, self.node.size, MAGIC
+        words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
+        words[1], words[2], words[3], words[0] = self.size, self.node.size, int(self.warm), MAGIC
         del words
         os.replace(temporary, self.path)
         return mapped
@@ -181,9 +189,10 @@ class SharedWindow:
             delay = min(2 * delay, 0.05)
 
     def _checked(self, mapped: mmap.mmap) -> mmap.mmap:
-        words = (ctypes.c_int64 * 3).from_buffer(mapped)
-        magic, size, ranks = words[0], words[1], words[2]
+        words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
+        magic, size, ranks, self.warm = words[0], words[1], words[2], bool(words[3])
         del words
+        self.half_bytes = 0 if self.warm else self.half_bytes
         if magic != MAGIC or size != self.size or ranks != self.node.size or len(mapped) != size:
             mapped.close()
             raise NodeError(f"node {self.node.key}: the shared window {self.path} holds {size} bytes for {ranks} "
@@ -195,10 +204,10 @@ class SharedWindow:
         return mapped
 
     def word(self, local_rank: int, word: Word) -> int:
-        return self.words[3 + 4 * local_rank + word]
+        return self.words[FILE_WORDS + 4 * local_rank + word]
 
     def set(self, word: Word, value: int) -> None:
-        self.words[3 + 4 * self.node.local_rank + word] = value
+        self.words[FILE_WORDS + 4 * self.node.local_rank + word] = value
 
     def half(self, window: int) -> torch.Tensor:
         """The bytes of the half window `window` is read into."""
@@ -257,15 +266,17 @@ class NodeRead:
     def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node) -> None:
         self.node, self.options = node, options
         self.windows, half = windows_of(groups, node.window_bytes, options.gap_bytes)
+        self._reader = FileReader(options.direct)
+        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and self._cached())
+        if self.shared.warm:  # every rank reads through its mapping: nothing to share
+            self.windows = []
         self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
-        self.shared = SharedWindow(node, half)
-        self.window_bytes = 2 * half
+        self.window_bytes = 2 * self.shared.half_bytes
         self.current = -1
         self.failed = False
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}
         self._error: BaseException | None = None
         self._workers = ThreadPoolExecutor(options.threads, thread_name_prefix="wna16-node")
-        self._reader = FileReader(options.direct)
         try:
             self.shared.wait(Word.PID, 1, "attaching the shared window", self._own)
         except BaseException as error:
@@ -279,12 +290,17 @@ class NodeRead:
 
     @property
     def active(self) -> bool:
-        return True
+        """Whether views come from the window (False when warm: from the mappings)."""
+        return bool(self.windows)
+
+    def _cached(self) -> bool:
+        """Whether the page cache holds every span of every window (a warm node)."""
+        return all(self._reader.pages.holds(s.path, s.begin, s.end) for w in self.windows for s in w.spans)
 
     def start(self, group: int) -> None:
         """Group `group` is about to be read: once every rank has read its window, that window's regions
         are the ones `covering` finds (the previous window's views must no longer be used)."""
-        window = self.window_of[group]
+        window = self.window_of[group] if self.windows else self.current
         if window == self.current:
             return
         self.shared.set(Word.USED, window)

@@ -12,8 +12,9 @@ one) and cut into requests of at most `request_bytes`:
 |                       | once per node                                                                         |
 | a range of the rank's | read into a buffer of our own (`Region`, 4 KiB aligned; `FileReader`: O_DIRECT where  |
 | own                   | the file system takes it, buffered where it refuses O_DIRECT or the page cache holds   |
-|                       | the bytes already, mincore), which the caller reads views of instead of the mapping   |
-|                       | (`MappedFile.rebased`): no page faults on the mapping, warm or cold. Own ranges in a   |
+|                       | some of the bytes already, mincore), which the caller reads views of instead of the   |
+|                       | mapping (`MappedFile.rebased`): no page faults. Spans the page cache holds whole are   |
+|                       | left to the mapping (faults cost less CPU than a copy). Own ranges in a                |
 |                       | file where the group also has shared ones (a TP rank's rows of w2 between w13's        |
 |                       | columns) go to the page cache with those: views of several experts span both kinds     |
 
@@ -322,9 +323,10 @@ class ReadAhead:
         for path in own.keys() & shared.keys():  # between shared ranges: the mapping reads them (views span both)
             shared[path] += own.pop(path)
         regions = self._regions.setdefault(group, [])
-        for path, spans in own.items():
+        for path, spans in own.items():  # spans the page cache holds whole the mapping reads (no copy)
             regions += [self._region(path, begin // ALIGN * ALIGN, end)
-                        for begin, end in coalesced(spans, self.options.gap_bytes)]
+                        for begin, end in coalesced(spans, self.options.gap_bytes)
+                        if not self._reader.pages.holds(path, begin, end)]
         for path, spans in shared.items():
             for begin, end in coalesced(spans, self.options.gap_bytes):
                 self._fills += [self._workers.submit(self._fill, path, *piece)
