@@ -4,13 +4,14 @@ source of tp/ep sizes and ranks in the package."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
 
 import wna16_loader
 from wna16_loader.errors import ShardingError, WNA16Error
-from wna16_loader.parallel.config import ExpertPlacement, ParallelConfig
+from wna16_loader.parallel.config import ExpertPlacement, Node, ParallelConfig, _node_of
 
 PACKAGE_DIR = Path(wna16_loader.__file__).resolve().parent
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -348,3 +349,38 @@ def test_from_manifest_takes_the_output_folder(tmp_path: Path) -> None:
         ParallelConfig.from_manifest(str(missing), rank=1)
     assert str(exc.value) == (f"ParallelConfig.from_manifest: {missing}: no such file; pass the OUT folder of a "
                               f"finished wna16-shard run (it holds wna16_manifest.json).")
+
+
+# ---------------------------------------------------------------- Node: the ranks of one machine
+
+def test_node_of_groups_by_host_and_load_and_splits_replicas() -> None:
+    everyone = [("a", 0, "L", 10), ("a", 1, "L", 11), ("b", 2, "L", 12), ("a", 0, "L", 13), ("a", 1, "M", 14),
+                ("a", 2, "L", 15)]
+    assert _node_of(everyone, 0) == ((0, 1, 2), 0, "a-10-6-0")
+    assert _node_of(everyone, 5) == ((0, 1, 2), 2, "a-10-6-0")
+    assert _node_of(everyone, 3) == ((0,), 0, "a-13-6-1")  # a second replica of rank 0
+    assert _node_of(everyone, 4) == ((1,), 0, "a-14-6-0")  # another load (pipeline stage)
+    assert _node_of(everyone, 2) == ((2,), 0, "b-12-6-0")
+
+
+def test_node_from_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "6")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job 7")
+    node = Node.from_environment(window_bytes=1 << 20)
+    assert (node.ranks, node.local_rank, node.rank, node.size, node.window_bytes) == ((4, 5, 6, 7), 2, 6, 4, 1 << 20)
+    assert node.key.endswith(f"-job_7-29500-{os.getppid()}")
+    monkeypatch.setenv("LOCAL_RANK", "x")
+    with pytest.raises(ShardingError, match="Node.from_environment: LOCAL_RANK='x', LOCAL_WORLD_SIZE='4' and RANK='6' "
+                                            "must be integers"):
+        Node.from_environment()
+
+
+def test_node_alone_without_an_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    node = Node.from_environment(rank=3)
+    assert (node.ranks, node.local_rank, node.size) == ((3,), 0, 1)
+    assert Node.alone(5).ranks == (5,)

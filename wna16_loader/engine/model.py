@@ -12,6 +12,7 @@ from torch import nn
 from ..errors import CompletenessError, LayoutMismatchError, format_offenders
 from ..load.experts import planned
 from ..load.plan import LayerPlan
+from ..load.reads import load_groups
 from ..load.outputs import is_presharded, rank_record, rank_specs
 from ..load.presharded import read_rank
 from ..load.results import LoadReport
@@ -19,6 +20,7 @@ from ..logs import rank_logger
 from ..parallel.config import ParallelConfig
 from ..storage.bulk import paused_gc_call
 from ..storage.hub import resolve_checkpoint
+from ..storage.readahead import ReadOptions
 from .module import FusedMoEExperts
 
 
@@ -73,7 +75,8 @@ def check_model_complete(model: nn.Module) -> None:
 
 
 def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel: ParallelConfig, *,
-                       revision: str | None = None, include_mtp: bool = False) -> LoadReport:
+                       revision: str | None = None, include_mtp: bool = False,
+                       reads: ReadOptions = ReadOptions()) -> LoadReport:
     """Fill every FusedMoEExperts of `model` with `parallel`'s share of the checkpoint.
 
     The same plan and slice reads as `load_experts`: non-local experts are never
@@ -83,6 +86,7 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     `checkpoint_folder` may be a Hugging Face repo id (`org/name`, at `revision`): see `hub.resolve_checkpoint`.
     MTP layers are loaded only with `include_mtp=True` (then the model needs a FusedMoEExperts for each, by
     its experts prefix, e.g. `mtp.layers.0.mlp.experts`); by default they are left to the engine.
+    `reads`: as `load_experts`' (with `node=`, the ranks of this machine read the checkpoint together).
     """
     start = time.perf_counter()
     checkpoint_folder = resolve_checkpoint(checkpoint_folder, revision=revision, rank=parallel.rank)
@@ -91,19 +95,22 @@ def load_model_experts(model: nn.Module, checkpoint_folder: str | Path, parallel
     _check_not_loaded(modules)
     if is_presharded(checkpoint_folder):
         return _load_presharded_into(modules, checkpoint_folder, parallel, include_mtp)
-    return _load_checkpoint_into(modules, checkpoint_folder, parallel, include_mtp, start)
+    return _load_checkpoint_into(modules, checkpoint_folder, parallel, include_mtp, start, reads)
 
 
 @paused_gc_call  # the index, scan and plans are freed before the GC is back on: see storage/bulk.py
 def _load_checkpoint_into(modules: dict[str, FusedMoEExperts], folder: Path, parallel: ParallelConfig,
-                          include_mtp: bool, start: float) -> LoadReport:
-    """`load_model_experts` of a checkpoint folder (not pre-sharded)."""
-    with planned(folder, parallel, include_mtp=include_mtp) as (_, index, scan, plans):
+                          include_mtp: bool, start: float, reads: ReadOptions) -> LoadReport:
+    """`load_model_experts` of a checkpoint folder (not pre-sharded), each layer's bytes read ahead."""
+    with planned(folder, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
-        for plan in plans:
-            modules[plan.prefix].load_plan(index, plan)
-        synchronize(modules.values())
+        own, together = load_groups(index, moe, parallel, scan, plans, reads)
+        with index.reading_ahead(own, reads, node_groups=together) as ahead:
+            for number, plan in enumerate(plans):
+                ahead.start(number)
+                modules[plan.prefix].load_plan(index, plan)
+            synchronize(modules.values())
         for module in modules.values():
             module.check_complete()
         report = LoadReport.of(plans, scan, tensors=sum(m.hook.tensors - before[p][0] for p, m in modules.items()),

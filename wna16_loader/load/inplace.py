@@ -36,7 +36,7 @@ from .direct import copy_direct, direct_copies, made_from_sizes
 from .experts import load_layer, planned
 from .fused import FusedSpec
 from .plan import LayerPlan
-from .reads import planned_ranges
+from .reads import load_groups, planned_ranges
 from .outputs import is_presharded, rank_record, rank_specs
 from .presharded import Located, checked_entry, locate_rank, read_param
 from .device import DevicePolicy
@@ -153,17 +153,21 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
     `copy_words=False`: every layer whose method is not the fused layout is re-laid from fused scratch, even
     where the checkpoint's words could be copied as they are (the reference the copies are tested against).
     `reads`: the read-ahead's knobs; from a checkpoint folder every planned range goes to the page cache only
-    (`_cache_ranges`), so the parameters stay the load's only memory."""
+    (`_cache_ranges`), so the parameters stay the load's only memory; with `reads.node` of several ranks (each
+    filling the same layers) the node reads the target layers together through its window instead."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
     done: list[Filled] = []
-    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans), \
-            index.reading_ahead(_cache_ranges(index, plans, targets, reads), reads) as ahead:
+    with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _same_layers(path, [plan.prefix for plan in plans], targets)
-        for number, plan in enumerate(plans):
-            ahead.start(number)
-            if plan.prefix in targets:
-                done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
+        together = load_groups(index, moe, parallel, scan, plans, reads)[1]
+        if together is not None:
+            together = [group if plan.prefix in targets else [] for plan, group in zip(plans, together)]
+        with index.reading_ahead(_cache_ranges(index, plans, targets, reads), reads, node_groups=together) as ahead:
+            for number, plan in enumerate(plans):
+                ahead.start(number)
+                if plan.prefix in targets:
+                    done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
         return _report(done, targets, scan.others)
 
 

@@ -255,38 +255,49 @@ class Node:
         return cls((rank,), 0, f"alone-{os.getpid()}")
 
     @classmethod
-    def from_environment(cls, process_group: Any = None, *, window_bytes: int = 1 << 30,
-                         timeout_s: float = 300.0) -> "Node":
+    def from_environment(cls, process_group: Any = None, *, rank: int | None = None, load: str = "",
+                         window_bytes: int = 1 << 30, timeout_s: float = 300.0) -> "Node":
         """The node of this process: the ranks of an initialised torch.distributed group (`process_group`,
-        else the world) on this host, found by all-gathering host names; else torchrun's `LOCAL_RANK` /
-        `LOCAL_WORLD_SIZE` / `RANK`; else this process alone. Global ranks are those of
-        `ParallelConfig.from_environment` with the same `process_group`."""
-        ranks, local, key = _detect_node(process_group)
+        else the world) on this host that load the same thing, found by all-gathering (host, `rank`, `load`);
+        else torchrun's `LOCAL_RANK` / `LOCAL_WORLD_SIZE` / `RANK`; else this process alone. `rank`: this
+        process's `ParallelConfig.rank` (default: its rank in the group, as `ParallelConfig.from_environment`
+        takes it); `load`: what it loads (e.g. its layers: ranks of other pipeline stages load others and are
+        never one node); ranks of one rank number (data-parallel replicas) go to nodes of their own."""
+        ranks, local, key = _detect_node(process_group, rank, load)
         return cls(ranks, local, key, window_bytes=window_bytes, timeout_s=timeout_s)
 
 
-def _detect_node(process_group: Any) -> tuple[tuple[int, ...], int, str]:
+def _detect_node(process_group: Any, rank: int | None, load: str) -> tuple[tuple[int, ...], int, str]:
     """(the node's global ranks, this process's index among them, the node's key)."""
     import torch.distributed as dist
 
-    host = socket.gethostname()
     if dist.is_available() and dist.is_initialized():
+        me = (socket.gethostname(), dist.get_rank(process_group) if rank is None else rank, load, os.getpid())
         everyone: list[Any] = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(everyone, (host, os.getpid()), group=process_group)
-        ranks = tuple(r for r, (name, _) in enumerate(everyone) if name == host)
-        first = everyone[ranks[0]][1]
-        return ranks, ranks.index(dist.get_rank(process_group)), _key(f"{host}-{first}-{len(everyone)}")
+        dist.all_gather_object(everyone, me, group=process_group)
+        return _node_of(everyone, everyone.index(me))
     env = os.environ
     if all(name in env for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK")):
         try:
-            local, count, rank = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), int(env["RANK"])
+            local, count, first = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), int(env["RANK"])
         except ValueError:
             raise ShardingError(f"Node.from_environment: LOCAL_RANK={env['LOCAL_RANK']!r}, LOCAL_WORLD_SIZE="
                                 f"{env['LOCAL_WORLD_SIZE']!r} and RANK={env['RANK']!r} must be integers (as torchrun "
                                 f"sets them).") from None
         job = f"{env.get('TORCHELASTIC_RUN_ID', 'run')}-{env.get('MASTER_PORT', '0')}-{os.getppid()}"
-        return tuple(range(rank - local, rank - local + count)), local, _key(f"{host}-{job}")
-    return (_detect_rank_and_world(process_group)[0],), 0, f"alone-{os.getpid()}"
+        return tuple(range(first - local, first - local + count)), local, _key(f"{socket.gethostname()}-{job}")
+    return (_detect_rank_and_world(process_group)[0] if rank is None else rank,), 0, f"alone-{os.getpid()}"
+
+
+def _node_of(everyone: list[tuple[str, int, str, int]], me: int) -> tuple[tuple[int, ...], int, str]:
+    """The node of process `me` among every process's (host, rank, load, pid): the processes of its host and
+    load, the n-th of each rank number in the n-th node."""
+    host, rank, load, _ = everyone[me]
+    peers = [i for i, (h, _, l, _) in enumerate(everyone) if (h, l) == (host, load)]
+    nth = [sum(everyone[j][1] == everyone[i][1] for j in peers[:at]) for at, i in enumerate(peers)]
+    mine = [i for i, n in zip(peers, nth) if n == nth[peers.index(me)]]
+    ranks = tuple(everyone[i][1] for i in mine)
+    return ranks, mine.index(me), _key(f"{host}-{everyone[mine[0]][3]}-{len(everyone)}-{nth[peers.index(me)]}")
 
 
 def _key(text: str) -> str:
