@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import sigint_default
 
 from wna16_loader import ParallelConfig, __version__, load_experts
@@ -231,8 +232,9 @@ def test_second_identical_run_has_nothing_to_do(source: Path, tmp_path: Path) ->
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     before = mtimes(out)
     run = cli(str(source), str(out), "--tp", "2")
-    assert run.returncode == 0 and run.stderr == "", run.stderr
-    assert run.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")
+    assert run.returncode == 0 and run.stderr == "", run.stderr  # (a check under 2 s prints no progress line)
+    assert run.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do (the manifest matches SRC and "
+                                 f"the parameters; every file has the size and sha256 it records).")
     assert mtimes(out) == before  # not one file rewritten (manifest and plan included)
     forced = cli(str(source), str(out), "--tp", "2", "--force", "--quiet")
     assert forced.returncode == 0 and forced.stdout == "" and forced.stderr == ""
@@ -512,8 +514,8 @@ def test_a_dynamic_rule_that_is_not_a_regex(tmp_path: Path) -> None:
 
 
 def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None:
-    """Row 13: a truncated rank file: loading names the file with verify / --resume; re-sharding says what it rewrites
-    (one warning line, every file, and how many --resume keeps); --resume rewrites only that file."""
+    """Row 13: a truncated rank file: loading names the file, `verify` and the command that wrote the output;
+    that command, run again, says which file it rewrites (one warning line) and rewrites only that file."""
     out = tmp_path / "out"
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     victim = out / "rank-00001-of-00002" / "model.safetensors"
@@ -521,37 +523,49 @@ def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None
     with pytest.raises(CheckpointError) as raised:
         load_experts(out, ParallelConfig.from_manifest(out, rank=1))
     assert str(raised.value) == (
-        f"{victim}: truncated or corrupt (1000 bytes on disk): a file of the "
-        f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then the wna16-shard "
-        f"command that wrote {out} again with --resume: it keeps the intact files and rewrites only the damaged ones.")
+        f"{victim}: truncated or corrupt (1000 bytes on disk): a file of the wna16-shard output {out}. Run "
+        f"`wna16-shard verify {out}` to list every damaged file; re-running `wna16-shard {source} {out} --tp 2` "
+        f"re-checks every file and rewrites only the damaged ones.")
     assert f"{victim.relative_to(out)}: " in cli("verify", str(out)).stderr  # what the message says to run
-    rerun = cli(str(source), str(out), "--tp", "2", "--quiet")
-    assert one_error_line(rerun, code=0) == (f"wna16-shard: warning: {out}: found a damaged output (2 of 3 files "
-                                             f"intact): starting over, every file is rewritten (use --resume to keep 2 "
-                                             f"files)")
-    victim.write_bytes(victim.read_bytes()[:1000])
     before = mtimes(out)
-    resumed = cli(str(source), str(out), "--tp", "2", "--resume", "--quiet")
-    assert resumed.returncode == 0 and resumed.stderr == "", resumed.stderr
-    changed = sorted(p for p, t in mtimes(out).items() if p.endswith(".safetensors") and t != before.get(p))
-    assert changed == ["rank-00001-of-00002/model.safetensors"]
+    rerun = cli(str(source), str(out), "--tp", "2", "--quiet")
+    assert one_error_line(rerun, code=0) == (
+        f"wna16-shard: warning: {out}: 1 of 3 files to rewrite (rank-00001-of-00002/model.safetensors: truncated or "
+        f"overwritten (1000 bytes, not what its header and the manifest say)); keeping the other 2 untouched")
+    assert changed_since(out, before) == ["rank-00001-of-00002/model.safetensors"]
+    assert cli("verify", str(out)).returncode == 0
+
+
+def changed_since(out: Path, before: dict[str, int]) -> list[str]:
+    """The files of `out` written (or created, or removed) since `before` = mtimes(out)."""
+    after = mtimes(out)
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
 
 
 def test_another_source_into_an_existing_output(source: Path, tmp_path: Path) -> None:
-    """Row 14: the refusal names both sources, not raw sha256 dicts."""
+    """Row 14 (and issue 40's row 4): the refusal names the path the output was written from and both sources in
+    words, not raw sha256 dicts; an output whose manifest predates the path says so."""
     out, other = tmp_path / "out", tmp_path / "other"
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, num_experts=8)
     written = json.loads((out / MANIFEST_NAME).read_text())["source"]["files"][0]
     now = (other / "model.safetensors").stat().st_size
     line = one_error_line(cli(str(other), str(out), "--tp", "2"))
-    assert line.startswith(f"wna16-shard: error: {out} was written from another source: model.safetensors "
+    assert line.startswith(f"wna16-shard: error: {out} was written from {source} (model.safetensors "
                            f"({written['size']} bytes, header sha256 {written['header_sha256'][:12]}), config.json "
                            f"sha256 ")
-    assert f"; this run's source is {other}: model.safetensors ({now} bytes, header sha256 " in line
+    assert f"; this run's source is {other} (model.safetensors ({now} bytes, header sha256 " in line
+    assert line.endswith(f". Pass {source} as SRC, or use a new output folder (or delete {out} first).")
+    assert "None" not in line and "{" not in line
+    for name in (MANIFEST_NAME, ".wna16-plan.json"):  # as an older version wrote them: no source path
+        record = json.loads((out / name).read_text())
+        del record["source"]["path"]
+        (out / name).write_text(json.dumps(record, indent=2))
+    line = one_error_line(cli(str(other), str(out), "--tp", "2"))
+    assert line.startswith(f"wna16-shard: error: {out} was written from another source (model.safetensors (")
+    assert "; its manifest, from an older version, does not record the path); this run's source is " in line
     assert line.endswith(f". Pass the source {out} was written from, or use a new output folder (or delete {out} "
                          f"first).")
-    assert "None" not in line and "{" not in line
 
 
 def test_a_rerun_without_resume_after_an_interrupted_run(source: Path, tmp_path: Path) -> None:
@@ -580,3 +594,39 @@ def test_warnings_only_when_something_is_written(tmp_path: Path) -> None:
     other = one_error_line(cli(str(src), str(out), "--tp", "8", "--ep", "2"))
     assert other.startswith(f"wna16-shard: error: {out} was written with other parameters (ep: written 1, "
                             f"requested 2)")
+
+
+# Issue 40: the first day, part four (one test per row; CLI rows as subprocesses).
+
+
+def test_a_flipped_byte_is_repaired_by_the_command_verify_names(source: Path, tmp_path: Path) -> None:
+    """Row 1: one flipped byte in a rank file: loading stays unchecked (no hash: the flipped byte is loaded);
+    `verify` names the file and the command that wrote the output; that command (and with --resume) re-checks
+    every file and rewrites exactly the damaged one, every other file keeping its mtime."""
+    import shlex
+
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--tp", "2", "--ep", "2", "--quiet"]) == 0
+    victim = out / "rank-00002-of-00004" / "model.safetensors"
+    intact = load_experts(out, ParallelConfig.from_manifest(out, rank=2))
+    for extra in ([], ["--resume"]):
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0x01
+        victim.write_bytes(bytes(data))
+        loaded = load_experts(out, ParallelConfig.from_manifest(out, rank=2))  # fast: headers and sizes only
+        assert any(not torch.equal(t, intact[p].tensors[n]) for p, layer in loaded.items()
+                   for n, t in layer.tensors.items())
+        verify = cli("verify", str(out), process=True)
+        assert verify.returncode == 1 and "Traceback" not in verify.stderr
+        line = verify.stderr.splitlines()[0]
+        assert line == (f"wna16-shard verify: rank-00002-of-00004/model.safetensors: sha256 differs from the manifest "
+                        f"(`wna16-shard verify OUT --source SRC` names the tensors that differ); `wna16-shard {source} "
+                        f"{out} --tp 2 --ep 2` rewrites it (and only the damaged files)")
+        command = shlex.split(line.split("`")[3])
+        before = mtimes(out)
+        rerun = cli(*command[1:], *extra, "--quiet", process=True)
+        assert one_error_line(rerun, code=0) == (
+            f"wna16-shard: warning: {out}: 1 of 5 files to rewrite (rank-00002-of-00004/model.safetensors: sha256 "
+            f"differs from the manifest); keeping the other 4 untouched")
+        assert changed_since(out, before) == ["rank-00002-of-00004/model.safetensors"]
+        assert cli("verify", str(out)).returncode == 0

@@ -40,7 +40,8 @@ examples:
   wna16-shard ./ckpt ./out --ep 8                  # EP only (--tp defaults to 1)
   wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan and how the config resolved, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
-  wna16-shard ./ckpt ./out --tp 2 --force          # rewrite an output that is already complete
+  wna16-shard ./ckpt ./out --tp 2                  # again: re-check every file, rewrite only damaged ones
+  wna16-shard ./ckpt ./out --tp 2 --force          # rewrite every file of a complete output
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
   wna16-shard ./ckpt ./out --tp 2 --no-mtp         # MTP layers' tensors copied unchanged into common/
@@ -108,10 +109,13 @@ def shard_parser() -> argparse.ArgumentParser:
                         "and the manifest; the output is identical. Implied when torchrun starts several "
                         "processes. On several machines OUT must be one shared filesystem.")
     redo = p.add_mutually_exclusive_group()
-    redo.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo "
-                                                             "the rest of an interrupted run")
+    redo.add_argument("--resume", action="store_true", help="keep finished files whose size and sha256 match and "
+                                                             "redo the rest of an interrupted run (a finished OUT "
+                                                             "is always re-checked so: only damaged files are "
+                                                             "rewritten)")
     redo.add_argument("--force", action="store_true", help="rewrite every file even when OUT already holds this "
-                                                            "output complete (by default: nothing to do)")
+                                                            "output (by default: every file is re-checked, size "
+                                                            "then sha256, and only those that differ rewritten)")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
                                                           "the source (exit 1 on problems)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and how each "
@@ -287,7 +291,7 @@ def _shard_text(summary: ShardSummary, args: argparse.Namespace) -> str:
     """The summary table (or 'already complete'), what --verify checked, and the next command."""
     if summary.complete:
         lines = [f"wna16-shard: {summary.out}: already complete: nothing to do (the manifest matches SRC and the "
-                 f"parameters; every file is present with its recorded header and size). --force rewrites it."]
+                 f"parameters; every file has the size and sha256 it records). --force rewrites every file."]
     else:
         lines = [summary.table()]
     if summary.verified:
