@@ -1,6 +1,10 @@
 """wna16-shard: pre-shard a WNA16 MoE checkpoint per TP/EP rank, or verify such an output.
 
 Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input, 130 interrupted (Ctrl-C).
+
+This module imports nothing heavy at its top (the package's names are imported on first use): torch and the
+writer are imported inside `main`, after its Ctrl-C guard, so that a Ctrl-C at any moment, start-up included,
+is one line and exit 130.
 """
 
 from __future__ import annotations
@@ -12,16 +16,16 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
-from .parallel.config import ExpertPlacement, ShardJob
-from .preshard import (LAYOUTS, OutputLayout, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint,
-                       preshard_distributed)
-from .preshard.verify import VerifyReport, verify_report
-from .storage.hub import resolve_checkpoint
+from .usage import Parser, check_not_shadowed, subcommand_typo
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .preshard import ShardSummary
+    from .preshard.verify import VerifyReport
 
 USAGE = """\
 wna16-shard SRC OUT [--tp N] [--ep M] [options]   pre-shard SRC into OUT
@@ -75,7 +79,9 @@ def parse_size(text: str) -> int:
 
 def shard_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard SRC OUT ...`."""
-    p = argparse.ArgumentParser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
+    from .parallel.config import ExpertPlacement
+    from .preshard import LAYOUTS, OutputLayout
+    p = Parser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
                                 description="Pre-shard a WNA16 MoE checkpoint: write every TP/EP rank's fused expert "
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
@@ -133,7 +139,7 @@ def shard_parser() -> argparse.ArgumentParser:
 
 def verify_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard verify OUT [--source SRC]`."""
-    p = argparse.ArgumentParser(prog="wna16-shard verify", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(prog="wna16-shard verify", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Re-read every file of a wna16-shard output and check every sha256 "
                                             "against its manifest.", epilog=VERIFY_EPILOG)
     p.add_argument("out", metavar="OUT", help="a wna16-shard output folder")
@@ -158,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
 
     Every error is one line on stderr (exit 2); a closed stdout (`| head`) ends quietly."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    _log_warnings_to_stderr()
     try:
+        _log_warnings_to_stderr()
+        check_not_shadowed()
+        typo = subcommand_typo(argv)
+        if typo is not None:
+            print(f"wna16-shard: error: {typo}", file=sys.stderr)
+            return 2
         if argv[:1] == ["verify"]:
             code = _verify(verify_parser().parse_args(argv[1:]))
         else:
@@ -236,6 +247,8 @@ def _log_warnings_to_stderr() -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from .preshard.verify import verify_report
+    from .storage.hub import resolve_checkpoint
     if args.source is None and args.revision is not None:
         raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
                               f"pass --source org/name or drop --revision.")
@@ -264,6 +277,9 @@ def _load_hint(out: object) -> str:
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .parallel.config import ShardJob
+    from .preshard import describe_layouts, describe_plan, preshard_checkpoint
+    from .storage.hub import resolve_checkpoint
     src = resolve_checkpoint(args.src, revision=args.revision)
     if args.plan or (args.dry_run and args.out is None):
         print(describe_layouts(src, tp_size=args.tp, ep_size=args.ep, placement=args.placement))
@@ -306,6 +322,9 @@ def _shard_text(summary: ShardSummary, args: argparse.Namespace) -> str:
 
 def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
     """One process of a rank-parallel run (joining torchrun's rendezvous with gloo when needed)."""
+    from .parallel.config import ShardJob
+    from .preshard import preshard_distributed
+    from .preshard.verify import verify_report
     with ShardJob.joined() as job:
         summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,

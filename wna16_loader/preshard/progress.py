@@ -117,8 +117,8 @@ class Progress:
                     time.monotonic() - self.last > 2.0 or self.done >= self.total):
                 self.last = time.monotonic()
                 pct = 100.0 * self.done / max(self.total, 1)
-                print(f"wna16-shard: {self.action}{human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), {label}",
-                      file=self.stream)
+                print(f"wna16-shard: {self.action}{human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), "
+                      f"{label}", file=self.stream)
 
     def close(self) -> None:
         """Close the bar."""
