@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 
 from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
-from .usage import Parser, check_not_shadowed, subcommand_typo
+from .usage import LazyChoices, Parser, check_not_shadowed, subcommand_typo
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -80,7 +80,6 @@ def parse_size(text: str) -> int:
 def shard_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard SRC OUT ...`."""
     from .parallel.config import ExpertPlacement
-    from .preshard import LAYOUTS, OutputLayout
     p = Parser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
                                 description="Pre-shard a WNA16 MoE checkpoint: write every TP/EP rank's fused expert "
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
@@ -99,7 +98,7 @@ def shard_parser() -> argparse.ArgumentParser:
                         "(default linear)")
     p.add_argument("--max-file-size", type=parse_size, default=4 * 2**30, metavar="SIZE",
                    help="largest output file, split by tensor, e.g. 4GB (default), 512MB, 1000000")
-    p.add_argument("--layout", choices=list(LAYOUTS), default=OutputLayout.FUSED.value,
+    p.add_argument("--layout", choices=LazyChoices("wna16_loader.preshard", "LAYOUTS"), metavar="LAYOUT",
                    help="output layout: fused (default; load_experts reads it) or checkpoint (every source expert "
                         "tensor keeps its name, dtype and format, sliced for the rank; only when the cuts fall on "
                         "int32-word and group boundaries)")
@@ -279,7 +278,9 @@ def _load_hint(out: object) -> str:
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .parallel.config import ShardJob
     from .preshard import describe_layouts, describe_plan, preshard_checkpoint
+    from .preshard import OutputLayout
     from .storage.hub import resolve_checkpoint
+    args.layout = OutputLayout.FUSED.value if args.layout is None else args.layout
     src = resolve_checkpoint(args.src, revision=args.revision)
     if args.plan or (args.dry_run and args.out is None):
         print(describe_layouts(src, tp_size=args.tp, ep_size=args.ep, placement=args.placement))

@@ -7,12 +7,31 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from .errors import CheckpointError
+
+
+class LazyChoices(Sequence[str]):
+    """An option's choices, imported from `module`'s `name` when first asked for (a value given, `--help`): a
+    parser whose choices live in a heavy module (the writer's, torch) answers a usage error or `--version` at
+    once."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def values(self) -> tuple[str, ...]:
+        return tuple(getattr(importlib.import_module(self.module), self.name))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.values()[index]
+
+    def __len__(self) -> int:
+        return len(self.values())
 
 
 class Parser(argparse.ArgumentParser):

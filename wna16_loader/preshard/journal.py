@@ -166,11 +166,10 @@ def _damage(out: Path, path: str, record: Any, tensors: list[str]) -> str | None
     header or size not the recorded ones, or its sha256 not the recorded one."""
     try:
         recorded, digest = record["tensors"], record["sha256"]
-        usable = sorted(recorded) == tensors
-    except (KeyError, TypeError):  # a record cut short by a kill, or corrupt
-        usable = False
+    except (KeyError, TypeError):  # no record, or one cut short by a kill, or corrupt
+        return "not finished"
     file = out / path
-    if not usable:
+    if not isinstance(recorded, dict) or sorted(recorded) != tensors:
         return "not finished"
     if not file.is_file():
         return "missing"

@@ -118,7 +118,13 @@ def check_source_matches(out: Path, manifest: dict[str, Any], source: Path) -> N
     if diffs:
         more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
         raise CheckpointError(f"--source {source} is not the checkpoint {out} was written from: "
-                              f"{'; '.join(diffs[:2])}{more}. Pass the original source folder, or re-shard.")
+                              f"{'; '.join(diffs[:2])}{more}. Pass {_original(manifest)}, or re-shard.")
+
+
+def _original(manifest: dict[str, Any]) -> str:
+    """The source folder the manifest records, in words (`the original source folder` for an older one)."""
+    path = manifest.get("source", {}).get("path")
+    return "the original source folder" if path is None else f"the original source folder {path}"
 
 
 def _verify_file(out: Path, rec: dict[str, Any], fix: str) -> list[str]:
@@ -154,7 +160,7 @@ def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
     if differ:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         raise CheckpointError(f"--source {source} is not the checkpoint {out} was written from: tensor {differ[0]} "
-                              f"differs from its copy in common/{more}. Pass the original source folder, or re-shard.")
+                              f"differs from its copy in common/{more}. Pass {_original(manifest)}, or re-shard.")
 
 
 def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
