@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from processes import start_ranks
 
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.load.experts import planned
@@ -168,8 +168,7 @@ def test_four_tp_ranks_read_the_expert_bytes_about_once(tmp_path) -> None:
         expert_bytes = sum(index.refs[name].nbytes for name in names)
     if evicted(files) > expert_bytes // 10:
         pytest.skip("this file system keeps the checkpoint's pages after POSIX_FADV_DONTNEED (tmpfs?): no cold read")
-    mp.spawn(node_rank, args=(4, str(folder), str(tmp_path / "init"), str(tmp_path / "counts.json")), nprocs=4,
-             join=True)
+    start_ranks(node_rank, args=(4, str(folder), str(tmp_path / "init"), str(tmp_path / "counts.json")), nprocs=4)
     counts = json.loads((tmp_path / "counts.json").read_text())
     if not sum(counts):
         pytest.skip("the file system reports no read_bytes for these reads (no block-device accounting)")
