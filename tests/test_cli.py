@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from processes import sigint_default
 
 from wna16_loader import ParallelConfig, __version__, load_experts
@@ -218,12 +219,12 @@ def test_verify_with_the_wrong_source_says_so_first(source: Path, tmp_path: Path
     line = one_error_line(cli("verify", str(out), "--source", str(other)))  # same shapes, other values
     assert line == (f"wna16-shard: error: --source {other} is not the checkpoint {out} was written from: tensor "
                     f"model.embed_tokens.weight differs from its copy in common/ (and 2 more). Pass the original "
-                    f"source folder, or re-shard.")
+                    f"source folder {source}, or re-shard.")
     write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, num_experts=8)
     line = one_error_line(cli("verify", str(out), "--source", str(other)))  # another size: caught by the fingerprint
     assert line.startswith(f"wna16-shard: error: --source {other} is not the checkpoint {out} was written from: "
                            f"source file model.safetensors: written ")
-    assert line.endswith("Pass the original source folder, or re-shard.")
+    assert line.endswith(f"Pass the original source folder {source}, or re-shard.")
 
 
 def test_second_identical_run_has_nothing_to_do(source: Path, tmp_path: Path) -> None:
@@ -231,8 +232,9 @@ def test_second_identical_run_has_nothing_to_do(source: Path, tmp_path: Path) ->
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     before = mtimes(out)
     run = cli(str(source), str(out), "--tp", "2")
-    assert run.returncode == 0 and run.stderr == "", run.stderr
-    assert run.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do")
+    assert run.returncode == 0 and run.stderr == "", run.stderr  # (a check under 2 s prints no progress line)
+    assert run.stdout.startswith(f"wna16-shard: {out}: already complete: nothing to do (the manifest matches SRC and "
+                                 f"the parameters; every file has the size and sha256 it records).")
     assert mtimes(out) == before  # not one file rewritten (manifest and plan included)
     forced = cli(str(source), str(out), "--tp", "2", "--force", "--quiet")
     assert forced.returncode == 0 and forced.stdout == "" and forced.stderr == ""
@@ -348,8 +350,8 @@ def test_padding_is_reported_per_rank_and_empty_ranks_warned(tmp_path: Path) -> 
 INTERRUPT_AT = {  # where the Ctrl-C lands: a hook that sends this process SIGINT there, then runs the console script
     "after the manifest": "import wna16_loader.preshard.run as m; real = m.write_json_atomic; "
                           "m.write_json_atomic = lambda *a: (real(*a), os.kill(os.getpid(), signal.SIGINT))",
-    "after the run": "real = c.preshard_checkpoint; "
-                     "c.preshard_checkpoint = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), signal.SIGINT))[0]",
+    "after the run": "import wna16_loader.preshard as p; real = p.preshard_checkpoint; "
+                     "p.preshard_checkpoint = lambda *a, **k: (real(*a, **k), os.kill(os.getpid(), signal.SIGINT))[0]",
     "as main returns": "real = c.main; c.main = lambda: (real(), os.kill(os.getpid(), signal.SIGINT))[0]",
 }
 
@@ -512,8 +514,8 @@ def test_a_dynamic_rule_that_is_not_a_regex(tmp_path: Path) -> None:
 
 
 def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None:
-    """A truncated rank file: loading names the file with verify / --resume; re-sharding says what it rewrites
-    (one warning line, every file, and how many --resume keeps); --resume rewrites only that file."""
+    """A truncated rank file: loading names the file, `verify` and the command that wrote the output; that
+    command, run again, says which file it rewrites (one warning line) and rewrites only that file."""
     out = tmp_path / "out"
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     victim = out / "rank-00001-of-00002" / "model.safetensors"
@@ -521,37 +523,49 @@ def test_a_truncated_file_inside_an_output(source: Path, tmp_path: Path) -> None
     with pytest.raises(CheckpointError) as raised:
         load_experts(out, ParallelConfig.from_manifest(out, rank=1))
     assert str(raised.value) == (
-        f"{victim}: truncated or corrupt (1000 bytes on disk): a file of the "
-        f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then the wna16-shard "
-        f"command that wrote {out} again with --resume: it keeps the intact files and rewrites only the damaged ones.")
+        f"{victim}: truncated or corrupt (1000 bytes on disk): a file of the wna16-shard output {out}. Run "
+        f"`wna16-shard verify {out}` to list every damaged file; re-running `wna16-shard {source} {out} --tp 2` "
+        f"re-checks every file and rewrites only the damaged ones.")
     assert f"{victim.relative_to(out)}: " in cli("verify", str(out)).stderr  # what the message says to run
-    rerun = cli(str(source), str(out), "--tp", "2", "--quiet")
-    assert one_error_line(rerun, code=0) == (f"wna16-shard: warning: {out}: found a damaged output (2 of 3 files "
-                                             f"intact): starting over, every file is rewritten (use --resume to keep 2 "
-                                             f"files)")
-    victim.write_bytes(victim.read_bytes()[:1000])
     before = mtimes(out)
-    resumed = cli(str(source), str(out), "--tp", "2", "--resume", "--quiet")
-    assert resumed.returncode == 0 and resumed.stderr == "", resumed.stderr
-    changed = sorted(p for p, t in mtimes(out).items() if p.endswith(".safetensors") and t != before.get(p))
-    assert changed == ["rank-00001-of-00002/model.safetensors"]
+    rerun = cli(str(source), str(out), "--tp", "2", "--quiet")
+    assert one_error_line(rerun, code=0) == (
+        f"wna16-shard: warning: {out}: 1 of 3 files to rewrite (rank-00001-of-00002/model.safetensors: truncated or "
+        f"overwritten (1000 bytes, not what its header and the manifest say)); keeping the other 2 untouched")
+    assert changed_since(out, before) == ["rank-00001-of-00002/model.safetensors"]
+    assert cli("verify", str(out)).returncode == 0
+
+
+def changed_since(out: Path, before: dict[str, int]) -> list[str]:
+    """The files of `out` written (or created, or removed) since `before` = mtimes(out)."""
+    after = mtimes(out)
+    return sorted(p for p in set(before) | set(after) if before.get(p) != after.get(p))
 
 
 def test_another_source_into_an_existing_output(source: Path, tmp_path: Path) -> None:
-    """The refusal names both sources, not raw sha256 dicts."""
+    """The refusal names the path the output was written from and both sources in words, not raw sha256 dicts;
+    an output whose manifest predates the path says so."""
     out, other = tmp_path / "out", tmp_path / "other"
     assert main([str(source), str(out), "--tp", "2", "--quiet"]) == 0
     write_checkpoint(other, quant_config("awq"), hidden=64, intermediate=64, num_layers=1, num_experts=8)
     written = json.loads((out / MANIFEST_NAME).read_text())["source"]["files"][0]
     now = (other / "model.safetensors").stat().st_size
     line = one_error_line(cli(str(other), str(out), "--tp", "2"))
-    assert line.startswith(f"wna16-shard: error: {out} was written from another source: model.safetensors "
+    assert line.startswith(f"wna16-shard: error: {out} was written from {source} (model.safetensors "
                            f"({written['size']} bytes, header sha256 {written['header_sha256'][:12]}), config.json "
                            f"sha256 ")
-    assert f"; this run's source is {other}: model.safetensors ({now} bytes, header sha256 " in line
+    assert f"; this run's source is {other} (model.safetensors ({now} bytes, header sha256 " in line
+    assert line.endswith(f". Pass {source} as SRC, or use a new output folder (or delete {out} first).")
+    assert "None" not in line and "{" not in line
+    for name in (MANIFEST_NAME, ".wna16-plan.json"):  # as an older version wrote them: no source path
+        record = json.loads((out / name).read_text())
+        del record["source"]["path"]
+        (out / name).write_text(json.dumps(record, indent=2))
+    line = one_error_line(cli(str(other), str(out), "--tp", "2"))
+    assert line.startswith(f"wna16-shard: error: {out} was written from another source (model.safetensors (")
+    assert "; its manifest, from an older version, does not record the path); this run's source is " in line
     assert line.endswith(f". Pass the source {out} was written from, or use a new output folder (or delete {out} "
                          f"first).")
-    assert "None" not in line and "{" not in line
 
 
 def test_a_rerun_without_resume_after_an_interrupted_run(source: Path, tmp_path: Path) -> None:
@@ -580,3 +594,149 @@ def test_warnings_only_when_something_is_written(tmp_path: Path) -> None:
     other = one_error_line(cli(str(src), str(out), "--tp", "8", "--ep", "2"))
     assert other.startswith(f"wna16-shard: error: {out} was written with other parameters (ep: written 1, "
                             f"requested 2)")
+
+
+# Issue 40: the first day, part four (one test per row; CLI rows as subprocesses).
+
+
+def test_a_flipped_byte_is_repaired_by_the_command_verify_names(source: Path, tmp_path: Path) -> None:
+    """Row 1: one flipped byte in a rank file: loading stays unchecked (no hash: the flipped byte is loaded);
+    `verify` names the file and the command that wrote the output; that command (and with --resume) re-checks
+    every file and rewrites exactly the damaged one, every other file keeping its mtime."""
+    import shlex
+
+    out = tmp_path / "out"
+    assert main([str(source), str(out), "--tp", "2", "--ep", "2", "--quiet"]) == 0
+    victim = out / "rank-00002-of-00004" / "model.safetensors"
+    intact = load_experts(out, ParallelConfig.from_manifest(out, rank=2))
+    for extra in ([], ["--resume"]):
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 0x01
+        victim.write_bytes(bytes(data))
+        loaded = load_experts(out, ParallelConfig.from_manifest(out, rank=2))  # fast: headers and sizes only
+        assert any(not torch.equal(t, intact[p].tensors[n]) for p, layer in loaded.items()
+                   for n, t in layer.tensors.items())
+        verify = cli("verify", str(out))
+        assert verify.returncode == 1 and "Traceback" not in verify.stderr
+        line = verify.stderr.splitlines()[0]
+        assert line == (f"wna16-shard verify: rank-00002-of-00004/model.safetensors: sha256 differs from the manifest "
+                        f"(`wna16-shard verify OUT --source SRC` names the tensors that differ); `wna16-shard {source} "
+                        f"{out} --tp 2 --ep 2` rewrites it (and only the damaged files)")
+        command = shlex.split(line.split("`")[3])
+        before = mtimes(out)
+        rerun = cli(*command[1:], *extra, "--quiet", process=not extra)  # as the user runs it (once: it costs)
+        assert one_error_line(rerun, code=0) == (
+            f"wna16-shard: warning: {out}: 1 of 5 files to rewrite (rank-00002-of-00004/model.safetensors: sha256 "
+            f"differs from the manifest); keeping the other 4 untouched")
+        assert changed_since(out, before) == ["rank-00002-of-00004/model.safetensors"]
+        assert cli("verify", str(out)).returncode == 0
+
+
+SIGINT_AT_IMPORT = """\
+import os, signal, sys
+class SigintAtImport:  # sends this process SIGINT as the module named in WNA16_TEST_SIGINT_AT starts importing
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == os.environ["WNA16_TEST_SIGINT_AT"]:
+            sys.meta_path.remove(SigintAtImport)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, SigintAtImport)
+"""
+
+
+@pytest.mark.parametrize(("module", "command"), [("torch", "shard"), ("wna16_loader.preshard.run", "shard"),
+                                                 ("torch", "verify")])
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(source: Path, tmp_path: Path, module: str,
+                                                         command: str) -> None:
+    """Row 2: a Ctrl-C while the console script starts (torch importing, and the package's modules) is the one
+    line and exit 130, not a KeyboardInterrupt traceback: the entry imports nothing heavy before its guard."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SIGINT_AT_IMPORT)
+    script = Path(sys.executable).parent / "wna16-shard"  # the console script pip wrote, else its equivalent
+    entry = [str(script)] if script.is_file() else [sys.executable, "-c", "import sys; from wna16_loader.cli import "
+                                                                          "run; sys.exit(run())"]
+    args = ["verify", str(tmp_path / "out")] if command == "verify" else [str(source), str(tmp_path / "out")]
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "WNA16_TEST_SIGINT_AT": module}
+    run = subprocess.run([*entry, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+                         preexec_fn=sigint_default)
+    assert one_error_line(run, code=130) == interrupted_line(args)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("typed", "meant"), [
+    (["--tp2"], "unrecognized argument --tp2; did you mean --tp 2?"),
+    (["-tp", "2"], "unrecognized argument -tp; did you mean --tp 2?"),
+    (["--t", "2"], "unrecognized argument --t; did you mean --tp 2?"),  # never taken as --tp 2 (no abbreviations)
+    (["--layot", "checkpoint"], "unrecognized argument --layot; did you mean --layout checkpoint?"),
+    (["--quite"], "unrecognized argument --quite; did you mean --quiet?"),
+])
+def test_a_mistyped_flag_gets_a_did_you_mean(source: Path, tmp_path: Path, typed: list[str], meant: str) -> None:
+    """Row 3: a mistyped flag is one line with what it probably meant, exit 2, nothing written."""
+    line = one_error_line(cli(str(source), str(tmp_path / "out"), *typed, process=True))
+    assert line == f"wna16-shard: error: {meant}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_mistyped_subcommand_gets_a_did_you_mean(source: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row 3: `verfy OUT` (no such folder) asks "did you mean verify"; a verify flag typo too; a folder that is
+    really named `verfy` is a source as before."""
+    out = tmp_path / "out"
+    line = one_error_line(cli("verfy", str(out), process=True))
+    assert line == (f"wna16-shard: error: 'verfy' is no folder and no subcommand; did you mean `wna16-shard verify "
+                    f"{out}`?")
+    line = one_error_line(cli("verify", str(out), "--sorce", str(source)))
+    assert line == f"wna16-shard verify: error: unrecognized argument --sorce; did you mean --source {source}?"
+    (tmp_path / "verfy").mkdir()
+    monkeypatch.chdir(tmp_path)
+    line = one_error_line(cli("verfy", str(out)))
+    assert line == "wna16-shard: error: verfy/config.json: file not found; a checkpoint folder needs a config.json."
+
+
+@pytest.mark.parametrize("script", ["test", "test_vllm"])
+def test_the_test_scripts_help_installs_nothing(tmp_path: Path, script: str) -> None:
+    """Row 5: `./scripts/test --help` and `./scripts/test_vllm --help` print their own usage (saying that other
+    arguments go to pytest), exit 0 and install nothing: run from a copy with no .venv and an empty cache."""
+    import shutil
+
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts", ignore=shutil.ignore_patterns("bench", "__pycache__"))
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "WNA16_VLLM_VENV": str(tmp_path / "vllm-venv")}
+    env.pop("WNA16_PYTHON", None)
+    run = subprocess.run([str(tmp_path / "scripts" / script), "--help"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert run.stdout.startswith(f"usage: ./scripts/{script} [PYTEST ARGS...]")
+    assert "Every other argument goes to pytest" in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requirements", "scripts"]  # no .venv, cache nor venv
+
+
+def test_a_folder_named_like_the_package_is_named_as_the_cause(tmp_path: Path) -> None:
+    """Row 6: the README's Python run from the folder holding the clone, itself named wna16_loader: the error says
+    that the clone shadows the package (not "cannot import name ... (unknown location)"); an empty folder of that
+    name (a namespace package, where no code of ours runs on `import`) is named by the CLI."""
+    from importlib import metadata
+
+    (tmp_path / "clone").mkdir()
+    (tmp_path / "clone" / "wna16_loader").symlink_to(ROOT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # as a user runs it: the installed package
+    run = subprocess.run([sys.executable, "-c", "from wna16_loader import ParallelConfig"], cwd=tmp_path / "clone",
+                         env=env, capture_output=True, text=True, timeout=60)
+    clone = tmp_path / "clone" / "wna16_loader"
+    assert run.returncode == 1 and run.stderr.splitlines()[-1] == (
+        f"ImportError: {clone} is a clone of the wna16_loader repository, not the package (that is its folder "
+        f"{clone / 'wna16_loader'}): Python imported it because it was started in {tmp_path / 'clone'}, the folder "
+        f"holding the clone, and looks there first. Start Python in another folder (e.g. cd {clone}), or rename the "
+        f"clone.")
+    try:
+        metadata.distribution("wna16_loader")
+    except metadata.PackageNotFoundError:
+        pytest.skip("wna16_loader is not installed: an empty folder of its name hides nothing")
+    (tmp_path / "empty" / "wna16_loader").mkdir(parents=True)
+    run = subprocess.run([sys.executable, "-m", "wna16_loader.cli", "--version"], cwd=tmp_path / "empty", env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert one_error_line(run) == (f"wna16-shard: error: {tmp_path / 'empty' / 'wna16_loader'}: a folder named "
+                                   f"wna16_loader, imported instead of the installed package (Python looks in the "
+                                   f"current folder first); run from another folder, or rename that folder.")

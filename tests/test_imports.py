@@ -113,7 +113,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("preshard",),   # wna16-shard
     ("integrations",),  # engine plugins (vLLM's --load-format wna16); each imports its engine, nothing imports them
     ("testing",),    # synthetic checkpoints, the GPU stand-in, the demo
-    ("cli", "tables", ""),  # entry points and the public API (`wna16_loader/__init__.py`)
+    ("usage", "cli", "tables", ""),  # entry points and the public API (`wna16_loader/__init__.py`)
 )
 
 
@@ -226,4 +226,4 @@ def test_the_code_map_check_can_fail() -> None:
 def test_every_layer_folder_is_a_code_map_folder() -> None:
     folders = {name.split(".")[0] for name in code_map(INTERNALS.read_text(encoding="utf-8")) if "." in name}
     assert folders == {unit for names in LAYERS for unit in names if unit} - {"errors", "logs", "version", "cli",
-                                                                              "tables"}
+                                                                              "usage", "tables"}

@@ -28,36 +28,49 @@ docs/failures.md the failure catalogue.
 Older names kept as aliases: FusedExperts (= FusedTensors), FusedMoEExperts (= FusedMoEModule).
 """
 
-from .engine.hook import TensorStore
-from .engine.mapping import ExpertParamMapping, ParamTarget, ShardId, expert_param_mapping
-from .engine.model import check_model_complete, install_load_hook, load_model_experts
-from .engine.module import FusedMoEExperts, FusedMoEModule
-from .engine.reference import Activation, reference_forward
-from .errors import (
-                     CheckpointError,
-                     CompletenessError,
-                     ConfigError,
-                     DeviceError,
-                     ExpertsPrefixError,
-                     FormatError,
-                     LayoutMismatchError,
-                     NodeError,
-                     PreshardError,
-                     ShardingError,
-                     ShardInterrupted,
-                     WNA16Error,
-)
-from .formats import QuantSpec
-from .load.experts import load_experts, read_moe_config
-from .load.fused import FUSED_NAMES, DequantizedExperts, FusedExperts, FusedSpec, FusedTensors
-from .load.outputs import parallel_config, read_manifest
-from .load.results import LoadedExperts, LoadReport
-from .models.config import MoEConfig
-from .parallel.config import ExpertPlacement, Node, ParallelConfig
-from .preshard import OutputLayout, ShardSummary, shard
-from .storage.hub import resolve_checkpoint
-from .storage.readahead import CacheFill, ReadOptions
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .errors import (CheckpointError, CompletenessError, ConfigError, DeviceError, ExpertsPrefixError, FormatError,
+                     LayoutMismatchError, NodeError, PreshardError, ShardingError, ShardInterrupted, WNA16Error)
 from .version import __version__
+
+# Every other public name -> the module that defines it, imported on first use (PEP 562): `import wna16_loader` (and so
+# the `wna16-shard` entry, `wna16_loader.cli`) costs no torch import, so that the entry can guard Ctrl-C first.
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(["TensorStore"], "engine.hook"),
+    **dict.fromkeys(["ExpertParamMapping", "ParamTarget", "ShardId", "expert_param_mapping"], "engine.mapping"),
+    **dict.fromkeys(["check_model_complete", "install_load_hook", "load_model_experts"], "engine.model"),
+    **dict.fromkeys(["FusedMoEExperts", "FusedMoEModule"], "engine.module"),
+    **dict.fromkeys(["Activation", "reference_forward"], "engine.reference"),
+    **dict.fromkeys(["QuantSpec"], "formats"),
+    **dict.fromkeys(["load_experts", "read_moe_config"], "load.experts"),
+    **dict.fromkeys(["FUSED_NAMES", "DequantizedExperts", "FusedExperts", "FusedSpec", "FusedTensors"], "load.fused"),
+    **dict.fromkeys(["parallel_config", "read_manifest"], "load.outputs"),
+    **dict.fromkeys(["LoadedExperts", "LoadReport"], "load.results"),
+    **dict.fromkeys(["MoEConfig"], "models.config"),
+    **dict.fromkeys(["ExpertPlacement", "Node", "ParallelConfig"], "parallel.config"),
+    **dict.fromkeys(["OutputLayout", "ShardSummary", "shard"], "preshard"),
+    **dict.fromkeys(["resolve_checkpoint"], "storage.hub"),
+    **dict.fromkeys(["CacheFill", "ReadOptions"], "storage.readahead"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use (then cached in this module)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'wna16_loader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "CheckpointError", "CompletenessError", "ConfigError", "DequantizedExperts", "DeviceError", "ExpertPlacement",

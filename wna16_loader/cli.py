@@ -1,6 +1,10 @@
 """wna16-shard: pre-shard a WNA16 MoE checkpoint per TP/EP rank, or verify such an output.
 
 Exit codes: 0 ok, 1 a failed check (verify problems), 2 bad usage or bad input, 130 interrupted (Ctrl-C).
+
+This module imports nothing heavy at its top (the package's names are imported on first use): torch and the
+writer are imported inside `main`, after its Ctrl-C guard, so that a Ctrl-C at any moment, start-up included,
+is one line and exit 130.
 """
 
 from __future__ import annotations
@@ -12,16 +16,16 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
-from .parallel.config import ExpertPlacement, ShardJob
-from .preshard import (LAYOUTS, OutputLayout, ShardSummary, describe_layouts, describe_plan, preshard_checkpoint,
-                       preshard_distributed)
-from .preshard.verify import VerifyReport, verify_report
-from .storage.hub import resolve_checkpoint
+from .usage import LazyChoices, Parser, check_not_shadowed, subcommand_typo
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .preshard import ShardSummary
+    from .preshard.verify import VerifyReport
 
 USAGE = """\
 wna16-shard SRC OUT [--tp N] [--ep M] [options]   pre-shard SRC into OUT
@@ -40,7 +44,8 @@ examples:
   wna16-shard ./ckpt ./out --ep 8                  # EP only (--tp defaults to 1)
   wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan and how the config resolved, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
-  wna16-shard ./ckpt ./out --tp 2 --force          # rewrite an output that is already complete
+  wna16-shard ./ckpt ./out --tp 2                  # again: re-check every file, rewrite only damaged ones
+  wna16-shard ./ckpt ./out --tp 2 --force          # rewrite every file of a complete output
   wna16-shard ./ckpt ./out --tp 8 --workers 4      # write 4 ranks at a time
   wna16-shard ./ckpt ./out --tp 2 --layout checkpoint  # source-format tensors, sliced per rank
   wna16-shard ./ckpt ./out --tp 2 --no-mtp         # MTP layers' tensors copied unchanged into common/
@@ -74,7 +79,8 @@ def parse_size(text: str) -> int:
 
 def shard_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard SRC OUT ...`."""
-    p = argparse.ArgumentParser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
+    from .parallel.config import ExpertPlacement
+    p = Parser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
                                 description="Pre-shard a WNA16 MoE checkpoint: write every TP/EP rank's fused expert "
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
@@ -92,7 +98,7 @@ def shard_parser() -> argparse.ArgumentParser:
                         "(default linear)")
     p.add_argument("--max-file-size", type=parse_size, default=4 * 2**30, metavar="SIZE",
                    help="largest output file, split by tensor, e.g. 4GB (default), 512MB, 1000000")
-    p.add_argument("--layout", choices=list(LAYOUTS), default=OutputLayout.FUSED.value,
+    p.add_argument("--layout", choices=LazyChoices("wna16_loader.preshard", "LAYOUTS"), metavar="LAYOUT",
                    help="output layout: fused (default; load_experts reads it) or checkpoint (every source expert "
                         "tensor keeps its name, dtype and format, sliced for the rank; only when the cuts fall on "
                         "int32-word and group boundaries)")
@@ -108,10 +114,13 @@ def shard_parser() -> argparse.ArgumentParser:
                         "and the manifest; the output is identical. Implied when torchrun starts several "
                         "processes. On several machines OUT must be one shared filesystem.")
     redo = p.add_mutually_exclusive_group()
-    redo.add_argument("--resume", action="store_true", help="keep finished files whose sha256 matches and redo "
-                                                             "the rest of an interrupted run")
+    redo.add_argument("--resume", action="store_true", help="keep finished files whose size and sha256 match and "
+                                                             "redo the rest of an interrupted run (a finished OUT "
+                                                             "is always re-checked so: only damaged files are "
+                                                             "rewritten)")
     redo.add_argument("--force", action="store_true", help="rewrite every file even when OUT already holds this "
-                                                            "output complete (by default: nothing to do)")
+                                                            "output (by default: every file is re-checked, size "
+                                                            "then sha256, and only those that differ rewritten)")
     p.add_argument("--verify", action="store_true", help="after writing, re-read everything and compare it with "
                                                           "the source (exit 1 on problems)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (ranks, files, bytes, G_eff) and how each "
@@ -129,7 +138,7 @@ def shard_parser() -> argparse.ArgumentParser:
 
 def verify_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard verify OUT [--source SRC]`."""
-    p = argparse.ArgumentParser(prog="wna16-shard verify", formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = Parser(prog="wna16-shard verify", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Re-read every file of a wna16-shard output and check every sha256 "
                                             "against its manifest.", epilog=VERIFY_EPILOG)
     p.add_argument("out", metavar="OUT", help="a wna16-shard output folder")
@@ -154,8 +163,13 @@ def main(argv: list[str] | None = None) -> int:
 
     Every error is one line on stderr (exit 2); a closed stdout (`| head`) ends quietly."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    _log_warnings_to_stderr()
     try:
+        _log_warnings_to_stderr()
+        check_not_shadowed()
+        typo = subcommand_typo(argv)
+        if typo is not None:
+            print(f"wna16-shard: error: {typo}", file=sys.stderr)
+            return 2
         if argv[:1] == ["verify"]:
             code = _verify(verify_parser().parse_args(argv[1:]))
         else:
@@ -232,6 +246,8 @@ def _log_warnings_to_stderr() -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from .preshard.verify import verify_report
+    from .storage.hub import resolve_checkpoint
     if args.source is None and args.revision is not None:
         raise CheckpointError(f"--revision {args.revision} names a revision of --source, but no --source was given; "
                               f"pass --source org/name or drop --revision.")
@@ -260,6 +276,11 @@ def _load_hint(out: object) -> str:
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .parallel.config import ShardJob
+    from .preshard import describe_layouts, describe_plan, preshard_checkpoint
+    from .preshard import OutputLayout
+    from .storage.hub import resolve_checkpoint
+    args.layout = OutputLayout.FUSED.value if args.layout is None else args.layout
     src = resolve_checkpoint(args.src, revision=args.revision)
     if args.plan or (args.dry_run and args.out is None):
         print(describe_layouts(src, tp_size=args.tp, ep_size=args.ep, placement=args.placement))
@@ -287,7 +308,7 @@ def _shard_text(summary: ShardSummary, args: argparse.Namespace) -> str:
     """The summary table (or 'already complete'), what --verify checked, and the next command."""
     if summary.complete:
         lines = [f"wna16-shard: {summary.out}: already complete: nothing to do (the manifest matches SRC and the "
-                 f"parameters; every file is present with its recorded header and size). --force rewrites it."]
+                 f"parameters; every file has the size and sha256 it records). --force rewrites every file."]
     else:
         lines = [summary.table()]
     if summary.verified:
@@ -302,6 +323,9 @@ def _shard_text(summary: ShardSummary, args: argparse.Namespace) -> str:
 
 def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
     """One process of a rank-parallel run (joining torchrun's rendezvous with gloo when needed)."""
+    from .parallel.config import ShardJob
+    from .preshard import preshard_distributed
+    from .preshard.verify import verify_report
     with ShardJob.joined() as job:
         summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from processes import start_ranks
 from torch import nn
 
 from wna16_loader import (
@@ -144,8 +144,7 @@ def test_all_reduce_of_ranks_equals_unsharded(cases: list[Case], tmp_path: Path,
     sharded = {case.name: str(tmp_path / f"sharded-{case.name}") for case in cases}
     for case in cases:
         preshard_checkpoint(case.folder, sharded[case.name], tp_size=tp, ep_size=ep, progress=False)
-    mp.spawn(worker, args=(world, str(tmp_path / "init"), tp, ep, cases, str(tmp_path), sharded), nprocs=world,
-             join=True)
+    start_ranks(worker, args=(world, str(tmp_path / "init"), tp, ep, cases, str(tmp_path), sharded), nprocs=world)
     for rank in range(world):
         lines = (tmp_path / f"rank{rank}.log").read_text().splitlines()
         summaries = [line for line in lines if "loaded into the model:" in line]
@@ -167,6 +166,6 @@ def test_gemma4_shape_tp8_padded_all_reduce(tmp_path: Path) -> None:
     case = Case("gemma4_tp8", folder, Activation.GELU_TANH, hidden, topk_ids, topk_weights, expected)
     sharded = {case.name: str(tmp_path / "sharded")}
     preshard_checkpoint(folder, sharded[case.name], tp_size=8, progress=False)
-    mp.spawn(worker, args=(8, str(tmp_path / "init"), 8, 1, [case], str(tmp_path), sharded), nprocs=8, join=True)
+    start_ranks(worker, args=(8, str(tmp_path / "init"), 8, 1, [case], str(tmp_path), sharded), nprocs=8)
     last = next(iter(load_experts(sharded[case.name], ParallelConfig(8, 7)).values()))
     assert (last.intermediate_size, last.intermediate_size_per_partition, last.padding) == (704, 96, 64)

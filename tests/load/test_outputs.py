@@ -100,3 +100,18 @@ def test_the_recorded_layout_is_an_output_layout(copy: Path) -> None:
         with pytest.raises(error) as exc:
             rank_record(copy, ParallelConfig(2, 0, ep_size=2, ep_rank=0))
         assert str(exc.value).startswith(f"{copy / MANIFEST_NAME}: {text}")
+
+
+def test_the_rerun_command_is_the_one_that_wrote_the_output() -> None:
+    """`rerun_command`: the source path and every parameter not at its default, quoted for a shell; `SRC` for a
+    manifest written before the source path was recorded."""
+    params = {"layout": "fused", "tp": 2, "ep": 1, "placement": "linear", "max_file_size": 4 * 2**30,
+              "schema_version": 1}
+    manifest = {"params": params, "source": {"path": "/models/Qwen3 MoE", "files": []}}
+    assert outputs.rerun_command("/out/tp2", manifest) == "wna16-shard '/models/Qwen3 MoE' /out/tp2 --tp 2"
+    params.update(layout="checkpoint", ep=4, placement="round_robin", max_file_size=20_000, mtp=False)
+    assert outputs.rerun_command("out", manifest) == (
+        "wna16-shard '/models/Qwen3 MoE' out --tp 2 --ep 4 --placement round_robin --max-file-size 20000 "
+        "--layout checkpoint --no-mtp")
+    del manifest["source"]["path"]
+    assert outputs.rerun_command("out", manifest).startswith("wna16-shard SRC out --tp 2 ")

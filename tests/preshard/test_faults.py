@@ -218,10 +218,11 @@ def test_source_changed_before_resume(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.undo()
     victim = src / "model-00002-of-00002.safetensors"
     save_file(load_file(str(victim)), str(victim), metadata={"format": "pt", "edited": "yes"})
-    with pytest.raises(PreshardError, match=rf"^{out} was written from another source: model-00002-of-00002"
-                                            rf"\.safetensors \(\d+ bytes, header sha256 [0-9a-f]{{12}}\); this run's "
-                                            rf"source is {src}: model-00002-of-00002\.safetensors \(\d+ bytes, "
-                                            rf"header sha256 [0-9a-f]{{12}}\)\. Pass the source"):
+    with pytest.raises(PreshardError, match=rf"^{out} was written from {src}, which has changed since: it held "
+                                            rf"model-00002-of-00002\.safetensors \(\d+ bytes, header sha256 "
+                                            rf"[0-9a-f]{{12}}\); it now holds model-00002-of-00002\.safetensors "
+                                            rf"\(\d+ bytes, header sha256 [0-9a-f]{{12}}\)\. Restore that source, or "
+                                            rf"use a new output folder"):
         preshard_checkpoint(src, out, resume=True, **ARGS)
     assert_unfinished(out)
 

@@ -135,15 +135,16 @@ def test_verify_catches_flipped_byte_and_missing_file(tmp_path: Path) -> None:
     data[-3] ^= 0x10
     victim.write_bytes(bytes(data))
     path = f"rank-00001-of-00002/{victim.name}"
-    file_problem = (f"{path}: sha256 differs from the manifest; `wna16-shard verify OUT --source SRC` names the "
-                    f"tensors that differ; re-shard to repair it")
+    command = f"wna16-shard {src} {out} --tp 2 --max-file-size 20000"  # the command that wrote OUT: it repairs
+    file_problem = (f"{path}: sha256 differs from the manifest (`wna16-shard verify OUT --source SRC` names the "
+                    f"tensors that differ); `{command}` rewrites it (and only the damaged files)")
     assert verify_output(out) == [file_problem]
     assert verify_output(out, source=src) == [
-        file_problem, f"{path}: tensor {last} differs from a fresh conversion of the source; re-shard to repair it"]
+        file_problem, f"{path}: tensor {last} differs from a fresh conversion of the source; `{command}` rewrites it"]
     gone = sorted((out / "common").glob("*.safetensors"))[-1]
     gone.unlink()
     problems = verify_output(out, source=src)
-    assert any("missing" in p and gone.name in p for p in problems)
+    assert f"common/{gone.name}: missing; `{command}` rewrites it (and only the damaged files)" in problems
 
 
 def test_verify_source_names_a_file_it_cannot_read(tmp_path: Path) -> None:
@@ -155,9 +156,9 @@ def test_verify_source_names_a_file_it_cannot_read(tmp_path: Path) -> None:
     data[:8] = (len(data) * 2).to_bytes(8, "little")  # a header longer than the file
     victim.write_bytes(bytes(data))
     problems = verify_output(out, source=src)
-    assert problems[0].startswith("rank-00000-of-00002/model.safetensors: sha256 differs from the manifest; ")
+    assert problems[0].startswith("rank-00000-of-00002/model.safetensors: sha256 differs from the manifest (")
     assert problems[1].startswith("rank-00000-of-00002/model.safetensors: unreadable (")
-    assert problems[1].endswith("); re-shard to repair it") and len(problems) == 2
+    assert problems[1].endswith(f"); `wna16-shard {src} {out} --tp 2` rewrites it") and len(problems) == 2
 
 
 def test_manifest_holds_one_digest_per_file(tmp_path: Path) -> None:
@@ -229,8 +230,10 @@ def test_verify_compares_every_rank_tensor_with_a_fresh_conversion(tmp_path: Pat
     name = sorted(file_rec["tensors"])[1]
     file_rec["tensors"][name]["shape"] = [1] + file_rec["tensors"][name]["shape"]
     made = "conversion" if layout == "fused" else "slice"
+    flags = "--tp 2" if layout == "fused" else "--tp 2 --layout checkpoint"
     assert _verify_converted(out, manifest, src) == [
-        f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the source; re-shard to repair it"]
+        f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the source; `wna16-shard {src} {out} "
+        f"{flags}` rewrites it"]
 
 
 def test_other_parameters_or_changed_source_refused(tmp_path: Path) -> None:
@@ -240,11 +243,11 @@ def test_other_parameters_or_changed_source_refused(tmp_path: Path) -> None:
     with pytest.raises(PreshardError, match=r"tp: written 2, requested 1"):
         preshard_checkpoint(src, out, tp_size=1, progress=False, resume=True)
     changed = make_source(tmp_path / "changed", files=1)  # the fingerprint covers names, sizes and headers
-    with pytest.raises(PreshardError, match=rf"^{out} was written from another source: model-00001-of-00002"
+    with pytest.raises(PreshardError, match=rf"^{out} was written from {src} \(model-00001-of-00002"
                                             rf"\.safetensors \(\d+ bytes, header sha256 [0-9a-f]{{12}}\), "
-                                            rf"model-00002-of-00002\.safetensors \(.*\); this run's source is "
-                                            rf"{changed}: model\.safetensors \(\d+ bytes, header sha256 "
-                                            rf"[0-9a-f]{{12}}\)\. Pass the source"):
+                                            rf"model-00002-of-00002\.safetensors \(.*\)\); this run's source is "
+                                            rf"{changed} \(model\.safetensors \(\d+ bytes, header sha256 "
+                                            rf"[0-9a-f]{{12}}\)\)\. Pass {src} as SRC, or use a new output folder"):
         preshard_checkpoint(changed, out, tp_size=2, progress=False)
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -333,20 +336,61 @@ def test_reduced_group_size_warned_once_by_the_plan(tmp_path: Path, caplog: pyte
     assert caplog.records == []
 
 
-def test_complete_output_left_alone_until_a_file_changes(tmp_path: Path) -> None:
+def mtimes(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): p.stat().st_mtime_ns for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_rerun_rewrites_exactly_the_damaged_files(tmp_path: Path, resume: bool,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A re-run (or --resume) into a finished output re-checks every file against the manifest (size, then
+    sha256) and rewrites exactly those that differ (one flipped byte: same size, caught by the sha256), are
+    truncated or are missing, and a copied small file that differs from the source's; every other file, the
+    manifest and the plan keep their bytes and mtime. With nothing damaged, nothing is written."""
     src = make_source(tmp_path / "src")
     out = tmp_path / "out"
-    preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
-    reference = tree_bytes(out)
-    again = preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
-    assert again.complete and [r.kept for r in again.ranks] == [r.files for r in again.ranks]
-    victim = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[0]
-    victim.write_bytes(victim.read_bytes()[:-1])  # one byte short: its header no longer matches its size
-    redo = preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False)
+    args = {"tp_size": 2, "max_file_size": 20_000, "progress": False, "resume": resume}
+    preshard_checkpoint(src, out, **args)
+    reference, before = tree_bytes(out), mtimes(out)
+    again = preshard_checkpoint(src, out, **args)
+    assert again.complete and [r.kept for r in again.ranks] == [r.files for r in again.ranks] and mtimes(out) == before
+    flipped, short = sorted((out / "rank-00001-of-00002").glob("*.safetensors"))[:2]
+    gone = sorted((out / "common").glob("*.safetensors"))[-1]
+    data = bytearray(flipped.read_bytes())
+    data[-5] ^= 0x01
+    flipped.write_bytes(bytes(data))
+    short.write_bytes(short.read_bytes()[:-1])
+    gone.unlink()
+    (out / "generation_config.json").write_text("{}")
+    damaged = {str(p.relative_to(out)) for p in (flipped, short, gone)} | {"generation_config.json"}
+    before = mtimes(out)
+    with caplog.at_level(logging.WARNING, logger="wna16_loader"):
+        redo = preshard_checkpoint(src, out, **args)
     assert not redo.complete and tree_bytes(out) == reference
-    (out / "generation_config.json").unlink()
-    assert not preshard_checkpoint(src, out, tp_size=2, max_file_size=20_000, progress=False).complete
-    assert tree_bytes(out) == reference
+    after = mtimes(out)
+    assert {p for p in set(before) | set(after) if before.get(p) != after.get(p)} == damaged
+    assert sum(r.kept for r in redo.ranks) == sum(r.files for r in redo.ranks) - 3
+    total = sum(r.files for r in redo.ranks)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{out}: 4 of {total + 1} files to rewrite ({gone.relative_to(out)}: missing; {flipped.relative_to(out)}: "
+        f"sha256 differs from the manifest; {short.relative_to(out)}: truncated or overwritten "
+        f"({short.stat().st_size - 1} bytes, not what its header and the manifest say) and 1 more); keeping the other "
+        f"{total - 3} untouched"]
+
+
+def test_the_recheck_shows_its_progress(tmp_path: Path) -> None:
+    """The re-check's progress lines say what they count (`checking OUT:`); a pass quicker than `after` seconds
+    prints none."""
+    import io
+
+    from wna16_loader.preshard.progress import Progress
+    lines = io.StringIO()
+    meter = Progress(2048, True, stream=lines, action=f"checking {tmp_path}: ")
+    meter.advance(2048, "common/model.safetensors")
+    assert lines.getvalue() == f"wna16-shard: checking {tmp_path}: 2.0 KiB of 2.0 KiB (100%), common/model.safetensors\n"
+    quick = io.StringIO()
+    Progress(2048, True, stream=quick, action="checking: ", after=60.0).advance(2048, "x")
+    assert quick.getvalue() == ""
 
 
 def test_non_gated_round_trip_and_verify(tmp_path: Path) -> None:
@@ -484,3 +528,8 @@ def test_progress_moves_by_bytes_within_a_file_in_one_bar(tmp_path: Path, monkey
     assert len(bars) == 1 and len(files) == 3
     assert sum(updates) == bars[0].total == sum(f.nbytes for f in files)
     assert max(updates) <= 4096 and len(updates) > 3 * max(len(f.tensors) for f in files)
+    bars.clear()
+    updates.clear()
+    assert preshard_checkpoint(src, tmp_path / "out", tp_size=2).complete  # the re-check has its own bar
+    assert len(bars) == 1 and bars[0].desc == f"wna16-shard checking {tmp_path / 'out'}"
+    assert sum(updates) == bars[0].total == sum(f.nbytes for f in files)

@@ -21,6 +21,7 @@ import itertools
 import json
 import mmap
 import os
+import shlex
 from contextlib import nullcontext
 from enum import Enum
 from pathlib import Path
@@ -71,6 +72,22 @@ def is_presharded(path: str | Path) -> bool:
         raise CheckpointError(f"{path}: an unfinished wna16-shard output ({PLAN_NAME} but no {MANIFEST_NAME}); "
                               f"finish it with wna16-shard SRC {path} ... --resume, or load the source checkpoint.")
     return False
+
+
+# A wna16-shard run's parameters when their flag is not given (left out of the command `rerun_command` names).
+DEFAULT_PARAMS = {"tp": 1, "ep": 1, "placement": "linear", "max_file_size": 4 * 2**30, "layout": "fused"}
+
+
+def rerun_command(out: str | Path, manifest: dict[str, Any]) -> str:
+    """The wna16-shard command that wrote `out`, from its manifest (or its head): the source path it records
+    (`SRC` in a manifest written before the path was recorded) and every parameter not at its default. Run
+    again, it re-checks every file (size, then sha256) and rewrites exactly the damaged or missing ones."""
+    params = manifest.get("params", {})
+    source = manifest.get("source", {}).get("path", "SRC")
+    flags = [f"--{key.replace('_', '-')} {params[key]}" for key, default in DEFAULT_PARAMS.items()
+             if params.get(key, default) != default]
+    flags += ["--no-mtp"] if params.get("mtp") is False else []
+    return " ".join(["wna16-shard", shlex.quote(str(source)), shlex.quote(str(out)), *flags])
 
 
 def check_output_folder(out: str | Path) -> Path:

@@ -40,8 +40,8 @@ from ..storage.readahead import ReadOptions, byte_view, pieces
 from .device import DevicePolicy
 from .fused import FusedExperts, FusedSpec, FusedWriter
 from .outputs import (PLAN_NAME, SCHEMA_VERSION, check_output_folder, is_presharded, mtp_layers, output_prefixes,
-                      parallel_config, rank_record, rank_specs, read_manifest, read_rank_manifest, spec_from_record,
-                      spec_record, warn_no_mtp)
+                      parallel_config, rank_record, rank_specs, read_manifest, read_rank_manifest, rerun_command,
+                      spec_from_record, spec_record, warn_no_mtp)
 from .results import LoadedExperts, LoadReport
 
 __all__ = [  # this module's own names, then the manifest's (defined in `outputs`)
@@ -49,7 +49,7 @@ __all__ = [  # this module's own names, then the manifest's (defined in `outputs
     "put_layer", "queued_param", "read_layers", "read_param", "read_rank", "wrong_tensor",
     "MANIFEST_NAME", "PLAN_NAME", "SCHEMA_VERSION", "check_output_folder", "is_presharded", "mtp_layers",
     "output_prefixes", "parallel_config", "rank_record", "rank_specs", "read_manifest", "read_rank_manifest",
-    "spec_from_record", "spec_record", "warn_no_mtp",
+    "rerun_command", "spec_from_record", "spec_record", "warn_no_mtp",
 ]
 
 
@@ -131,11 +131,18 @@ def locate_rank(out: str | Path, rank: dict[str, Any]) -> tuple[dict[str, Locate
 
 def damaged(out: str | Path, path: Path) -> CheckpointError:
     """The error for a rank file of an output whose header or size is wrong (truncated, overwritten): the file,
-    and how to find and rewrite every damaged file."""
+    and the command that rewrites every damaged file (the one that wrote the output, run again)."""
     return CheckpointError(f"{path}: truncated or corrupt ({path.stat().st_size} bytes on disk): a file of the "
-                           f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file, then "
-                           f"the wna16-shard command that wrote {out} again with --resume: it keeps the intact files "
-                           f"and rewrites only the damaged ones.")
+                           f"wna16-shard output {out}. Run `wna16-shard verify {out}` to list every damaged file; "
+                           f"re-running `{_writer(out)}` re-checks every file and rewrites only the damaged ones.")
+
+
+def _writer(out: str | Path) -> str:
+    """The command that wrote `out` (from its manifest's head), or that command in words."""
+    try:
+        return rerun_command(out, read_rank_manifest(out, 0)[0])
+    except (CheckpointError, OSError, AttributeError):  # the manifest is damaged too
+        return f"wna16-shard SRC {out} ... (the command that wrote it)"
 
 
 def read_param(out: str | Path, policy: DevicePolicy, name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -199,8 +206,8 @@ def _read_rank_files(out: Path, records: list[dict[str, Any]]) -> tuple[dict[str
 def _rank_file(out: Path, rec: dict[str, Any]) -> Path:
     path = out / rec["path"]
     if not path.is_file():
-        raise CheckpointError(f"{path}: listed in {out / MANIFEST_NAME} but missing; re-run wna16-shard "
-                              f"with --resume to rewrite it.")
+        raise CheckpointError(f"{path}: listed in {out / MANIFEST_NAME} but missing; re-running `{_writer(out)}` "
+                              f"rewrites it (and only the damaged files).")
     return path
 
 

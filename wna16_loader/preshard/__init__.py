@@ -12,7 +12,8 @@ Output folder OUT (W = tp * ep ranks, rank r = ep_rank * tp + tp_rank):
 | wna16_manifest.json                    | hashes, layout, source account (written last)       |
 
 Every file is written under a temporary name, fsynced and renamed; `.wna16-done.jsonl`
-journals finished files so `resume=True` redoes only the rest. Output is deterministic
+journals finished files so `resume=True` redoes only the rest. A run into a finished output re-checks
+every file against the manifest (size, then sha256) and rewrites only those that differ or are missing. Output is deterministic
 (sorted tensors, fixed metadata, no timestamps), so a resumed run is byte-identical to a
 clean one. Fused rank tensors come from the loader's own per-layer path (`loader.load_layer`), one
 layer at a time, so memory does not grow with the layer count; --layout checkpoint slices come from
@@ -29,7 +30,8 @@ Modules, one job each (imports point down this list):
 |            | vLLM methods take a layout                                           |
 | progress   | the plan in words, progress lines or bar, the summary table          |
 | manifest   | the manifest's records (tensors, layers, source account)             |
-| journal    | the plan file, the resume journal, refusing foreign outputs          |
+| journal    | the plan file, the resume journal, re-checking finished files,       |
+|            | refusing foreign outputs                                             |
 | writing    | safetensors serialisation, streaming and hashing, parallel folders   |
 | verify     | hashes, and every tensor against the source                          |
 | run        | `preshard_checkpoint`: the whole run in order; `shard`, its CLI twin  |

@@ -9,6 +9,7 @@ several machines, OUT must be one shared filesystem seen at the same path by eve
 | step                  | who        | sync                                   |
 |-----------------------|------------|----------------------------------------|
 | lock, check, journal  | process 0  | broadcast: the journal, or the error   |
+|                       |            | (a finished OUT: its intact files)     |
 | write owned folders   | everyone   | all_gather: summaries and records      |
 | small files, manifest | process 0  | barrier                                |
 """
@@ -23,7 +24,7 @@ from ..errors import PreshardError
 from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..parallel.config import ShardJob
 from ..storage.index import CheckpointIndex
-from .journal import JOURNAL_NAME, check_existing, start
+from .journal import JOURNAL_NAME, check_existing, recheck, start
 from .manifest import build_manifest
 from .plan import ShardPlan, make_plan
 from .progress import ShardSummary
@@ -81,7 +82,8 @@ def _started(out: Path, plan: ShardPlan, resume: bool, job: ShardJob) -> dict[st
     if job.process == 0:
         try:
             check_existing(out, plan)
-            journal = start(out, plan, resume)
+            repair = (out / MANIFEST_NAME).is_file()  # a finished output: rewrite only the files that differ
+            journal = start(out, plan, recheck(out, plan).kept if resume or repair else None)
         except PreshardError as exc:
             journal = str(exc)
     journal = job.broadcast(journal)

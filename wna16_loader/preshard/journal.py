@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ from ..logs import log
 from ..storage.index import DTYPES
 from .manifest import without_tensor_digests
 from .plan import ShardPlan, fingerprint_differences, plan_record, source_change
-from .safefiles import LOCK_NAME, read_json, sha256_file, write_json_atomic, writing
+from .progress import Progress
+from .safefiles import LOCK_NAME, read_json, same_bytes, sha256_file, write_json_atomic, writing
 
 JOURNAL_NAME = ".wna16-done.jsonl"
 
@@ -37,13 +39,26 @@ def check_existing(out: Path, plan: ShardPlan) -> None:
                             f"refusing to write into it. Choose an empty or new output folder.")
     change = source_change(recorded.get("source", {}), plan.fingerprint)
     if change is not None:
-        raise PreshardError(f"{out} was written from another source: {change[0]}; this run's source is {plan.source}: "
-                            f"{change[1]}. Pass the source {out} was written from, or use a new output folder (or "
-                            f"delete {out} first).")
+        raise another_source(out, recorded.get("source", {}).get("path"), plan, change)
     diffs = _differences(recorded, plan)
     if diffs:
         raise PreshardError(f"{out} was written with other parameters ({'; '.join(diffs)}); refusing to mix them. "
                             f"Re-run with the written parameters, or use a new output folder (or delete {out} first).")
+
+
+def another_source(out: Path, written_from: str | None, plan: ShardPlan, change: tuple[str, str]) -> PreshardError:
+    """The refusal of a run whose source is not the one `out` was written from: the path it was written from
+    (`written_from`, None in a manifest written before it was recorded), this run's, and what differs."""
+    fresh = f"use a new output folder (or delete {out} first)"
+    if written_from is None:
+        return PreshardError(f"{out} was written from another source ({change[0]}; its manifest, from an older "
+                             f"version, does not record the path); this run's source is {plan.source} ({change[1]}). "
+                             f"Pass the source {out} was written from, or {fresh}.")
+    if Path(written_from) == Path(plan.source).resolve():
+        return PreshardError(f"{out} was written from {written_from}, which has changed since: it held {change[0]}; "
+                             f"it now holds {change[1]}. Restore that source, or {fresh}.")
+    return PreshardError(f"{out} was written from {written_from} ({change[0]}); this run's source is {plan.source} "
+                         f"({change[1]}). Pass {written_from} as SRC, or {fresh}.")
 
 
 def planned_tensors(plan: ShardPlan) -> dict[str, list[str]]:
@@ -58,16 +73,18 @@ def _differences(recorded: dict[str, Any], plan: ShardPlan) -> list[str]:
     return diffs + fingerprint_differences(recorded.get("source", {}), plan.fingerprint)
 
 
-def start(out: Path, plan: ShardPlan, resume: bool) -> dict[str, dict[str, Any]]:
-    """Write the plan, drop the manifest and stray temporaries; the journal of files to keep on resume."""
-    journal = _read_journal(out, plan) if resume else {}
-    (out / MANIFEST_NAME).unlink(missing_ok=True)
+def start(out: Path, plan: ShardPlan, kept: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Write the plan (left untouched when it holds the same), drop stray temporaries; the journal, starting
+    with the records of the files `kept` (a `recheck`'s). `kept` None starts over: the manifest and the
+    journal are dropped. A repair (a manifest, files kept) keeps the manifest until the new one replaces
+    it: an interrupted repair is still a finished output, which the next run re-checks and repairs."""
+    if kept is None:
+        (out / MANIFEST_NAME).unlink(missing_ok=True)
+        (out / JOURNAL_NAME).unlink(missing_ok=True)
     for tmp in out.rglob(".*.tmp"):
         tmp.unlink()
-    if not resume:
-        (out / JOURNAL_NAME).unlink(missing_ok=True)
     write_json_atomic(out / PLAN_NAME, plan_record(plan))
-    return journal
+    return dict(kept or {})
 
 
 def _recorded_files(out: Path) -> list[Any]:
@@ -88,10 +105,10 @@ def _recorded_files(out: Path) -> list[Any]:
 
 
 def warn_starting_over(out: Path, plan: ShardPlan) -> None:
-    """A run without --resume into an OUT that holds an unfinished or damaged output of this plan starts over:
-    one warning saying so, and how many files --resume would keep (those present with the header and size they
-    were written with; --resume also checks their sha256)."""
-    if not (out / PLAN_NAME).is_file() and not (out / MANIFEST_NAME).is_file():
+    """A run without --resume into an OUT that holds an unfinished output of this plan (a plan, no manifest)
+    starts over: one warning saying so, and how many files --resume would keep (those present with the header
+    and size they were written with; --resume also checks their sha256)."""
+    if not (out / PLAN_NAME).is_file() or (out / MANIFEST_NAME).is_file():
         return
     planned = planned_tensors(plan)
     try:
@@ -100,27 +117,76 @@ def warn_starting_over(out: Path, plan: ShardPlan) -> None:
         records = []
     intact = {rec.get("path") for rec in records if planned.get(rec.get("path")) == sorted(rec.get("tensors", {}))
               and _header_matches(out / rec["path"], rec["tensors"])}
-    what = "a damaged output" if (out / MANIFEST_NAME).is_file() else "a partial output"
     keep = f"use --resume to keep {len(intact)} files" if intact else "none of its files can be kept"
-    log.warning("%s: found %s (%d of %d files intact): starting over, every file is rewritten (%s)", out, what,
-                len(intact), len(planned), keep)
+    log.warning("%s: found a partial output (%d of %d files intact): starting over, every file is rewritten (%s)",
+                out, len(intact), len(planned), keep)
 
 
-def _read_journal(out: Path, plan: ShardPlan) -> dict[str, dict[str, Any]]:
-    """path -> record of finished files whose tensors match the plan and whose sha256 still matches (in this
-    version's form: a record an earlier version journaled keeps its file's sha256, not its tensors')."""
+@dataclass(frozen=True)
+class Recheck:
+    """What re-checking an output's finished files against their records found: `kept`, path -> record of
+    every intact file (in this version's form); `damaged`, `path: why` of every other planned file;
+    `copied`, the small files missing or differing from the source's."""
+
+    kept: dict[str, dict[str, Any]]
+    damaged: tuple[str, ...]
+    copied: tuple[str, ...]
+
+    @property
+    def intact(self) -> bool:
+        """Whether nothing needs to be written."""
+        return not self.damaged and not self.copied
+
+
+def recheck(out: Path, plan: ShardPlan, progress: bool = False) -> Recheck:
+    """Every planned file against the latest record of it (the manifest's, else the journal's): the tensors it
+    should hold, then its header and size (cheap: a truncated file is never hashed), then its sha256, in one
+    pass over the files with `progress` shown; and the copied small files against the source's."""
     planned = planned_tensors(plan)
-    kept: dict[str, dict[str, Any]] = {}
-    records = _recorded_files(out)
-    for rec in records:
-        try:
-            path, tensors, digest = rec["path"], sorted(rec["tensors"]), rec["sha256"]
-        except (KeyError, TypeError):  # a line cut short by a kill, or a corrupt record: redo that file
-            continue
-        file = out / path
-        if planned.get(path) == tensors and file.is_file() and sha256_file(file) == digest:
-            kept[path] = without_tensor_digests(rec)
-    return kept
+    records = {rec["path"]: rec for rec in _recorded_files(out) if isinstance(rec, dict) and "path" in rec}
+    meter = Progress(sum(f.nbytes for f in plan.all_files()), progress, action=f"checking {out}: ", after=2.0)
+    kept, damaged = {}, []
+    try:
+        for fp in plan.all_files():
+            why = _damage(out, fp.path, records.get(fp.path), planned[fp.path])
+            meter.advance(fp.nbytes, fp.path)
+            if why is None:
+                kept[fp.path] = without_tensor_digests(records[fp.path])
+            else:
+                damaged.append(f"{fp.path}: {why}")
+    finally:
+        meter.close()
+    copied = tuple(f"{name}: differs from the source's" for name in plan.copied
+                   if not same_bytes(plan.source / name, out / name))
+    return Recheck(kept, tuple(damaged), copied)
+
+
+def _damage(out: Path, path: str, record: Any, tensors: list[str]) -> str | None:
+    """Why the file `path` of OUT cannot be kept (None: it is intact): no usable record of it, missing, its
+    header or size not the recorded ones, or its sha256 not the recorded one."""
+    try:
+        recorded, digest = record["tensors"], record["sha256"]
+    except (KeyError, TypeError):  # no record, or one cut short by a kill, or corrupt
+        return "not finished"
+    file = out / path
+    if not isinstance(recorded, dict) or sorted(recorded) != tensors:
+        return "not finished"
+    if not file.is_file():
+        return "missing"
+    if not _header_matches(file, recorded):
+        return f"truncated or overwritten ({file.stat().st_size} bytes, not what its header and the manifest say)"
+    if sha256_file(file) != digest:
+        return "sha256 differs from the manifest"
+    return None
+
+
+def warn_repairing(out: Path, found: Recheck) -> None:
+    """One warning: which files a re-run rewrites (the damaged, truncated or missing ones), and that it keeps
+    the others untouched."""
+    bad = found.damaged + found.copied
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    log.warning("%s: %d of %d files to rewrite (%s%s); keeping the other %d untouched", out, len(bad),
+                len(found.kept) + len(bad), "; ".join(bad[:3]), more, len(found.kept))
 
 
 def _journal_record(line: str) -> Any:
@@ -140,29 +206,6 @@ def append_journal(out: Path, record: dict[str, Any]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def output_complete(out: Path, plan: ShardPlan) -> bool:
-    """Whether OUT already holds this plan's finished output, checked cheaply (nothing is hashed): a
-    manifest with the same parameters and source fingerprint (see check_existing), listing the planned
-    files, each present with the tensor names, dtypes and shapes it records in its header and the size
-    they imply, and every copied file present."""
-    path = out / MANIFEST_NAME
-    if not path.is_file():
-        return False
-    manifest = read_json(path)
-    if _differences(manifest, plan):
-        return False
-    try:
-        records = manifest["common"]["files"] + [f for rank in manifest["ranks"] for f in rank["files"]]
-        listed = {rec["path"]: rec["tensors"] for rec in records}
-    except (KeyError, TypeError):
-        return False
-    planned = planned_tensors(plan)
-    if {p: sorted(t) for p, t in listed.items()} != planned:
-        return False
-    return all(_header_matches(out / p, t) for p, t in listed.items()) and all(
-        (out / name).is_file() for name in plan.copied)
 
 
 def _header_matches(path: Path, tensors: dict[str, Any]) -> bool:

@@ -292,7 +292,8 @@ def split_files(folder: str, sizes: dict[str, int], max_file_size: int) -> tuple
 
 
 def source_fingerprint(src: Path, files: list[str]) -> dict[str, Any]:
-    """Name, size and sha256 of the header (first 8 + N bytes) of every source safetensors file."""
+    """Name, size and sha256 of the header (first 8 + N bytes) of every source safetensors file, the sha256 of
+    config.json, and the folder's absolute path (said, never compared: a source may move)."""
     entries = []
     for name in files:
         path = src / name
@@ -303,7 +304,7 @@ def source_fingerprint(src: Path, files: list[str]) -> dict[str, Any]:
         entries.append({"name": name, "size": path.stat().st_size, "header_sha256": hashlib.sha256(header).hexdigest()})
     config = src / "config.json"
     config_hash = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
-    return {"files": entries, "config_sha256": config_hash}
+    return {"files": entries, "config_sha256": config_hash, "path": str(src.resolve())}
 
 
 def changed_files(recorded: dict[str, Any],

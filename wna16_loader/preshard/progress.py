@@ -90,17 +90,20 @@ def padding_lines(plan: ShardPlan) -> list[str]:
 
 
 class Progress:
-    """Bytes written: a tqdm bar on a TTY, plain lines every few seconds otherwise, nothing when disabled."""
+    """Bytes written (or, with an `action` such as `checking OUT: `, checked): a tqdm bar on a TTY, plain lines
+    every few seconds otherwise (from `after` seconds on: a quick pass prints none), nothing when disabled."""
 
-    def __init__(self, total: int, enabled: bool, stream: Any = None) -> None:
+    def __init__(self, total: int, enabled: bool, stream: Any = None, action: str = "", after: float = 0.0) -> None:
         self.stream = stream or sys.stderr
-        self.total, self.done, self.enabled, self.last = total, 0, enabled, 0.0
+        self.total, self.done, self.enabled, self.last, self.action = total, 0, enabled, 0.0, action
+        self.quiet_until = time.monotonic() + after
         self.lock = threading.Lock()  # advanced by the writer thread (tensor bytes) and the main one (kept files)
         self.bar = None
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             try:
                 from tqdm import tqdm
-                self.bar = tqdm(total=total, unit="B", unit_scale=True, file=self.stream, desc="wna16-shard")
+                self.bar = tqdm(total=total, unit="B", unit_scale=True, file=self.stream,
+                                desc=f"wna16-shard {action.rstrip(': ')}".rstrip())
             except ImportError:  # tqdm is optional at runtime; fall back to lines
                 self.bar = None
 
@@ -110,11 +113,12 @@ class Progress:
             self.done += nbytes
             if self.bar is not None:
                 self.bar.update(nbytes)
-            elif self.enabled and (time.monotonic() - self.last > 2.0 or self.done >= self.total):
+            elif self.enabled and time.monotonic() >= self.quiet_until and (
+                    time.monotonic() - self.last > 2.0 or self.done >= self.total):
                 self.last = time.monotonic()
                 pct = 100.0 * self.done / max(self.total, 1)
-                print(f"wna16-shard: {human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), {label}",
-                      file=self.stream)
+                print(f"wna16-shard: {self.action}{human_size(self.done)} of {human_size(self.total)} ({pct:.0f}%), "
+                      f"{label}", file=self.stream)
 
     def close(self) -> None:
         """Close the bar."""

@@ -9,7 +9,8 @@ from typing import Any
 from ..errors import PreshardError
 from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..storage.hub import resolve_checkpoint
-from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start, warn_starting_over
+from .journal import (JOURNAL_NAME, Recheck, check_existing, interrupted, recheck, start, warn_repairing,
+                      warn_starting_over)
 from .manifest import build_manifest
 from .plan import COMMON_DIR, ShardPlan, make_plan, warn_plan
 from .progress import RankSummary, ShardSummary
@@ -40,13 +41,15 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
     layout: OutputLayout.FUSED, "fused" (load_experts' tensors) or OutputLayout.CHECKPOINT, "checkpoint" (source
-    tensors sliced per rank, source names and format). dry_run: plan only, write nothing. resume: keep journaled
-    files whose sha256 still matches.
+    tensors sliced per rank, source names and format). dry_run: plan only, write nothing. resume: keep the
+    journaled files of an interrupted run whose size and sha256 still match.
     verify: re-read the output and compare it with the source; problems land in the summary.
     workers: folders written in parallel processes (output identical to workers=1).
     mtp: shard the MTP layers' experts (default); False copies their tensors unchanged into common/.
-    An `out` that already holds this plan's finished output (same parameters and source; files present with
-    the recorded headers and sizes) is left untouched and the summary says `complete`; force=True rewrites it.
+    An `out` that already holds this plan's finished output (same parameters and source) is re-checked, file
+    by file, against its manifest (size, then sha256; progress shown): exactly the files that differ, are
+    truncated or are missing are rewritten, the others are left untouched (their mtime too); when none
+    differs, nothing is written and the summary says `complete`. force=True rewrites every file.
     Raises a WNA16Error subclass on bad input, a locked or foreign `out`, changed parameters or a failed write.
     """
     out = Path(out)
@@ -58,21 +61,22 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     if dry_run:
         warn_plan(plan)
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
+    found = None
     if not force and out.is_dir() and not locked_by_another(out):  # before anything is written (read-only OUT)
-        check_existing(out, plan)
-        if output_complete(out, plan):
+        found = _existing(out, plan, resume, progress)
+        if found is not None and found.intact and (out / MANIFEST_NAME).is_file():
             return _complete(out, plan, verify)
     make_dir(out)
     with output_lock(out):
         check_existing(out, plan)
-        if not force and output_complete(out, plan):
-            return _complete(out, plan, verify)
-        journal: dict[str, dict[str, Any]] = {}
-        if not resume and not force:
+        if found is None and (resume or not force):  # OUT was locked by another run at first, or force + resume
+            found = _existing(out, plan, resume, progress)
+        if found is None and not force:
             warn_starting_over(out, plan)
         warn_plan(plan)
+        journal: dict[str, dict[str, Any]] = {}
         try:
-            journal = start(out, plan, resume)
+            journal = start(out, plan, None if found is None else found.kept)
             summaries = write_all(out, plan, journal, progress, workers)
             records = {rec["path"]: rec for rec in journal.values()}
             for name in plan.copied:
@@ -82,6 +86,19 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
             raise interrupted(out, plan, journal) from None
         (out / JOURNAL_NAME).unlink(missing_ok=True)
     return replace(ShardSummary(out=out, plan=plan, ranks=summaries), **_verified(out, plan, verify))
+
+
+def _existing(out: Path, plan: ShardPlan, resume: bool, progress: bool) -> Recheck | None:
+    """Refuse a foreign OUT; re-check the files of a finished output (a re-run repairs it) or, with `resume`,
+    of an interrupted run (warning which files a repair rewrites). None: nothing to keep (start over)."""
+    check_existing(out, plan)
+    finished = (out / MANIFEST_NAME).is_file()
+    if not finished and not resume:
+        return None
+    found = recheck(out, plan, progress)
+    if finished and not found.intact:
+        warn_repairing(out, found)
+    return found
 
 
 def _complete(out: Path, plan: ShardPlan, verify: bool) -> ShardSummary:

@@ -47,11 +47,31 @@ def commit(tmp: Path, final: Path) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON (stable formatting) through a temporary file, fsync and rename."""
+    """Write JSON (stable formatting) through a temporary file, fsync and rename; a file that already holds
+    exactly that text is left untouched (its mtime too)."""
+    text = json.dumps(data, indent=2) + "\n"
+    if _holds(path, text.encode("utf-8")):
+        return
     tmp = path.with_name(f".{path.name}.tmp")
     with writing(path, tmp):
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(text, encoding="utf-8")
         commit(tmp, path)
+
+
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether `path` is a file holding exactly `data`."""
+    try:
+        return path.stat().st_size == len(data) and path.read_bytes() == data
+    except OSError:
+        return False
+
+
+def same_bytes(a: Path, b: Path) -> bool:
+    """Whether files `a` and `b` both exist and hold the same bytes (small files: both are read whole)."""
+    try:
+        return a.is_file() and _holds(b, a.read_bytes())
+    except OSError:
+        return False
 
 
 def sha256_file(path: Path) -> str:
@@ -64,6 +84,9 @@ def sha256_file(path: Path) -> str:
 
 
 def copy_file(src: Path, dst: Path) -> None:
+    """Copy `src` to `dst` safely (temporary name, fsync, rename); a `dst` with the same bytes is left untouched."""
+    if same_bytes(src, dst):
+        return
     tmp = dst.with_name(f".{dst.name}.tmp")
     with writing(dst, tmp):
         shutil.copyfile(src, tmp)

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from ..errors import CheckpointError, WNA16Error
 from ..load.experts import load_experts
 from ..load.fused import FusedExperts
-from ..load.outputs import OutputLayout, output_layout, read_manifest
+from ..load.outputs import OutputLayout, output_layout, read_manifest, rerun_command
 from ..load.presharded import load_presharded
 from ..parallel.config import ParallelConfig
 from ..storage.index import CheckpointIndex
@@ -83,8 +83,9 @@ def verify_report(out: str | Path, source: str | Path | None = None, *, reassemb
         check_source_matches(out, manifest, Path(source))
     common, ranks = manifest["common"]["files"], [rec for rank in manifest["ranks"] for rec in rank["files"]]
     records = common + ranks
-    common_problems = [p for rec in common for p in _verify_file(out, rec)]
-    problems = common_problems + [p for rec in ranks for p in _verify_file(out, rec)]
+    fix = rerun_command(out, manifest)
+    common_problems = [p for rec in common for p in _verify_file(out, rec, fix)]
+    problems = common_problems + [p for rec in ranks for p in _verify_file(out, rec, fix)]
     layout = output_layout(out, manifest)
     report = VerifyReport(out, layout, len(records), sum(len(rec["tensors"]) for rec in records),
                           sum((out / rec["path"]).stat().st_size for rec in records if (out / rec["path"]).is_file()))
@@ -117,18 +118,25 @@ def check_source_matches(out: Path, manifest: dict[str, Any], source: Path) -> N
     if diffs:
         more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
         raise CheckpointError(f"--source {source} is not the checkpoint {out} was written from: "
-                              f"{'; '.join(diffs[:2])}{more}. Pass the original source folder, or re-shard.")
+                              f"{'; '.join(diffs[:2])}{more}. Pass {_original(manifest)}, or re-shard.")
 
 
-def _verify_file(out: Path, rec: dict[str, Any]) -> list[str]:
-    """The file is there and its sha256 is the manifest's (the file is named; `verify --source` names the tensor)."""
+def _original(manifest: dict[str, Any]) -> str:
+    """The source folder the manifest records, in words (`the original source folder` for an older one)."""
+    path = manifest.get("source", {}).get("path")
+    return "the original source folder" if path is None else f"the original source folder {path}"
+
+
+def _verify_file(out: Path, rec: dict[str, Any], fix: str) -> list[str]:
+    """The file is there and its sha256 is the manifest's (the file is named; `verify --source` names the tensor);
+    `fix`: the command that wrote OUT, which rewrites exactly the damaged files when run again."""
     path = out / rec["path"]
     if not path.is_file():
-        return [f"{rec['path']}: missing (re-run wna16-shard with --resume to rewrite it)"]
+        return [f"{rec['path']}: missing; `{fix}` rewrites it (and only the damaged files)"]
     if sha256_file(path) == rec["sha256"]:
         return []
-    return [f"{rec['path']}: sha256 differs from the manifest; `wna16-shard verify OUT --source SRC` names the tensors "
-            f"that differ; re-shard to repair it"]
+    return [f"{rec['path']}: sha256 differs from the manifest (`wna16-shard verify OUT --source SRC` names the tensors "
+            f"that differ); `{fix}` rewrites it (and only the damaged files)"]
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -152,7 +160,7 @@ def _check_common(out: Path, manifest: dict[str, Any], source: Path) -> None:
     if differ:
         more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
         raise CheckpointError(f"--source {source} is not the checkpoint {out} was written from: tensor {differ[0]} "
-                              f"differs from its copy in common/{more}. Pass the original source folder, or re-shard.")
+                              f"differs from its copy in common/{more}. Pass {_original(manifest)}, or re-shard.")
 
 
 def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list[str]:
@@ -164,29 +172,30 @@ def _verify_converted(out: Path, manifest: dict[str, Any], source: Path) -> list
                      max_file_size=p["max_file_size"], layout=output_layout(out, manifest), mtp=p.get("mtp", True),
                      warn=False)
     made = "slice" if plan.layout is OutputLayout.CHECKPOINT else "conversion"
+    fix = f"`{rerun_command(out, manifest)}` rewrites it"
     problems = []
     with CheckpointIndex(source) as index:
         for rank, rec in zip(plan.ranks, manifest["ranks"]):
             fresh = tensor_source(plan, rank, index)
             for file_rec in rec["files"]:
-                problems += _differing_tensors(out, file_rec, fresh, made)
+                problems += _differing_tensors(out, file_rec, fresh, made, fix)
     return problems
 
 
-def _differing_tensors(out: Path, file_rec: dict[str, Any], fresh: TensorSource, made: str) -> list[str]:
+def _differing_tensors(out: Path, file_rec: dict[str, Any], fresh: TensorSource, made: str, fix: str) -> list[str]:
     """A problem naming each tensor of one output file that differs from its fresh make (none for a missing
-    file, which the file check names)."""
+    file, which the file check names); `fix` says how to rewrite the file."""
     path = out / file_rec["path"]
     if not path.is_file():
         return []
     try:
         opened = safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises its own types for corrupt files
-        return [f"{file_rec['path']}: unreadable ({exc}); re-shard to repair it"]
+        return [f"{file_rec['path']}: unreadable ({exc}); {fix}"]
     with opened as handle:
         held = set(handle.keys())
-        return [f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the source; re-shard to "
-                f"repair it" for name, want in file_rec["tensors"].items()
+        return [f"{file_rec['path']}: tensor {name} differs from a fresh {made} of the source; {fix}"
+                for name, want in file_rec["tensors"].items()
                 if name not in held or not _matches_fresh(fresh, name, want, handle)]
 
 
