@@ -16,10 +16,16 @@ def sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def forkserver() -> Any:
+    """The multiprocessing context of `start_ranks`' fork server (torch and the package imported once)."""
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "wna16_loader.load", "wna16_loader.engine"])
+    return mp.get_context("forkserver")
+
+
 def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
     """`torch.multiprocessing.spawn(fn, args, nprocs)`, its processes forked by a fork server that has imported
     torch and the package once (started on first use, then shared by every later call of the session): a rank
     costs a fork, not an interpreter start and a torch import. The server never ran a parallel region nor a
     process group, so forking it is safe; each rank still starts with nothing but those imports."""
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "wna16_loader.load", "wna16_loader.engine"])
+    forkserver()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")

@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from processes import forkserver, start_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -216,7 +216,7 @@ SPLITS = ((4, 1), (2, 2))
 def test_four_ranks_read_a_cold_checkpoint_together(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", act_order=True), num_experts=8, hidden=256,
                             intermediate=512, num_layers=3, files=2, references=False)
-    mp.spawn(_together, args=(4, str(tmp_path / "init"), str(ckpt.folder), str(tmp_path)), nprocs=4, join=True)
+    start_ranks(_together, (4, str(tmp_path / "init"), str(ckpt.folder), str(tmp_path)), 4)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["node"] == [0, 1, 2, 3] for r in results)
     checkpoint_bytes = sum(f.stat().st_size for f in ckpt.folder.glob("*.safetensors"))
@@ -248,7 +248,7 @@ def test_a_rank_killed_mid_load_makes_the_others_raise_naming_it(tmp_path: Path)
         pytest.skip("this file system keeps the checkpoint's pages after POSIX_FADV_DONTNEED (tmpfs?): a warm node "
                     "reads through its mappings, with nothing to wait for")
     key = f"test-{uuid.uuid4().hex}"
-    context = mp.get_context("spawn")
+    context = forkserver()
     processes = [context.Process(target=_killed, args=(local, key, str(ckpt.folder), str(tmp_path)))
                  for local in range(4)]
     for process in processes:
