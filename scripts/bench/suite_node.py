@@ -7,8 +7,9 @@ interpreters; each makes its imports and plans nothing before the clock, says it
 `go` that the suite gives once every rank is ready and the page cache is set: cold, every file evicted (os.sync,
 then posix_fadvise(DONTNEED), what stayed resident counted and shown); warm, every file read in first. The
 node's time runs from `go` to the last rank's finish. Per row: that time (best of --reps), the bytes the ranks
-read from storage (the sum of each rank's /proc/self/io read_bytes) over the checkpoint's size, and the largest
-peak RSS of a rank. Every rank runs with one torch thread (on a GPU server each rank has its own cores).
+read from storage (the sum of each rank's /proc/self/io read_bytes) over the checkpoint's size, the CPU seconds
+of all ranks together (user + system: on a machine with fewer cores than ranks, what the node's time is made
+of), and the largest peak RSS of a rank. Every rank runs with one torch thread (on a GPU server each rank has its own cores).
 """
 
 from __future__ import annotations
@@ -113,11 +114,13 @@ def child_main(key: str, folder: str, rank: int, ranks: int, go: str, out: str) 
     Path(f"{out}.ready").touch()
     while not os.path.exists(go):
         time.sleep(0.001)
-    before = read_bytes()
+    before, start = read_bytes(), resource.getrusage(resource.RUSAGE_SELF)
+    cpu = start.ru_utime + start.ru_stime
     call()
     end = time.time()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    Path(out).write_text(json.dumps({"end": end, "storage": read_bytes() - before, "rss": usage.ru_maxrss << 10}))
+    Path(out).write_text(json.dumps({"end": end, "storage": read_bytes() - before, "rss": usage.ru_maxrss << 10,
+                                     "cpu": usage.ru_utime + usage.ru_stime - cpu}))
 
 
 def run_node(row: NodeRow, folder: Path, ranks: int, cold: bool, scratch: Path) -> dict[str, Any]:
@@ -141,7 +144,7 @@ def run_node(row: NodeRow, folder: Path, ranks: int, cold: bool, scratch: Path) 
         raise SystemExit(f"{row.key}: a rank failed (exit codes {[p.returncode for p in procs]})")
     done = [json.loads(out.read_text()) for out in outs]
     return {"seconds": max(d["end"] for d in done) - start, "storage": sum(d["storage"] for d in done),
-            "rss": max(d["rss"] for d in done), "residency": residency.text()}
+            "rss": max(d["rss"] for d in done), "cpu": sum(d["cpu"] for d in done), "residency": residency.text()}
 
 
 def measure(rows: list[NodeRow], folder: Path, ranks: int, reps: int, scratch: Path) -> dict[str, dict[str, Any]]:
@@ -152,8 +155,8 @@ def measure(rows: list[NodeRow], folder: Path, ranks: int, reps: int, scratch: P
             for row in rows:
                 run = run_node(row, folder, ranks, cold, scratch)
                 name = f"{row.key} {'cold' if cold else 'warm'}"
-                print(f"{name}: {run['seconds']:.2f} s, storage {run['storage'] / 1e9:.2f} GB ({run['residency']})",
-                      flush=True)
+                print(f"{name}: {run['seconds']:.2f} s, CPU {run['cpu']:.1f} s, storage {run['storage'] / 1e9:.2f} GB "
+                      f"({run['residency']})", flush=True)
                 if name not in runs or run["seconds"] < runs[name]["seconds"]:
                     runs[name] = run
     return runs
@@ -174,7 +177,8 @@ def values_of(runs: dict[str, dict[str, Any]], checkpoint: int) -> dict[str, flo
 
 def table(rows: list[NodeRow], runs: dict[str, dict[str, Any]], checkpoint: int, ranks: int) -> str:
     lines = [f"| contender, {ranks} ranks at once | node s, cold | node s, warm | ÷ one reader, cold | "
-             f"storage ÷ checkpoint | peak RSS of a rank, GB |", "|---|---|---|---|---|---|"]
+             f"CPU s of all ranks, cold / warm | storage ÷ checkpoint | peak RSS of a rank, GB |",
+             "|---|---|---|---|---|---|---|"]
     floor = runs.get("floor cold", {}).get("seconds")
     for row in rows:
         cold, warm = runs.get(f"{row.key} cold"), runs.get(f"{row.key} warm")
@@ -182,7 +186,8 @@ def table(rows: list[NodeRow], runs: dict[str, dict[str, Any]], checkpoint: int,
             continue
         ratio = f"{cold['seconds'] / floor:.2f}" if floor else ""
         lines.append(f"| {row.label.replace('N', str(ranks))} | {cold['seconds']:.2f} | {warm['seconds']:.2f} | "
-                     f"{ratio} | {cold['storage'] / checkpoint:.2f} | {max(cold['rss'], warm['rss']) / 1e9:.2f} |")
+                     f"{ratio} | {cold['cpu']:.1f} / {warm['cpu']:.1f} | {cold['storage'] / checkpoint:.2f} | "
+                     f"{max(cold['rss'], warm['rss']) / 1e9:.2f} |")
     return "\n".join(lines)
 
 
