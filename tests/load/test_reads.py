@@ -125,3 +125,13 @@ def test_a_node_that_does_not_hold_the_rank_is_refused() -> None:
                                             r"1\) do not fit ParallelConfig rank 2 of 4 \(tp 2 x ep 2\); build both "
                                             r"from the same process group"):
         node_members(Node((0, 1), 1, "k"), ParallelConfig(2, 0, 2, 1))
+
+
+def test_ranks_of_disjoint_bytes_read_alone_and_tp_ranks_together(tmp_path) -> None:
+    folder = write_checkpoint(tmp_path, quant_config("gptq"), num_experts=4, hidden=512, intermediate=1024,
+                              references=False).folder
+    reads = replace(EVERY_READ_AHEAD, gap_bytes=0)
+    for parallel, shared in ((ParallelConfig(1, 0, 4, 2), False), (ParallelConfig(4, 2), True)):
+        with planned(folder, parallel) as (moe, index, scan, plans):
+            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
+        assert (together is not None) == shared, parallel

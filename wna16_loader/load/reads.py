@@ -16,6 +16,7 @@ from ..errors import ShardingError
 from ..models.config import MoEConfig
 from ..parallel.config import Node, ParallelConfig
 from ..storage.index import CheckpointIndex
+from ..storage.node import placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger
 from .params import rank_spans, storage_index
@@ -24,6 +25,7 @@ from .scan import CheckpointScan
 from .tables import LayerTables
 
 Groups = list[list[PlannedRange]]
+SHARED_AT = 0.05  # ranks whose ranges overlap by less than this fraction of their bytes read alone
 
 
 def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes: int = 0) -> list[PlannedRange]:
@@ -61,14 +63,20 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     node = reads.node
     if node is None or node.size == 1:
         return own, None
-    members = node_members(node, parallel)
-    tables, by_layer = LayerTables(index, moe), [list(group) for group in own]
-    for member in members:
-        if member == parallel:
-            continue
-        for number, plan in enumerate(plan_layers(index, moe, member, Ledger(), scan, tables)):
-            by_layer[number] += planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)
-    return own, by_layer
+    tables, ranks = LayerTables(index, moe), []
+    for member in node_members(node, parallel):
+        plans_of = plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
+        ranks.append([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans_of])
+    together = [[r for rank in ranks for r in rank[number]] for number in range(len(plans))]
+    return own, (together if shares_pages(ranks, together, reads.gap_bytes) else None)
+
+
+def shares_pages(ranks: list[Groups], together: Groups, gap: int) -> bool:
+    """Whether the node's ranks (`ranks`: each rank's groups; `together`: their union per group) need more than
+    `SHARED_AT` of their bytes twice, as they are read (coalesced, page-aligned): ranks of disjoint bytes (EP
+    ranks, whole experts each) gain nothing from reading together, and each reads its own alone (no waits)."""
+    each = sum(placed(group, gap)[1] for rank in ranks for group in rank)
+    return each > (1 + SHARED_AT) * sum(placed(group, gap)[1] for group in together)
 
 
 def node_members(node: Node, parallel: ParallelConfig) -> list[ParallelConfig]:

@@ -41,6 +41,7 @@ from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, coa
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
 FILE_WORDS = 4  # magic, size, ranks, warm; then each rank's `Word`s
+LIVENESS_S = 0.2  # how often a waiting rank looks whether the ranks it waits for still run
 SHM = Path("/dev/shm")
 
 
@@ -217,24 +218,28 @@ class SharedWindow:
     def wait(self, word: Word, target: int, doing: str, own: Callable[[], None]) -> None:
         """Until every rank's `word` is at least `target` (`own()` raises this rank's own failure). Raises
         NodeError when a rank failed, exited, or stays behind longer than the node's timeout."""
-        deadline, delay = time.monotonic() + self.node.timeout_s, 1e-4
+        now = time.monotonic()
+        deadline, delay, alive_at = now + self.node.timeout_s, 1e-4, now
         while True:
             own()
             behind = [i for i in range(self.node.size) if self.word(i, word) < target]
-            self._check(doing)
+            self._check(doing, time.monotonic() >= alive_at)  # (a look at /proc: every LIVENESS_S at most)
             if not behind:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            alive_at = alive_at if alive_at > now else now + LIVENESS_S
+            if now > deadline:
                 raise NodeError(self._about(behind, f"did not finish {doing} within timeout_s={self.node.timeout_s}"
                                                     f" (raise Node.timeout_s for a slower storage)"))
             time.sleep(delay)
             delay = min(2 * delay, 5e-3)
 
-    def _check(self, doing: str) -> None:
-        """Raise NodeError naming the ranks that exited before they were done, else those whose load failed,
-        else those that stopped because of another."""
+    def _check(self, doing: str, liveness: bool) -> None:
+        """Raise NodeError naming the ranks that exited before they were done (looked for with `liveness`),
+        else those whose load failed, else those that stopped because of another."""
         states = [(i, Failure(self.word(i, Word.FAILED)), self.word(i, Word.PID)) for i in range(self.node.size)]
-        gone = [i for i, state, pid in states if pid and state is not Failure.DONE and not alive(pid)]
+        liveness = liveness or any(state in (Failure.OWN, Failure.PEER) for _, state, _ in states)  # (the cause?)
+        gone = [i for i, state, pid in states if liveness and pid and state is not Failure.DONE and not alive(pid)]
         if gone:
             raise NodeError(self._about(gone, f"exited while the node was {doing}"))
         for failure, what in ((Failure.OWN, "failed"), (Failure.PEER, "stopped because of another rank")):
