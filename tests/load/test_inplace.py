@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from wna16_loader import ConfigError, LayoutMismatchError, ParallelConfig, load_experts
 from wna16_loader.formats import Role, resolve_quant_spec
-from wna16_loader.layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, shape_of
+from wna16_loader.layouts import (AUTO_AWQ, AUTO_GPTQ, CT_WNA16, GPTQ_MARLIN, MOE_WNA16, UNQUANTIZED,
+                                  allocated_shape, shape_of)
 from wna16_loader.layouts.relayout import fill_param
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
 from wna16_loader.preshard.run import preshard_checkpoint
@@ -40,7 +41,7 @@ def targets(fused: dict, row, group_size: int = 32) -> dict[str, LayerTarget]:
     out = {}
     for prefix, layer in fused.items():
         sizes = layer_sizes(layer.spec, group_size)
-        params = {d.name: torch.full(shape_of(d, sizes), 7, dtype=d.dtype or torch.float16)
+        params = {d.name: torch.full(allocated_shape(d, sizes), 7, dtype=d.dtype or torch.float16)
                   for d in row.filled(layer.has_zero_point)}
         out[prefix] = LayerTarget(row, params, layer.spec.experts)
     return out
@@ -65,6 +66,27 @@ def test_every_layer_is_filled_as_the_row_makes_it(source, row, from_shard):
         for name, param in want[prefix].params.items():
             assert torch.equal(got[prefix].params[name], param), f"{prefix}.{name}"
     assert bool(report.ignored) != from_shard  # a checkpoint's non-expert tensors go back to the engine
+
+
+@pytest.mark.parametrize("from_shard", [False, True])
+def test_a_param_allocated_for_the_whole_intermediate_size_holds_the_ranks_groups_first(tmp_path, from_shard):
+    """SGLang's gptq_marlin w2 scales [E, I // G, H] at TP 2: the rank's I_p // G groups (auto_gptq's values),
+    then zeros, as SGLang's loader leaves them; its other parameters are auto_gptq's."""
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=True),
+                              num_experts=4, hidden=64, intermediate=128, num_layers=1, seed=5).folder
+    config = ParallelConfig(tp_size=2, tp_rank=1)
+    if from_shard:
+        preshard_checkpoint(folder, tmp_path / "shard", tp_size=2, progress=False)
+    fused = load_experts(folder, config)
+    gptq, marlin = targets(fused, AUTO_GPTQ), targets(fused, GPTQ_MARLIN)
+    fill_layers(folder, config, gptq)
+    report = fill_layers(tmp_path / "shard" if from_shard else folder, config, marlin)
+    got, want = marlin[PREFIXES[0]].params, gptq[PREFIXES[0]].params
+    assert got["w2_scales"].shape == (4, 4, 64) and want["w2_scales"].shape == (4, 2, 64)
+    assert torch.equal(got["w2_scales"][:, :2], want["w2_scales"]) and bool((got["w2_scales"][:, 2:] == 0).all())
+    for name in ("w13_qweight", "w2_qweight", "w13_scales"):
+        assert torch.equal(got[name], want[name]), name
+    assert report.copied == () and report.scratch_bytes > 0  # not the checkpoint's storage: the fused route
 
 
 @pytest.mark.parametrize("row", [MOE_WNA16, AUTO_GPTQ, CT_WNA16], ids=lambda row: row.name)
