@@ -91,17 +91,23 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
     model_config = ModelConfig(model_path=job["folder"], dtype="float16")
     load_config = LoadConfig(load_format=job["load_format"])
     loaded: dict[str, torch.Tensor] = {}
-    process = loader.DefaultModelLoader.postprocess_weights
+    process, initialize = loader.DefaultModelLoader.postprocess_weights, loader._initialize_model
 
     def probe(model, target_device):  # what the loader wrote; SGLang's processing compiles CUDA code
         loaded.update({name: p.data.clone() for name, p in model.named_parameters()})
 
-    loader.DefaultModelLoader.postprocess_weights = staticmethod(probe)
+    def with_sentinel(*args, **kwargs):  # a parameter no loader writes compares equal, not as torch.empty's garbage
+        model = initialize(*args, **kwargs)
+        for param in model.parameters():
+            param.data.view(torch.uint8).fill_(0x5A)
+        return model
+
+    loader.DefaultModelLoader.postprocess_weights, loader._initialize_model = staticmethod(probe), with_sentinel
     try:
         chosen = loader.get_model_loader(load_config=load_config, model_config=model_config)
         chosen.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
     finally:
-        loader.DefaultModelLoader.postprocess_weights = staticmethod(process)
+        loader.DefaultModelLoader.postprocess_weights, loader._initialize_model = staticmethod(process), initialize
     loaded["loader"] = torch.tensor(list(type(chosen).__name__.encode()), dtype=torch.uint8)
     return {name: t.contiguous() for name, t in loaded.items()}
 

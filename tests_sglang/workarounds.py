@@ -24,6 +24,7 @@ def apply() -> None:
     _triton_stub()
     _no_torchvision()
     _pretend_hopper()
+    _rope_as_on_cpu()
 
 
 def _platform_stubs() -> ModuleType:
@@ -87,6 +88,15 @@ def _pretend_hopper() -> None:
     from sglang.srt.layers.quantization import marlin_utils, moe_wna16
 
     moe_wna16.get_device_capability = marlin_utils.get_device_capability = lambda *args, **kwargs: (9, 0)
+
+
+def _rope_as_on_cpu() -> None:
+    """5. RotaryEmbedding (built by every attention layer of a whole model) takes a fallback kernel on a device
+    it does not recognise, `vllm._custom_ops.rotary_embedding` (rotary_embedding/base.py:138), and vLLM is not
+    installed: it answers as on SGLang's CPU backend (its native RoPE). RoPE holds no checkpoint weights."""
+    from sglang.srt.layers.rotary_embedding import base
+
+    base._is_cpu = True
 
 
 def init_parallel(world_size: int, rank: int, init_method: str, *, ep: bool) -> None:

@@ -134,11 +134,11 @@ def fixture_references(name: str) -> dict[tuple[str, int, str], torch.Tensor]:
     return out
 
 
-def write_checkpoints(root: Path) -> dict[str, Checkpoint]:
-    """Every case's checkpoint (by checkpoint name) and its float32 references (synthetic ones written once,
-    with the writer's own)."""
+def write_checkpoints(root: Path, cases: list[Case] | None = None) -> dict[str, Checkpoint]:
+    """Every case's checkpoint (by checkpoint name; `cases`: CASES by default) and its float32 references
+    (synthetic ones written once, with the writer's own)."""
     out = {}
-    for case in CASES:
+    for case in CASES if cases is None else cases:
         if case.checkpoint in out:
             continue
         if not case.synthetic:

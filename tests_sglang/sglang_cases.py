@@ -1,0 +1,68 @@
+"""The checkpoints of the SGLang tier's layer tests and how SGLang is asked to load them: the vLLM tier's
+checkpoints (tests_vllm/layer_cases.py: the real fixtures and synthetic ones, their references, a rank's slice of
+them), each with the method SGLang 0.5.23 builds for it (`Case.method`: SGLang's name for
+get_quantization_config), in the gloo groups the SGLang tier runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from layer_cases import AWQ_MIXTRAL, GPTQ_W4_SYM, GPTQ_W8_SYM, MIXTRAL, Case  # tests_vllm/, on conftest's path
+
+from wna16_loader import ParallelConfig
+from wna16_loader.testing.synthetic import quant_config
+
+# group -> (ranks, EP): with EP, SGLang's MoE layers are EP `ranks`-way, MoE TP 1
+GROUPS = {"tp1": (1, False), "tp2": (2, False), "ep2": (2, True)}
+SYNTHETIC = {"sizes": (4, 128, 384)}
+CASES = [
+    Case("gptq_w4_g32_zero_edge", "moe_wna16"),
+    Case("awq_w4_g32", "moe_wna16"),
+    Case("awq_w4_g32.marlin", "awq_marlin", ckpt="awq_w4_g32"),
+    Case("ct_w4_g32_asym", "compressed-tensors"),
+    Case("ct_w8_channel_sym", "compressed-tensors"),
+    Case("synthetic_gptq_w4_sym", "moe_wna16", synthetic=GPTQ_W4_SYM, **SYNTHETIC),
+    Case("synthetic_gptq_w4_sym.marlin", "gptq_marlin", synthetic=GPTQ_W4_SYM, ckpt="synthetic_gptq_w4_sym",
+         **SYNTHETIC),
+    Case("synthetic_gptq_w4_asym", "moe_wna16", **SYNTHETIC,
+         synthetic={"quant": quant_config("gptq", bits=4, group_size=64, symmetric=False)}),
+    Case("synthetic_gptq_w8_sym.marlin", "gptq_marlin", synthetic=GPTQ_W8_SYM, ckpt="synthetic_gptq_w8_sym",
+         **SYNTHETIC),
+    Case("synthetic_gptq_w8_asym", "moe_wna16", **SYNTHETIC,
+         synthetic={"quant": quant_config("gptq", bits=8, group_size=32, symmetric=False)}),
+    Case("synthetic_gptq_v2_w4_asym", "moe_wna16", **SYNTHETIC,
+         synthetic={"quant": quant_config("gptq", bits=4, group_size=32, symmetric=False,
+                                          checkpoint_format="gptq_v2")}),
+    Case("synthetic_awq_mixtral.marlin", "awq_marlin", synthetic=AWQ_MIXTRAL, ckpt="synthetic_awq_mixtral",
+         **SYNTHETIC, **MIXTRAL),
+    Case("synthetic_ct_w4_sym_gemma4", "compressed-tensors", prefix="model.language_model.layers.0.experts",
+         synthetic={"quant": quant_config("compressed-tensors", bits=4, group_size=32, symmetric=True),
+                    "family": "gemma4"}, **SYNTHETIC),
+]
+BY_NAME = {case.name: case for case in CASES}
+SHARD_CASES = ("synthetic_gptq_w4_sym.marlin", "synthetic_awq_mixtral.marlin", "ct_w8_channel_sym",
+               "synthetic_gptq_w4_asym")  # also filled by the plugin from a wna16-shard --layout fused output
+SHARD_GROUPS = ("tp2", "ep2")
+
+
+def parallel(group: str, rank: int) -> ParallelConfig:
+    """This package's ParallelConfig of `rank` in `group`, as SGLang places it (linear experts)."""
+    ranks, ep = GROUPS[group]
+    return ParallelConfig(tp_size=1, tp_rank=0, ep_size=ranks, ep_rank=rank) if ep else \
+        ParallelConfig(tp_size=ranks, tp_rank=rank)
+
+
+def model_jobs(out: Path, group: str) -> list[dict]:
+    """The whole-model jobs of `group`: SGLang's default loader and the plugin (from the checkpoint folder and
+    from a wna16-shard output for the group's layout), no --quantization flag."""
+    from model_checkpoint import write_model
+
+    from wna16_loader.preshard.run import preshard_checkpoint
+
+    source = out / "model" if (out / "model").exists() else write_model(out / "model")
+    shard, layout = out / f"model-shard-{group}", parallel(group, 0)
+    preshard_checkpoint(source, shard, tp_size=layout.tp_size, ep_size=layout.ep_size, progress=False)
+    model = {"kind": "model", "folder": str(source)}
+    return [{**model, "name": "auto", "load_format": "auto"},
+            {**model, "name": "wna16-checkpoint", "load_format": "wna16"},
+            {**model, "name": "wna16-shard", "folder": str(shard), "load_format": "wna16"}]
