@@ -146,7 +146,7 @@ def test_each_case_gets_the_method_it_names(sglang_out):
 
 
 def test_gptq_marlin_w2_scales_hold_the_ranks_groups_then_zeros(sglang_out):
-    """At TP 2 SGLang allocates GPTQ Marlin's w2 scales for the whole I (6 groups of 32 for I 384 at G 64? no: G 32,
-    12), its loader writes the rank's 6 first and zeros after; the plugin the same (test above compares them)."""
+    """At TP 2 SGLang allocates GPTQ Marlin's w2 scales for the whole I (I 384, G 32: 12 groups); its loader writes
+    the rank's 6 first and zeros after, and so does the plugin (the test above compares them)."""
     got = result(sglang_out / "tp2", "synthetic_gptq_w4_sym.marlin-plugin", 1)["loaded.w2_scales"]
     assert got.shape == (4, 384 // 32, 128) and bool((got[:, 6:] == 0).all()) and bool((got[:, :6] != 0).all())
