@@ -251,6 +251,17 @@ def test_what_the_checkpoint_does_not_hold_takes_the_fused_route(tmp_path, why, 
     assert_same(want, got)
 
 
+def test_an_act_order_layer_is_refused_by_a_row_without_g_idx(tmp_path):
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=True,
+                                                              act_order=True),
+                              num_experts=4, hidden=128, intermediate=128, num_layers=1, seed=9).folder
+    config = ParallelConfig(tp_size=2, tp_rank=0)
+    with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts: the checkpoint's experts here "
+                       r"are act-order \(g_idx orders their groups\) but the engine's gptq_marlin parameters have no "
+                       r"place for g_idx; load it with the engine's own loader"):
+        fill_layers(folder, config, targets(load_experts(folder, config), GPTQ_MARLIN))
+
+
 @pytest.mark.parametrize("copy_words", [True, False])
 def test_reduced_groups_are_refused_on_either_route(tmp_path, copy_words):
     folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=64, symmetric=True),

@@ -15,7 +15,8 @@ gptq_marlin differs from vLLM's auto_gptq in three ways: its scales are float16 
 without act-order its w2 scales are allocated for the whole model's I (`I * moe_tp_size // G` groups), the
 rank's groups first and zeros after them, as SGLang's loader leaves them; and its qzeros (allocated in the
 model's dtype, unread by the Marlin kernel, which holds symmetric layers only) and g_idx are not declared: the
-fill leaves them as SGLang allocated them. ct_wna16_k_major is compressed-tensors' words transposed to
+fill leaves them as SGLang allocated them, and refuses an act-order layer (whose g_idx it would drop) for this row
+and ct_wna16_k_major (`act_order=False`). ct_wna16_k_major is compressed-tensors' words transposed to
 K-major (SGLang transposes every tensor but the zero points on load, `layer.py` `_weight_loader_impl`).
 """
 
@@ -44,7 +45,7 @@ GPTQ_MARLIN = MethodLayout("gptq_marlin", ("sglang",), (
     _k_major("w13_scales", W13, Source.SCALES, ("E", "GH", "N13"), torch.float16),
     _k_major("w2_scales", W2, Source.SCALES, ("E", "GI", "H"), torch.float16, allocated=("E", "GI_all", "H")),
 ), notes="GPTQ v1 words stacked over experts, float16 scales, w2 scales allocated for the whole I (the rank's "
-         "first); qzeros and g_idx left as allocated (symmetric only)", asymmetric=False)
+         "first); qzeros and g_idx left as allocated (symmetric only)", asymmetric=False, act_order=False)
 
 CT_WNA16_K_MAJOR = MethodLayout("ct_wna16_k_major", ("sglang",), (
     _k_major("w13_weight_packed", W13, Source.QWEIGHT, ("E", "H/P", "N13"), torch.int32, packing=Packing.K_WORDS),
@@ -57,6 +58,7 @@ CT_WNA16_K_MAJOR = MethodLayout("ct_wna16_k_major", ("sglang",), (
              need=Need.ZERO_POINTS),
     ParamDecl("w13_weight_shape", W13, Source.SHAPE, ("E", "2"), torch.float32),
     ParamDecl("w2_weight_shape", W2, Source.SHAPE, ("E", "2"), torch.float32),
-), notes="compressed-tensors' int32 words transposed to K-major (SGLang's Marlin and Triton schemes)")
+), notes="compressed-tensors' int32 words transposed to K-major (SGLang's Marlin and Triton schemes)",
+   act_order=False)
 
 SGLANG_LAYOUTS = (MOE_WNA16, GPTQ_MARLIN, AUTO_AWQ, CT_WNA16_K_MAJOR, UNQUANTIZED)

@@ -149,6 +149,7 @@ class MethodLayout:
     reduced_groups: bool = False  # holds a layer whose G_eff is below the checkpoint's G (moe_wna16's halving)
     padded: bool = False  # holds an I_p with padding columns (an I that TP does not divide)
     asymmetric: bool = True  # holds layers with zero points (the engine builds the method for them)
+    act_order: bool = True  # holds a layer whose g_idx orders its groups (False: the row has no place for g_idx)
 
     @property
     def fused_as_is(self) -> bool:

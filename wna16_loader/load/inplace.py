@@ -95,6 +95,10 @@ def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: 
                                   f"experts here are {'quantized' if spec.quantized else 'float'}; load it with the "
                                   f"engine's own loader (the engine and this checkpoint disagree on which layers "
                                   f"are quantized)")
+    if spec.act_order and not target.layout.act_order:
+        raise LayoutMismatchError(f"{prefix}: the checkpoint's experts here are act-order (g_idx orders their "
+                                  f"groups) but the engine's {target.layout.name} parameters have no place for g_idx; "
+                                  f"load it with the engine's own loader")
     decls, sizes = target.layout.filled(spec.has_zero_point), layer_sizes(spec, group_size)
     wrong = [f"{d.name} {list(target.params[d.name].shape)} (declared {list(d.allocated or d.shape)} = "
              f"{list(allocated_shape(d, sizes))})" for d in decls
