@@ -15,6 +15,7 @@ from wna16_loader.testing.synthetic import quant_config
 # group -> (ranks, EP): with EP, SGLang's MoE layers are EP `ranks`-way, MoE TP 1
 GROUPS = {"tp1": (1, False), "tp2": (2, False), "ep2": (2, True)}
 SYNTHETIC = {"sizes": (4, 128, 384)}
+GPTQ_I704 = {"quant": quant_config("gptq", bits=4, group_size=128, symmetric=True), "intermediate": 704}
 CASES = [
     Case("gptq_w4_g32_zero_edge", "moe_wna16"),
     Case("awq_w4_g32", "moe_wna16"),
@@ -38,7 +39,19 @@ CASES = [
     Case("synthetic_ct_w4_sym_gemma4", "compressed-tensors", prefix="model.language_model.layers.0.experts",
          synthetic={"quant": quant_config("compressed-tensors", bits=4, group_size=32, symmetric=True),
                     "family": "gemma4"}, **SYNTHETIC),
+    Case("synthetic_awq_mixtral", "moe_wna16", synthetic=AWQ_MIXTRAL, **SYNTHETIC, **MIXTRAL),
+    Case("synthetic_gptq_w4_sym_i704", "moe_wna16", sizes=(4, 128, 704), synthetic=GPTQ_I704),
+    Case("synthetic_gptq_w4_sym_i704.marlin", "gptq_marlin", sizes=(4, 128, 704), synthetic=GPTQ_I704,
+         ckpt="synthetic_gptq_w4_sym_i704"),
+    Case("gptq_w4_g32_actorder_asym", "moe_wna16"),
+    Case("autoround_w8_g64_asym", "auto-round"),
 ]
+# mixed precision: each MoE layer of the three real mixed fixtures (layer 0 base, 1 an 8-bit g64 override, 2 float)
+# with the method SGLang builds for it from the checkpoint's config
+MIXED = {"gptq_dynamic_mixed": ("moe_wna16", "float16"), "ct_multigroup_mixed": ("compressed-tensors", "float16"),
+         "autoround_layer_config_mixed": ("auto-round", "bfloat16")}
+CASES += [Case(f"{ckpt}.L{layer}", method, prefix=f"model.layers.{layer}.mlp.experts", sizes=(4, 64, 128), ckpt=ckpt,
+               dtype=dtype) for ckpt, (method, dtype) in MIXED.items() for layer in range(3)]
 BY_NAME = {case.name: case for case in CASES}
 SHARD_CASES = ("synthetic_gptq_w4_sym.marlin", "synthetic_awq_mixtral.marlin", "ct_w8_channel_sym",
                "synthetic_gptq_w4_asym")  # also filled by the plugin from a wna16-shard --layout fused output
