@@ -90,12 +90,6 @@ class WNA16ModelLoader(sglang_loader.DefaultModelLoader):
             self.load_into(model, model_config, torch.device(device_config.device))
         return model.eval()
 
-    def commit_model_weights(self, *, model: nn.Module, model_config: ModelConfig, target_device: torch.device,
-                             **_sources) -> None:
-        """SGLang's overlapped start-up path: the same load into the model it built."""
-        with set_default_torch_dtype(model_config.dtype):
-            self.load_into(model, model_config, target_device)
-
     def load_into(self, model: nn.Module, model_config: ModelConfig, target_device: torch.device) -> None:
         """The experts in place, every other tensor through SGLang's load_weights, then its post-processing."""
         folder = resolve_checkpoint(model_config.model_path, revision=model_config.revision)
