@@ -29,7 +29,6 @@ def test_gptq_marlin_allocates_w2_scales_for_the_whole_intermediate_size():
     assert [shape_of(p, SIZES) for p in GPTQ_MARLIN.params] == [(3, 16, 192), (3, 12, 128), (3, 4, 192), (3, 3, 128)]
     assert [allocated_shape(p, SIZES) for p in GPTQ_MARLIN.params][3] == (3, 6, 128)
     assert {p.dtype for p in GPTQ_MARLIN.params if p.source.value == "scales"} == {torch.float16}
-    assert GPTQ_MARLIN.params[3].storage is None  # not the checkpoint's storage: the fused route fills it
 
 
 def test_ct_k_major_is_vllms_ct_row_transposed():
@@ -47,11 +46,12 @@ def test_ct_k_major_holds_no_checkpoints_own_words():
     assert [p.name for p in CT_WNA16_K_MAJOR.params if p.storage in storage] == []
 
 
-def test_gptq_marlin_qweight_is_the_checkpoints_words():
+def test_gptq_marlin_holds_the_checkpoints_words():
+    """GPTQ v1's words and scales as they are (w2 scales in the head of their whole-I allocation): copied."""
     spec = resolve_quant_spec(gptq.to_config(4, 128, True, False))
     storage = {WordLayout.of(lay, spec) for lay in spec.layouts}
     assert [p.name for p in GPTQ_MARLIN.params if p.storage in storage] == ["w13_qweight", "w2_qweight",
-                                                                              "w13_scales"]
+                                                                              "w13_scales", "w2_scales"]
 
 
 @pytest.mark.parametrize("kind, text", [

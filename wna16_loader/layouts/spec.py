@@ -102,7 +102,7 @@ class ParamDecl:
     def storage(self) -> "WordLayout | None":
         """How one expert's values lie in the parameter, comparable with a checkpoint role's `WordLayout.of`;
         None where no checkpoint stores them so (the fused bytes, a SHAPE record)."""
-        if self.packing is Packing.BYTES or self.source is Source.SHAPE or self.allocated is not None:
+        if self.packing is Packing.BYTES or self.source is Source.SHAPE:
             return None
         dims = (Dim.N, Dim.K if self.source in (Source.QWEIGHT, Source.WEIGHT) else Dim.GROUP)
         packed = {Packing.K_WORDS: Dim.K, Packing.N_WORDS: Dim.N}.get(self.packing)

@@ -156,7 +156,8 @@ def rank_view(param: torch.Tensor, decl: ParamDecl, sizes: Sizes) -> torch.Tenso
     (`decl.allocated`), its head, the rest zeroed (as the engine's own loader leaves it)."""
     if decl.allocated is None:
         return param
-    param.zero_()
+    with torch.no_grad():
+        param.zero_()
     return param[tuple(slice(0, n) for n in shape_of(decl, sizes))]
 
 
@@ -230,11 +231,12 @@ def _fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target:
     fused writer; the scratch it held (bytes) and whether it was copied."""
     decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
     sizes = layer_sizes(plan.fused, plan.moe.quant.group_size)
-    copies = direct_copies(plan, decls, target.params) if copy_words and not target.layout.fused_as_is else None
+    views = {d.name: rank_view(target.params[d.name], d, sizes) for d in decls}
+    copies = direct_copies(plan, decls, views) if copy_words and not target.layout.fused_as_is else None
     if copies is None:
         read = partial(_loaded_fused, index, moe, plan, target.device)
         return _through_fused(plan.prefix, target, plan.fused, decls, read, sizes), False
-    copy_direct(index, plan, copies, target.params)
+    copy_direct(index, plan, copies, views)
     relay(plan.prefix, target, tuple(d for d in decls if made_from_sizes(d, plan.moe.quant.symmetric)),
           plan.fused, {}, sizes)
     return 0, True
