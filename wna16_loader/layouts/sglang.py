@@ -13,7 +13,8 @@ gptq_moe.py, awq/schemes/awq_moe.py, compressed_tensors/schemes/compressed_tenso
 
 gptq_marlin differs from vLLM's auto_gptq in three ways: its scales are float16 whatever the model's dtype;
 without act-order its w2 scales are allocated for the whole model's I (`I * moe_tp_size // G` groups), the
-rank's groups first and zeros after them, as SGLang's loader leaves them; and its qzeros (allocated in the
+rank's groups first and zeros after them, as SGLang's loader leaves them (the rest holds GPTQ v1's own words and
+scales, which load.direct copies from a checkpoint); and its qzeros (allocated in the
 model's dtype, unread by the Marlin kernel, which holds symmetric layers only) and g_idx are not declared: the
 fill leaves them as SGLang allocated them, and refuses an act-order layer (whose g_idx it would drop) for this row
 and ct_wna16_k_major (`act_order=False`). ct_wna16_k_major is compressed-tensors' words transposed to
