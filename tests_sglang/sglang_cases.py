@@ -5,8 +5,6 @@ get_quantization_config), in the gloo groups the SGLang tier runs."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from layer_cases import AWQ_MIXTRAL, GPTQ_W4_SYM, GPTQ_W8_SYM, MIXTRAL, Case  # tests_vllm/, on conftest's path
 
 from wna16_loader import ParallelConfig
@@ -63,19 +61,3 @@ def parallel(group: str, rank: int) -> ParallelConfig:
     ranks, ep = GROUPS[group]
     return ParallelConfig(tp_size=1, tp_rank=0, ep_size=ranks, ep_rank=rank) if ep else \
         ParallelConfig(tp_size=ranks, tp_rank=rank)
-
-
-def model_jobs(out: Path, group: str) -> list[dict]:
-    """The whole-model jobs of `group`: SGLang's default loader and the plugin (from the checkpoint folder and
-    from a wna16-shard output for the group's layout), no --quantization flag."""
-    from model_checkpoint import write_model
-
-    from wna16_loader.preshard.run import preshard_checkpoint
-
-    source = out / "model" if (out / "model").exists() else write_model(out / "model")
-    shard, layout = out / f"model-shard-{group}", parallel(group, 0)
-    preshard_checkpoint(source, shard, tp_size=layout.tp_size, ep_size=layout.ep_size, progress=False)
-    model = {"kind": "model", "folder": str(source)}
-    return [{**model, "name": "auto", "load_format": "auto"},
-            {**model, "name": "wna16-checkpoint", "load_format": "wna16"},
-            {**model, "name": "wna16-shard", "folder": str(shard), "load_format": "wna16"}]

@@ -12,19 +12,20 @@ a job is either
 - {"kind": "model", "name", "folder", "load_format"}: SGLang builds and loads the whole model
   (`get_model_loader(...).load_model`, with `load_plugins()` run first, as every SGLang process does).
 Every parameter is kept as the loader left it: SGLang's `process_weights_after_loading` compiles CUDA code and is
-not run. Each job writes OUT/NAME/rank{R}.safetensors (every parameter) or OUT/NAME/rank{R}.json (SGLang's error).
+not run. Each job writes OUT/NAME/rank{R}.safetensors (every parameter) or OUT/NAME/rank{R}.json (SGLang's error),
+through the vLLM tier's `tier.run_job`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+import tier  # tests_vllm/tier.py: the engine-neutral runner
 import workarounds
 
 
@@ -112,24 +113,12 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
     return {name: t.contiguous() for name, t in loaded.items()}
 
 
-def run_job(job: dict, out: Path, rank: int) -> None:
-    folder = out / job["name"]
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        tensors = (layer_job if job["kind"] == "layer" else model_job)(job)
-    except Exception as exc:  # SGLang refusing a checkpoint is a result the test pins
-        error = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()[-3000:]}
-        (folder / f"rank{rank}.json").write_text(json.dumps(error))
-        return
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors"))
-
-
 def main(jobs_file: str, rank_arg: str) -> None:
     spec, rank = json.loads(Path(jobs_file).read_text()), int(rank_arg)
     workarounds.apply()
     workarounds.init_parallel(spec["tp"], rank, spec["init_method"], ep=spec["ep"])
     for job in spec["jobs"]:
-        run_job(job, Path(spec["out"]), rank)
+        tier.run_job(job, Path(spec["out"]), rank, layer_job if job["kind"] == "layer" else model_job)
 
 
 if __name__ == "__main__":

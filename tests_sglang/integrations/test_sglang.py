@@ -37,7 +37,7 @@ MARLIN_QZEROS = {f"{EXPERTS}.w13_qzeros", f"{EXPERTS}.w2_qzeros"}
 
 @pytest.fixture(scope="module")
 def loaded(sglang_out):
-    """group -> {job name: each rank's parameters} of the model jobs (sglang_cases.model_jobs)."""
+    """group -> {job name: each rank's parameters} of the model jobs (layer_cases.plugin_model_jobs)."""
     return {group: {name: [result(sglang_out / group, name, r) for r in range(GROUPS[group][0])]
                     for name in ("auto", *LOADS)} for group in GROUPS}
 
