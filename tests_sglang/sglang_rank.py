@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
@@ -81,7 +84,7 @@ def plugin_fill(layer, job: dict, folder: Path) -> None:
 
 def model_job(job: dict) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model as SGLang's load (`job["load_format"]`: auto or wna16) left it, before
-    its `process_weights_after_loading` (names as they are)."""
+    its `process_weights_after_loading` (names as they are), and the loader class SGLang chose ("loader")."""
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
@@ -90,14 +93,25 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
 
     load_plugins()  # as every SGLang process does: our entry point registers --load-format wna16
     model_config = ModelConfig(model_path=job["folder"], dtype="float16")
-    load_config = LoadConfig(load_format=job["load_format"])
+    chosen = loader.get_model_loader(load_config=LoadConfig(load_format=job["load_format"]), model_config=model_config)
+    with loaded_parameters(loader) as loaded:
+        chosen.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    loaded["loader"] = torch.tensor(list(type(chosen).__name__.encode()), dtype=torch.uint8)
+    return {name: t.contiguous() for name, t in loaded.items()}
+
+
+@contextmanager
+def loaded_parameters(loader: ModuleType) -> Iterator[dict[str, torch.Tensor]]:
+    """While in it, SGLang's model loaders start every parameter as a sentinel (a parameter no loader writes
+    compares equal, not as torch.empty's garbage) and, in place of process_weights_after_loading (which compiles
+    CUDA code), copy what the loader wrote into the dict yielded."""
     loaded: dict[str, torch.Tensor] = {}
     process, initialize = loader.DefaultModelLoader.postprocess_weights, loader._initialize_model
 
-    def probe(model, target_device):  # what the loader wrote; SGLang's processing compiles CUDA code
+    def probe(model, target_device):
         loaded.update({name: p.data.clone() for name, p in model.named_parameters()})
 
-    def with_sentinel(*args, **kwargs):  # a parameter no loader writes compares equal, not as torch.empty's garbage
+    def with_sentinel(*args, **kwargs):
         model = initialize(*args, **kwargs)
         for param in model.parameters():
             param.data.view(torch.uint8).fill_(0x5A)
@@ -105,12 +119,9 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
 
     loader.DefaultModelLoader.postprocess_weights, loader._initialize_model = staticmethod(probe), with_sentinel
     try:
-        chosen = loader.get_model_loader(load_config=load_config, model_config=model_config)
-        chosen.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+        yield loaded
     finally:
         loader.DefaultModelLoader.postprocess_weights, loader._initialize_model = staticmethod(process), initialize
-    loaded["loader"] = torch.tensor(list(type(chosen).__name__.encode()), dtype=torch.uint8)
-    return {name: t.contiguous() for name, t in loaded.items()}
 
 
 def main(jobs_file: str, rank_arg: str) -> None:

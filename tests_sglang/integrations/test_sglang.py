@@ -56,7 +56,8 @@ def test_plugin_equals_default_loader(loaded, group, name):
         assert bytes(ours["loader"].tolist()) == b"WNA16ModelLoader"
         assert bytes(theirs["loader"].tolist()) == b"DefaultModelLoader"
         assert sorted(ours) == sorted(theirs)
-        differ = {param for param, tensor in theirs.items() if param != "loader" and not torch.equal(ours[param], tensor)}
+        differ = {param for param, tensor in theirs.items()
+                  if param != "loader" and not torch.equal(ours[param], tensor)}
         assert differ == MARLIN_QZEROS, f"{group} rank{rank}: {sorted(differ)} differ ({name})"
 
 

@@ -9,10 +9,10 @@ string) that turns `wna16` into `WNA16ModelLoader`, a class `get_model_loader` i
 is a checkpoint folder (each rank reads only its slices of the expert tensors) or a `wna16-shard --layout fused`
 output (each rank reads only its own files and `common/`).
 
-| SGLang MoE method (layer.scheme, else layer.quant_method) | its parameters, declared in                  |
-|-----------------------------------------------------------|----------------------------------------------|
-| see `METHOD_LAYOUTS`                                       | `wna16_loader.layouts.sglang` (one row each) |
-| every other parameter                                      | SGLang's `model.load_weights` over the non-expert tensors |
+| SGLang MoE method (layer.scheme, else quant_method) | its parameters, declared in / loaded by             |
+|----------------------------------------------------|-----------------------------------------------------|
+| see `METHOD_LAYOUTS`                                | `wna16_loader.layouts.sglang` (one row each)        |
+| every other parameter                               | SGLang's `model.load_weights`, non-expert tensors   |
 
 After the load SGLang runs its own `process_weights_after_loading` as usual. Importing this module imports
 SGLang; `import wna16_loader` never does.

@@ -225,7 +225,8 @@ class Sizes:
     @property
     def symbols(self) -> dict[str, int]:
         return {"E": self.E, "N13": self.N13, "H": self.H, "I": self.I, "I_p": self.I_p, "P": 32 // self.bits,
-                "P8": 8 // self.bits, "GH": self.GH, "GI": self.GI, "GH_eff": self.GH_eff, "GI_eff": self.GI_eff, "GI_all": self.GI_all}
+                "P8": 8 // self.bits, "GH": self.GH, "GI": self.GI, "GH_eff": self.GH_eff, "GI_eff": self.GI_eff,
+                "GI_all": self.GI_all}
 
 
 _TERM = re.compile(r"\s*([*/]?)\s*([A-Za-z_][A-Za-z_0-9]*|\d+)\s*")
