@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Peak memory that filling an engine's MoE parameters in place adds over the parameters themselves.
 
-    python scripts/bench_inplace.py [--experts 64] [--hidden 1024] [--inter 768] [--layers 4]
+    python scripts/bench_inplace.py [--experts 64] [--hidden 1024] [--inter 768] [--layers 4] [--engine sglang]
 
 Writes a synthetic GPTQ 4-bit g128 symmetric checkpoint and a `wna16-shard --layout fused` output of it
 (TP 2) in a scratch folder, then, in one fresh process per row: allocates (and touches) the parameters of
-one vLLM method row (layouts.vllm) for every MoE layer as vLLM would, samples the process's anonymous RSS
+one method row (layouts.vllm; `--engine sglang`: layouts.sglang's GPTQ Marlin row, SGLang's pick for this
+checkpoint) for every MoE layer as the engine would, samples the process's anonymous RSS
 (/proc/self/status RssAnon, every 2 ms: torch's CPU allocations are invisible to tracemalloc) while
 `load.inplace.fill_layers` fills them, and reports the peak over the baseline next to the parameters'
 bytes and one layer's fused bytes. "copy" is the previous plugin path (load_experts builds every layer's
@@ -33,13 +34,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from wna16_loader import ParallelConfig, load_experts
-from wna16_loader.layouts import AUTO_GPTQ, MOE_WNA16, VLLM_LAYOUTS, shape_of
+from wna16_loader.layouts import AUTO_GPTQ, GPTQ_MARLIN, MOE_WNA16, SGLANG_LAYOUTS, VLLM_LAYOUTS, allocated_shape
 from wna16_loader.load.experts import planned
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
 from wna16_loader.testing.standin import StandIn
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
-ROWS = {row.name: row for row in VLLM_LAYOUTS}
+ROWS = {row.name: row for row in (*VLLM_LAYOUTS, *SGLANG_LAYOUTS)}
+# (from, row, TP) measured for each engine
+RUNS = {"vllm": [("copy", MOE_WNA16.name, 1), ("checkpoint", MOE_WNA16.name, 1), ("checkpoint", AUTO_GPTQ.name, 1),
+                 ("checkpoint", MOE_WNA16.name, 2), ("checkpoint", AUTO_GPTQ.name, 2), ("shard", MOE_WNA16.name, 2),
+                 ("shard", AUTO_GPTQ.name, 2)],
+        "sglang": [("checkpoint", GPTQ_MARLIN.name, 1), ("checkpoint", GPTQ_MARLIN.name, 2),
+                   ("shard", GPTQ_MARLIN.name, 2), ("checkpoint", MOE_WNA16.name, 2)]}
 
 
 def anon_kib() -> int:
@@ -54,7 +61,8 @@ def targets_for(src: Path, parallel: ParallelConfig, row_name: str,
     with planned(src, parallel) as (_, _, _, plans):
         for plan in plans:
             sizes = layer_sizes(plan.fused, plan.moe.quant.group_size)
-            params = {d.name: torch.zeros(shape_of(d, sizes), dtype=d.dtype or plan.fused.scale_dtype, device=device)
+            params = {d.name: torch.zeros(allocated_shape(d, sizes), dtype=d.dtype or plan.fused.scale_dtype,
+                                          device=device)
                       for d in row.filled(plan.fused.has_zero_point)}
             targets[plan.prefix] = LayerTarget(row, params, plan.fused.experts)
             params_bytes += sum(t.numel() * t.element_size() for t in params.values())
@@ -126,6 +134,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--device", default="cpu", help="cpu (anonymous RSS), cuda:N (torch.cuda.max_memory_allocated) "
                                                         "or stand-in (a dry run of the cuda path)")
+    parser.add_argument("--engine", choices=sorted(RUNS), default="vllm", help="whose method rows to fill")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -145,10 +154,7 @@ def main() -> None:
               f"added peak: {what}\n")
         print("| method row | from | TP (rank 0) | parameters MiB | one layer fused MiB | added peak MiB | added / parameters |")
         print("|---|---|---|---|---|---|---|")
-        for mode, row, tp in [("copy", MOE_WNA16.name, 1), ("checkpoint", MOE_WNA16.name, 1),
-                              ("checkpoint", AUTO_GPTQ.name, 1), ("checkpoint", MOE_WNA16.name, 2),
-                              ("checkpoint", AUTO_GPTQ.name, 2), ("shard", MOE_WNA16.name, 2),
-                              ("shard", AUTO_GPTQ.name, 2)]:
+        for mode, row, tp in RUNS[args.engine]:
             out = subprocess.run([sys.executable, __file__, "--child", mode, row, sources, str(tp), args.device],
                                  capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])

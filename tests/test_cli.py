@@ -695,15 +695,17 @@ def test_a_mistyped_subcommand_gets_a_did_you_mean(source: Path, tmp_path: Path,
     assert line == "wna16-shard: error: verfy/config.json: file not found; a checkpoint folder needs a config.json."
 
 
-@pytest.mark.parametrize("script", ["test", "test_vllm"])
+@pytest.mark.parametrize("script", ["test", "test_vllm", "test_sglang"])
 def test_the_test_scripts_help_installs_nothing(tmp_path: Path, script: str) -> None:
-    """Row 5: `./scripts/test --help` and `./scripts/test_vllm --help` print their own usage (saying that other
-    arguments go to pytest), exit 0 and install nothing: run from a copy with no .venv and an empty cache."""
+    """`./scripts/test --help`, `./scripts/test_vllm --help` and `./scripts/test_sglang --help` print their own
+    usage (saying that other arguments go to pytest), exit 0 and install nothing: run from a copy with no .venv
+    and an empty cache."""
     import shutil
 
     shutil.copytree(ROOT / "scripts", tmp_path / "scripts", ignore=shutil.ignore_patterns("bench", "__pycache__"))
     shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "WNA16_VLLM_VENV": str(tmp_path / "vllm-venv")}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "WNA16_VLLM_VENV": str(tmp_path / "vllm-venv"),
+           "WNA16_SGLANG_VENV": str(tmp_path / "sglang-venv")}
     env.pop("WNA16_PYTHON", None)
     run = subprocess.run([str(tmp_path / "scripts" / script), "--help"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=60)
@@ -714,7 +716,7 @@ def test_the_test_scripts_help_installs_nothing(tmp_path: Path, script: str) -> 
 
 
 def test_a_folder_named_like_the_package_is_named_as_the_cause(tmp_path: Path) -> None:
-    """Row 6: the README's Python run from the folder holding the clone, itself named wna16_loader: the error says
+    """The README's Python run from the folder holding the clone, itself named wna16_loader: the error says
     that the clone shadows the package (not "cannot import name ... (unknown location)"); an empty folder of that
     name (a namespace package, where no code of ours runs on `import`) is named by the CLI."""
     from importlib import metadata

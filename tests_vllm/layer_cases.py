@@ -134,11 +134,11 @@ def fixture_references(name: str) -> dict[tuple[str, int, str], torch.Tensor]:
     return out
 
 
-def write_checkpoints(root: Path) -> dict[str, Checkpoint]:
-    """Every case's checkpoint (by checkpoint name) and its float32 references (synthetic ones written once,
-    with the writer's own)."""
+def write_checkpoints(root: Path, cases: list[Case] | None = None) -> dict[str, Checkpoint]:
+    """Every case's checkpoint (by checkpoint name; `cases`: CASES by default) and its float32 references
+    (synthetic ones written once, with the writer's own)."""
     out = {}
-    for case in CASES:
+    for case in CASES if cases is None else cases:
         if case.checkpoint in out:
             continue
         if not case.synthetic:
@@ -165,19 +165,27 @@ def family_config(synthetic: dict) -> dict:
 def model_jobs(out: Path, group: str) -> list[dict]:
     """The whole-model jobs of `group`: vLLM's default loader and the plugin (from the checkpoint folder and
     from a wna16-shard output for the group's layout), with no --quantization flag and with moe_wna16."""
+    model = {"kind": "model", "folder": str(out / "model")}
+    return [*plugin_model_jobs(out, group, parallel(group, 0)),
+            {**model, "name": "moe_wna16-auto", "load_format": "auto", "quantization": "moe_wna16"},
+            {**model, "name": "moe_wna16-wna16", "load_format": "wna16", "quantization": "moe_wna16"}]
+
+
+def plugin_model_jobs(out: Path, group: str, layout: ParallelConfig) -> list[dict]:
+    """The Qwen3-MoE model (model_checkpoint.write_model, once in `out`) loaded by the engine's default loader
+    ("auto") and by the plugin from it ("wna16-checkpoint") and from a wna16-shard output for `layout`
+    ("wna16-shard"), with no --quantization flag: both tiers' whole-model jobs."""
     from model_checkpoint import write_model
 
     from wna16_loader.preshard.run import preshard_checkpoint
 
     source = out / "model" if (out / "model").exists() else write_model(out / "model")
-    shard, layout = out / f"model-shard-{group}", parallel(group, 0)
+    shard = out / f"model-shard-{group}"
     preshard_checkpoint(source, shard, tp_size=layout.tp_size, ep_size=layout.ep_size, progress=False)
     model = {"kind": "model", "folder": str(source)}
     return [{**model, "name": "auto", "load_format": "auto"},
             {**model, "name": "wna16-checkpoint", "load_format": "wna16"},
-            {**model, "name": "wna16-shard", "folder": str(shard), "load_format": "wna16"},
-            {**model, "name": "moe_wna16-auto", "load_format": "auto", "quantization": "moe_wna16"},
-            {**model, "name": "moe_wna16-wna16", "load_format": "wna16", "quantization": "moe_wna16"}]
+            {**model, "name": "wna16-shard", "folder": str(shard), "load_format": "wna16"}]
 
 
 def rank_reference(refs: dict, case: Case, group: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

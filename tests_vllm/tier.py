@@ -1,4 +1,5 @@
-"""Run vLLM ranks as processes (gloo) and read back what they loaded. See vllm_rank.py."""
+"""Run an engine's ranks as processes (gloo) and read back what they loaded. See vllm_rank.py (the SGLang tier
+runs sglang_rank.py through the same functions)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 RANK_SCRIPT = Path(__file__).with_name("vllm_rank.py")
 TIMEOUT_S = 600
@@ -22,24 +25,38 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_group(tp: int, jobs: list[dict], out: Path, *, ep: bool = False) -> None:
-    """Start `tp` vLLM ranks over `jobs` and wait for all of them; a rank that dies fails with its log.
-    `ep`: vLLM's enable_expert_parallel (the MoE layers EP `tp`-way, MoE TP 1)."""
+def run_group(tp: int, jobs: list[dict], out: Path, *, ep: bool = False, script: Path = RANK_SCRIPT) -> None:
+    """Start `tp` ranks of `script` (vLLM's by default) over `jobs` and wait for all of them; a rank that dies fails
+    with its log. `ep`: the MoE layers EP `tp`-way, MoE TP 1 (vLLM's enable_expert_parallel)."""
     out.mkdir(parents=True, exist_ok=True)
     spec = {"tp": tp, "ep": ep, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out), "jobs": jobs}
     jobs_file = out / f"jobs-tp{tp}{'-ep' if ep else ''}.json"
     jobs_file.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(RANK_SCRIPT.parent), *sys.path])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), *sys.path])}
     logs = [out / f"tp{tp}-rank{r}.log" for r in range(tp)]
-    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(jobs_file), str(r)], env=env,
+    procs = [subprocess.Popen([sys.executable, str(script), str(jobs_file), str(r)], env=env,
                               stdout=log.open("w"), stderr=subprocess.STDOUT) for r, log in enumerate(logs)]
     codes = [proc.wait(timeout=TIMEOUT_S) for proc in procs]
     for code, log in zip(codes, logs):
         assert code == 0, f"{log.name} exited {code}:\n{log.read_text()[-4000:]}"
 
 
+def run_job(job: dict, out: Path, rank: int, load: Callable[[dict], dict[str, torch.Tensor]]) -> None:
+    """Run one job in a rank process: OUT/NAME/rank{R}.safetensors holds what `load(job)` returns, or
+    OUT/NAME/rank{R}.json the engine's error (a refusal is a result the tests pin)."""
+    folder = out / job["name"]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        tensors = load(job)
+    except Exception as exc:
+        error = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()[-3000:]}
+        (folder / f"rank{rank}.json").write_text(json.dumps(error))
+        return
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors"))
+
+
 def result(out: Path, name: str, rank: int) -> dict[str, torch.Tensor] | dict[str, str]:
-    """What rank `rank` loaded for job `name`: its tensors, or vLLM's error {"type", "message", "trace"}."""
+    """What rank `rank` loaded for job `name`: its tensors, or the engine's error {"type", "message", "trace"}."""
     folder = out / name
     if (folder / f"rank{rank}.json").exists():
         return json.loads((folder / f"rank{rank}.json").read_text())

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import sys
-import traceback
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
+import tier
 import workarounds
 
 # vLLM's compressed-tensors method names its fused parameters apart; after its Triton conversion their
@@ -121,18 +121,6 @@ def current_parallel():
                           enable_expert_parallel=current.enable_expert_parallel)
 
 
-def run_job(job: dict, out: Path, rank: int) -> None:
-    folder = out / job["name"]
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        tensors = (layer_job if job["kind"] == "layer" else model_job)(job)
-    except Exception as exc:  # vLLM refusing a checkpoint is a result the test pins
-        error = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()[-3000:]}
-        (folder / f"rank{rank}.json").write_text(json.dumps(error))
-        return
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors"))
-
-
 def main(jobs_file: str, rank_arg: str) -> None:
     spec, rank = json.loads(Path(jobs_file).read_text()), int(rank_arg)
     workarounds.apply(f"wna16-tier-{spec['tp']}-{spec.get('ep', False)}-{rank}")
@@ -151,7 +139,7 @@ def main(jobs_file: str, rank_arg: str) -> None:
         initialize_model_parallel(tp)
     for job in spec["jobs"]:
         with fresh():
-            run_job(job, Path(spec["out"]), rank)
+            tier.run_job(job, Path(spec["out"]), rank, layer_job if job["kind"] == "layer" else model_job)
 
 
 if __name__ == "__main__":

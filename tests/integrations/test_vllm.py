@@ -14,12 +14,13 @@ tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "wna16_loader" / "integrations" / "vllm.py"
+PLUGINS = (PLUGIN, ROOT / "wna16_loader" / "integrations" / "sglang.py")  # the one module per engine that imports it
 
 BLOCK_VLLM = """
 import importlib.abc, sys
 class NoVllm(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name == "vllm" or name.startswith("vllm."):
+        if name.split(".")[0] in ("vllm", "sglang"):
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, NoVllm())
 """
@@ -30,9 +31,9 @@ def run(code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_no_module_but_the_plugin_imports_vllm():
+def test_no_module_but_the_plugins_imports_an_engine():
     modules = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-                     for p in (ROOT / "wna16_loader").rglob("*.py") if p != PLUGIN)
+                     for p in (ROOT / "wna16_loader").rglob("*.py") if p not in PLUGINS)
     done = run(f"import importlib\nfor m in {modules!r}: importlib.import_module(m)\nprint(len({modules!r}))")
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout) == len(modules) > 40

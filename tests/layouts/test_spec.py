@@ -13,7 +13,7 @@ from wna16_loader.layouts.spec import WordLayout
 from wna16_loader.load.params import checkpoint_groups
 from wna16_loader.testing.synthetic import quant_config
 
-SIZES = Sizes(E=3, N13=2 * 96, H=128, I=192, I_p=96, bits=4, GH=4, GI=3, GH_eff=4, GI_eff=3)
+SIZES = Sizes(E=3, N13=2 * 96, H=128, I=192, I_p=96, bits=4, GH=4, GI=3, GH_eff=4, GI_eff=3, GI_all=6)
 
 
 @pytest.mark.parametrize("expr, value", [("E", 3), ("2", 2), ("N13/P", 24), ("H/P8", 64), ("2*I_p/P", 24),

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from wna16_loader import ConfigError, LayoutMismatchError, ParallelConfig, load_experts
 from wna16_loader.formats import Role, resolve_quant_spec
-from wna16_loader.layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, shape_of
+from wna16_loader.layouts import (AUTO_AWQ, AUTO_GPTQ, CT_WNA16, GPTQ_MARLIN, MOE_WNA16, UNQUANTIZED,
+                                  allocated_shape, shape_of)
 from wna16_loader.layouts.relayout import fill_param
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
 from wna16_loader.preshard.run import preshard_checkpoint
@@ -40,7 +41,7 @@ def targets(fused: dict, row, group_size: int = 32) -> dict[str, LayerTarget]:
     out = {}
     for prefix, layer in fused.items():
         sizes = layer_sizes(layer.spec, group_size)
-        params = {d.name: torch.full(shape_of(d, sizes), 7, dtype=d.dtype or torch.float16)
+        params = {d.name: torch.full(allocated_shape(d, sizes), 7, dtype=d.dtype or torch.float16)
                   for d in row.filled(layer.has_zero_point)}
         out[prefix] = LayerTarget(row, params, layer.spec.experts)
     return out
@@ -65,6 +66,28 @@ def test_every_layer_is_filled_as_the_row_makes_it(source, row, from_shard):
         for name, param in want[prefix].params.items():
             assert torch.equal(got[prefix].params[name], param), f"{prefix}.{name}"
     assert bool(report.ignored) != from_shard  # a checkpoint's non-expert tensors go back to the engine
+
+
+@pytest.mark.parametrize("from_shard", [False, True])
+def test_a_param_allocated_for_the_whole_intermediate_size_holds_the_ranks_groups_first(tmp_path, from_shard):
+    """SGLang's gptq_marlin w2 scales [E, I // G, H] at TP 2: the rank's I_p // G groups (auto_gptq's values),
+    then zeros, as SGLang's loader leaves them, on either route; its other parameters are auto_gptq's."""
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=True),
+                              num_experts=4, hidden=64, intermediate=128, num_layers=1, seed=5).folder
+    config = ParallelConfig(tp_size=2, tp_rank=1)
+    if from_shard:
+        preshard_checkpoint(folder, tmp_path / "shard", tp_size=2, progress=False)
+    fused = load_experts(folder, config)
+    gptq, marlin = targets(fused, AUTO_GPTQ), targets(fused, GPTQ_MARLIN)
+    fill_layers(folder, config, gptq)
+    report = fill_layers(tmp_path / "shard" if from_shard else folder, config, marlin)
+    got, want = marlin[PREFIXES[0]].params, gptq[PREFIXES[0]].params
+    assert got["w2_scales"].shape == (4, 4, 64) and want["w2_scales"].shape == (4, 2, 64)
+    assert torch.equal(got["w2_scales"][:, :2], want["w2_scales"]) and bool((got["w2_scales"][:, 2:] == 0).all())
+    for name in ("w13_qweight", "w2_qweight", "w13_scales"):
+        assert torch.equal(got[name], want[name]), name
+    # from the checkpoint its words are copied (into the head), from a fused output the layer is re-laid
+    assert report.copied == (() if from_shard else PREFIXES[:1]) and (report.scratch_bytes > 0) == from_shard
 
 
 @pytest.mark.parametrize("row", [MOE_WNA16, AUTO_GPTQ, CT_WNA16], ids=lambda row: row.name)
@@ -227,6 +250,17 @@ def test_what_the_checkpoint_does_not_hold_takes_the_fused_route(tmp_path, why, 
     assert report.copied == (PREFIXES if copied else ()), why
     assert (report.scratch_bytes > 0) == (not copied)
     assert_same(want, got)
+
+
+def test_an_act_order_layer_is_refused_by_a_row_without_g_idx(tmp_path):
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=True,
+                                                              act_order=True),
+                              num_experts=4, hidden=128, intermediate=128, num_layers=1, seed=9).folder
+    config = ParallelConfig(tp_size=2, tp_rank=0)
+    with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts: the checkpoint's experts here "
+                       r"are act-order \(g_idx orders their groups\) but the engine's gptq_marlin parameters have no "
+                       r"place for g_idx; load it with the engine's own loader"):
+        fill_layers(folder, config, targets(load_experts(folder, config), GPTQ_MARLIN))
 
 
 @pytest.mark.parametrize("copy_words", [True, False])

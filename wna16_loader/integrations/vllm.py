@@ -17,21 +17,17 @@ vLLM; `import wna16_loader` never does.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..errors import ConfigError
 from ..layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, MethodLayout
-from ..load.experts import read_moe_config
-from ..load.inplace import FillReport, LayerTarget, fill_layers
-from ..load.outputs import is_presharded
+from ..load.inplace import FillReport, LayerTarget
 from ..parallel.config import ExpertPlacement, ParallelConfig
-from ..preshard.plan import COMMON_DIR
 from ..storage.hub import resolve_checkpoint
-from ..storage.index import CheckpointIndex
+from .fill import common_weights, fill_model
 
 try:
     from vllm.config import ModelConfig, get_current_vllm_config
@@ -79,16 +75,8 @@ class WNA16ModelLoader(DefaultModelLoader):
 def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
     """Fill every MoE layer of `model` from `folder`, in place, in its method's layout."""
     layers = expert_layers(model)
-    moe = read_moe_config(folder)
-    prefixes = (*moe.experts_prefixes, *moe.mtp_prefixes)
-    names = {prefix: vllm_name(model, prefix) for prefix in prefixes}
-    targets = {prefix: layer_target(layers[name]) for prefix, name in names.items() if name in layers}
-    unfilled = sorted(set(layers) - {names[prefix] for prefix in targets})
-    if unfilled:
-        raise ConfigError(f"vLLM's MoE layers {unfilled} match no experts prefix of {folder} (its prefixes: "
-                          f"{list(prefixes)}); load this model with vLLM's default --load-format")
-    mtp = any(prefix in moe.mtp_prefixes for prefix in targets)
-    return fill_layers(folder, parallel_of(next(iter(layers.values()))), targets, include_mtp=mtp)
+    return fill_model(folder, "vLLM", layers, layer_target, parallel_of(next(iter(layers.values()))),
+                      partial(vllm_name, model))
 
 
 def expert_layers(model: nn.Module) -> dict[str, RoutedExperts]:
@@ -126,13 +114,3 @@ def vllm_name(model: nn.Module, prefix: str) -> str:
     """The vLLM layer name of a checkpoint experts prefix (through the model's `hf_to_vllm_mapper`)."""
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     return mapper.map_name(prefix) if mapper is not None else prefix
-
-
-def common_weights(folder: Path, ignored: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every non-expert tensor, one at a time: a `wna16-shard` output's common/ files, or the tensors of a
-    checkpoint folder that the expert load left alone (nothing else is read)."""
-    source = folder / COMMON_DIR if is_presharded(folder) else folder
-    with CheckpointIndex(source) as index:
-        names = sorted(index.refs) if source != folder else ignored
-        for name in names:
-            yield name, index.read(index.refs[name])

@@ -14,6 +14,7 @@ the fused tensor it is made from, its logical shape, and how its values are laid
 | `need`      | when the parameter is filled: always, with zero points (asymmetric) or always, filling a symmetric layer's midpoint |
 | `storage`   | (derived) one expert's dims, packed dim, slot order and zero offset as a `WordLayout`: equal to a checkpoint role's `WordLayout.of`, the parameter holds that checkpoint's own words |
 | `tp_dim`    | (derived from `half` and `order`) the dim the TP cut splits, the one holding I_p: w13's N, w2's K; None for SHAPE (whole on every rank); the EP cut splits dim 0 (E) |
+| `allocated` | where the engine allocates more than the rank's values (`shape`): its shape; the values fill its head, the rest is zeros (None: `shape`) |
 
 Nothing here branches on a method's name: the loader fills any row through `relayout.fill_param`.
 """
@@ -85,6 +86,7 @@ class ParamDecl:
     slot_order: tuple[int, ...] | None = None
     zero_offset: int = 0
     need: Need = Need.ALWAYS
+    allocated: tuple[str, ...] | None = None
 
     @property
     def tp_dim(self) -> int | None:
@@ -140,13 +142,14 @@ class MethodLayout:
     loader's own writer) fills it with no conversion."""
 
     name: str
-    engine: str
+    engines: tuple[str, ...]  # the engines whose method holds its parameters so (one row where they agree)
     params: tuple[ParamDecl, ...]
     quantized: bool = True
     notes: str = ""
     reduced_groups: bool = False  # holds a layer whose G_eff is below the checkpoint's G (moe_wna16's halving)
     padded: bool = False  # holds an I_p with padding columns (an I that TP does not divide)
     asymmetric: bool = True  # holds layers with zero points (the engine builds the method for them)
+    act_order: bool = True  # holds a layer whose g_idx orders its groups (False: the row has no place for g_idx)
 
     @property
     def fused_as_is(self) -> bool:
@@ -158,9 +161,9 @@ class MethodLayout:
         """Whether the row holds a layer whose G leaves a last, partial group along H or I_p (G = G_eff not
         dividing them): every parameter is sized by the fused layer's group counts (GH_eff, GI_eff: the
         checkpoint's ceil), none by the engine's K // G (GH, GI), as shapes evaluated under both say."""
-        floor = Sizes(E=1, N13=64, H=64, I=64, I_p=64, bits=4, GH=1, GI=1, GH_eff=2, GI_eff=2)
-        ceil = replace(floor, GH=floor.GH_eff, GI=floor.GI_eff)
-        return all(shape_of(p, floor) == shape_of(p, ceil) for p in self.params)
+        floor = Sizes(E=1, N13=64, H=64, I=64, I_p=64, bits=4, GH=1, GI=1, GH_eff=2, GI_eff=2, GI_all=1)
+        ceil = replace(floor, GH=floor.GH_eff, GI=floor.GI_eff, GI_all=2)
+        return all(allocated_shape(p, floor) == allocated_shape(p, ceil) for p in self.params)
 
     def filled(self, has_zero_point: bool) -> tuple[ParamDecl, ...]:
         """The parameters filled for a layer with or without zero points."""
@@ -217,11 +220,13 @@ class Sizes:
     GI: int  # groups an engine allocates along I_p at it: I_p // G
     GH_eff: int  # the fused layout's groups along H (G_eff, moe_wna16's halving)
     GI_eff: int  # the fused layout's groups of w2
+    GI_all: int  # groups an engine allocates along the whole model's I (every rank's I_p): I // G
 
     @property
     def symbols(self) -> dict[str, int]:
         return {"E": self.E, "N13": self.N13, "H": self.H, "I": self.I, "I_p": self.I_p, "P": 32 // self.bits,
-                "P8": 8 // self.bits, "GH": self.GH, "GI": self.GI, "GH_eff": self.GH_eff, "GI_eff": self.GI_eff}
+                "P8": 8 // self.bits, "GH": self.GH, "GI": self.GI, "GH_eff": self.GH_eff, "GI_eff": self.GI_eff,
+                "GI_all": self.GI_all}
 
 
 _TERM = re.compile(r"\s*([*/]?)\s*([A-Za-z_][A-Za-z_0-9]*|\d+)\s*")
@@ -247,3 +252,8 @@ def evaluate(expr: str, sizes: Sizes) -> int:
 def shape_of(decl: ParamDecl, sizes: Sizes) -> tuple[int, ...]:
     """The concrete shape of `decl` for `sizes`."""
     return tuple(evaluate(dim, sizes) for dim in decl.shape)
+
+
+def allocated_shape(decl: ParamDecl, sizes: Sizes) -> tuple[int, ...]:
+    """The shape the engine allocates for `decl` (`decl.allocated`, else its values' `shape_of`)."""
+    return tuple(evaluate(dim, sizes) for dim in decl.allocated) if decl.allocated else shape_of(decl, sizes)

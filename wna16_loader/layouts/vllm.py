@@ -12,6 +12,9 @@ and fused_moe/unquantized_fused_moe_method.py.
 | ct_wna16       | CompressedTensorsWNA16MoEMethod     | compressed-tensors pack-quantized, group strategy    | no (int32 words)   |
 | unquantized    | UnquantizedFusedMoEMethod           | float expert layers (excluded by the quantizer)      | yes                |
 
+moe_wna16, auto_awq and unquantized are SGLang 0.5.23's rows too (its MoeWNA16Method, AWQ Marlin MoE and
+UnquantizedFusedMoEMethod allocate the same parameters; `engines` says so, layouts/sglang.py lists them).
+
 Expert biases (`w13_bias`/`w2_bias` of auto_gptq, and of ct_wna16 where the model has them) are not
 declared: they are ordinary checkpoint tensors to this package, and vLLM's own loader fills them.
 """
@@ -33,15 +36,15 @@ def _fused(name: str, half: Half, source: Source, shape: tuple[str, ...], dtype:
     return ParamDecl(name, half, source, shape, dtype, packing=packing, need=need)
 
 
-MOE_WNA16 = MethodLayout("moe_wna16", "vllm", (
+MOE_WNA16 = MethodLayout("moe_wna16", ("vllm", "sglang"), (
     _fused("w13_qweight", W13, Source.QWEIGHT, ("E", "N13", "H/P8"), torch.uint8),
     _fused("w2_qweight", W2, Source.QWEIGHT, ("E", "H", "I_p/P8"), torch.uint8),
     _fused("w13_scales", W13, Source.SCALES, ("E", "N13", "GH_eff"), None, packing=Packing.NONE),
     _fused("w2_scales", W2, Source.SCALES, ("E", "H", "GI_eff"), None, packing=Packing.NONE),
     _fused("w13_qzeros", W13, Source.ZEROS, ("E", "N13/P8", "GH_eff"), torch.uint8, need=Need.ZERO_POINTS),
     _fused("w2_qzeros", W2, Source.ZEROS, ("E", "H/P8", "GI_eff"), torch.uint8, need=Need.ZERO_POINTS),
-), notes="the fused layout itself; symmetric layers keep vLLM's empty qzeros and g_idx placeholders",
-   reduced_groups=True)
+), notes="the fused layout itself; symmetric layers keep vLLM's empty qzeros and g_idx placeholders; no g_idx "
+         "(both engines drop a checkpoint's)", reduced_groups=True, act_order=False)
 
 
 def _k_major(name: str, half: Half, source: Source, shape: tuple[str, ...], dtype: torch.dtype | None, *,
@@ -52,7 +55,7 @@ def _k_major(name: str, half: Half, source: Source, shape: tuple[str, ...], dtyp
                      zero_offset=zero_offset, need=need)
 
 
-AUTO_GPTQ = MethodLayout("auto_gptq", "vllm", (
+AUTO_GPTQ = MethodLayout("auto_gptq", ("vllm",), (
     _k_major("w13_qweight", W13, Source.QWEIGHT, ("E", "H/P", "N13"), torch.int32, packing=Packing.K_WORDS),
     _k_major("w2_qweight", W2, Source.QWEIGHT, ("E", "I_p/P", "H"), torch.int32, packing=Packing.K_WORDS),
     _k_major("w13_scales", W13, Source.SCALES, ("E", "GH", "N13"), None),
@@ -64,7 +67,7 @@ AUTO_GPTQ = MethodLayout("auto_gptq", "vllm", (
 ), notes="GPTQ v1 words stacked over experts; zero points stored as z - 1 and read by its CPU kernel even "
          "when symmetric (midpoint); vLLM builds it for symmetric layers only", asymmetric=False)
 
-AUTO_AWQ = MethodLayout("auto_awq", "vllm", (
+AUTO_AWQ = MethodLayout("auto_awq", ("vllm", "sglang"), (
     _k_major("w13_qweight", W13, Source.QWEIGHT, ("E", "H", "N13/P"), torch.int32, packing=Packing.N_WORDS,
              slot_order=AWQ_ORDER),
     _k_major("w2_qweight", W2, Source.QWEIGHT, ("E", "I_p", "H/P"), torch.int32, packing=Packing.N_WORDS,
@@ -77,7 +80,7 @@ AUTO_AWQ = MethodLayout("auto_awq", "vllm", (
              slot_order=AWQ_ORDER, need=Need.ZERO_POINTS),
 ), notes="AWQ GEMM words stacked over experts (packed along N in AWQ's order)")
 
-CT_WNA16 = MethodLayout("ct_wna16", "vllm", (
+CT_WNA16 = MethodLayout("ct_wna16", ("vllm",), (
     _fused("w13_weight_packed", W13, Source.QWEIGHT, ("E", "N13", "H/P"), torch.int32, packing=Packing.K_WORDS),
     _fused("w2_weight_packed", W2, Source.QWEIGHT, ("E", "H", "I_p/P"), torch.int32, packing=Packing.K_WORDS),
     _fused("w13_weight_scale", W13, Source.SCALES, ("E", "N13", "GH"), None, packing=Packing.NONE),
@@ -90,7 +93,7 @@ CT_WNA16 = MethodLayout("ct_wna16", "vllm", (
     ParamDecl("w2_weight_shape", W2, Source.SHAPE, ("E", "2"), torch.float32),
 ), notes="compressed-tensors' N-major int32 words (its Triton and CPU backends; vLLM converts after loading)")
 
-UNQUANTIZED = MethodLayout("unquantized", "vllm", (
+UNQUANTIZED = MethodLayout("unquantized", ("vllm", "sglang"), (
     _fused("w13_weight", W13, Source.WEIGHT, ("E", "N13", "H"), None, packing=Packing.NONE),
     _fused("w2_weight", W2, Source.WEIGHT, ("E", "H", "I_p"), None, packing=Packing.NONE),
 ), quantized=False, notes="float experts in the stored dtype")

@@ -25,8 +25,8 @@ import torch
 
 from ..errors import ConfigError, LayoutMismatchError
 from ..layouts.relayout import fill_param
-from ..layouts.spec import (Half, MethodLayout, ParamDecl, Sizes, allocated_groups, leaves_partial_group,
-                            shape_of)
+from ..layouts.spec import (Half, MethodLayout, ParamDecl, Sizes, allocated_groups, allocated_shape,
+                            leaves_partial_group, shape_of)
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
 from ..storage.filemap import read_into
@@ -70,11 +70,12 @@ class FillReport:
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
-    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise): GH and GI
-    as vLLM allocates them (`allocated_groups`, floor), GH_eff and GI_eff the fused layer's (ceil)."""
+    """The shape symbols of a fused layer whose checkpoint group size is `group_size` (-1 channelwise): GH, GI and
+    GI_all as engines allocate them (`allocated_groups`, floor), GH_eff and GI_eff the fused layer's (ceil)."""
     return Sizes(E=len(spec.experts), N13=spec.w13_rows, H=spec.hidden, I=spec.intermediate, I_p=spec.part,
                  bits=spec.bits, GH=allocated_groups(spec.hidden, group_size),
-                 GI=allocated_groups(spec.part, group_size), GH_eff=spec.w13_groups, GI_eff=spec.w2_groups)
+                 GI=allocated_groups(spec.part, group_size), GH_eff=spec.w13_groups, GI_eff=spec.w2_groups,
+                 GI_all=allocated_groups(spec.intermediate, group_size))
 
 
 def fused_name(decl: ParamDecl) -> str:
@@ -94,9 +95,14 @@ def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: 
                                   f"experts here are {'quantized' if spec.quantized else 'float'}; load it with the "
                                   f"engine's own loader (the engine and this checkpoint disagree on which layers "
                                   f"are quantized)")
+    if spec.act_order and not target.layout.act_order:
+        raise LayoutMismatchError(f"{prefix}: the checkpoint's experts here are act-order (g_idx orders their "
+                                  f"groups) but the engine's {target.layout.name} parameters have no place for g_idx; "
+                                  f"load it with the engine's own loader")
     decls, sizes = target.layout.filled(spec.has_zero_point), layer_sizes(spec, group_size)
-    wrong = [f"{d.name} {list(target.params[d.name].shape)} (declared {list(d.shape)} = {list(shape_of(d, sizes))})"
-             for d in decls if d.name in target.params and tuple(target.params[d.name].shape) != shape_of(d, sizes)]
+    wrong = [f"{d.name} {list(target.params[d.name].shape)} (declared {list(d.allocated or d.shape)} = "
+             f"{list(allocated_shape(d, sizes))})" for d in decls
+             if d.name in target.params and tuple(target.params[d.name].shape) != allocated_shape(d, sizes)]
     missing = [d.name for d in decls if d.name not in target.params]
     if wrong or missing:
         raise LayoutMismatchError(f"{prefix}: the engine's {target.layout.name} parameters do not fit this rank's "
@@ -135,14 +141,24 @@ def staging_of(target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...
 
 
 def relay(prefix: str, target: LayerTarget, decls: tuple[ParamDecl, ...], spec: FusedSpec,
-          tensors: Mapping[str, torch.Tensor]) -> None:
+          tensors: Mapping[str, torch.Tensor], sizes: Sizes) -> None:
     """Re-lay one layer's fused `tensors` into the engine's `decls` (a parameter whose fused tensor is absent:
     made from the sizes, e.g. a symmetric layer's zero points or a SHAPE record)."""
     nk = {Half.W13: (spec.intermediate, spec.hidden), Half.W2: (spec.hidden, spec.intermediate)}
     with torch.no_grad():
         for decl in decls:
-            fill_param(target.params[decl.name], decl, tensors.get(fused_name(decl)), bits=spec.bits,
-                       shape_nk=nk[decl.half], label=prefix)
+            fill_param(rank_view(target.params[decl.name], decl, sizes), decl, tensors.get(fused_name(decl)),
+                       bits=spec.bits, shape_nk=nk[decl.half], label=prefix)
+
+
+def rank_view(param: torch.Tensor, decl: ParamDecl, sizes: Sizes) -> torch.Tensor:
+    """The part of `param` the rank's values fill: all of it, or where the engine allocates more
+    (`decl.allocated`), its head, the rest zeroed (as the engine's own loader leaves it)."""
+    if decl.allocated is None:
+        return param
+    with torch.no_grad():
+        param.zero_()
+    return param[tuple(slice(0, n) for n in shape_of(decl, sizes))]
 
 
 def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str, LayerTarget], *,
@@ -201,7 +217,7 @@ FusedReader = Callable[[dict[str, torch.Tensor] | None], Mapping[str, torch.Tens
 
 
 def _through_fused(prefix: str, target: LayerTarget, spec: FusedSpec, decls: tuple[ParamDecl, ...],
-                   read: FusedReader) -> int:
+                   read: FusedReader, sizes: Sizes) -> int:
     """One layer through its fused tensors, from a checkpoint or an output alike: read straight into the
     engine's parameters where its method holds them as they are, else read as one layer's scratch and re-laid
     into them; the scratch's bytes (0 for the former; the scratch is freed on return)."""
@@ -209,7 +225,7 @@ def _through_fused(prefix: str, target: LayerTarget, spec: FusedSpec, decls: tup
     tensors = read(staging)
     if staging is not None:
         return 0
-    relay(prefix, target, decls, spec, tensors)
+    relay(prefix, target, decls, spec, tensors, sizes)
     return spec.nbytes
 
 
@@ -218,13 +234,15 @@ def _fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target:
     """One layer: its checkpoint words copied where its method holds them as they are, else through the
     fused writer; the scratch it held (bytes) and whether it was copied."""
     decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)
-    copies = direct_copies(plan, decls, target.params) if copy_words and not target.layout.fused_as_is else None
+    sizes = layer_sizes(plan.fused, plan.moe.quant.group_size)
+    views = {d.name: rank_view(target.params[d.name], d, sizes) for d in decls}
+    copies = direct_copies(plan, decls, views) if copy_words and not target.layout.fused_as_is else None
     if copies is None:
         read = partial(_loaded_fused, index, moe, plan, target.device)
-        return _through_fused(plan.prefix, target, plan.fused, decls, read), False
-    copy_direct(index, plan, copies, target.params)
+        return _through_fused(plan.prefix, target, plan.fused, decls, read, sizes), False
+    copy_direct(index, plan, copies, views)
     relay(plan.prefix, target, tuple(d for d in decls if made_from_sizes(d, plan.moe.quant.symmetric)),
-          plan.fused, {})
+          plan.fused, {}, sizes)
     return 0, True
 
 
@@ -279,7 +297,9 @@ def _fill_presharded(out: Path, parallel: ParallelConfig, targets: Mapping[str, 
     _same_layers(out, list(specs), targets)
     policy, done = DevicePolicy.of("cpu"), []
     for prefix, spec in ((p, s) for p, s in specs.items() if p in targets):
-        decls = check_target(prefix, targets[prefix], spec, moe.spec_of(prefix).spec.group_size)
+        group_size = moe.spec_of(prefix).spec.group_size
+        decls = check_target(prefix, targets[prefix], spec, group_size)
         read = partial(_output_fused, out, policy, located, prefix, spec)
-        done.append(Filled(prefix, _through_fused(prefix, targets[prefix], spec, decls, read)))
+        sizes = layer_sizes(spec, group_size)
+        done.append(Filled(prefix, _through_fused(prefix, targets[prefix], spec, decls, read, sizes)))
     return _report(done, targets, ())
