@@ -378,7 +378,7 @@ def test_ctrl_c_after_the_last_file_is_one_line_and_exit_130(source: Path, tmp_p
 
 
 def test_the_interrupted_line_of_a_verify_says_nothing_changed_wherever_the_ctrl_c_lands() -> None:
-    """main's own Ctrl-C line and run()'s (a Ctrl-C as main returns) are one answer: verify only reads."""
+    """Main's own Ctrl-C line and run()'s (a Ctrl-C as main returns) are one answer: verify only reads."""
     assert interrupted_line(["verify", "out"]) == ("wna16-shard verify: interrupted (it only reads: nothing "
                                                    "changed); re-run it")
     assert interrupted_line(["src", "out", "--tp", "2"]) == ("wna16-shard: interrupted; re-run the same command "
@@ -596,11 +596,11 @@ def test_warnings_only_when_something_is_written(tmp_path: Path) -> None:
                             f"requested 2)")
 
 
-# Issue 40: the first day, part four (one test per row; CLI rows as subprocesses).
+# What a new user did on the first day, replayed (CLI rows as subprocesses).
 
 
 def test_a_flipped_byte_is_repaired_by_the_command_verify_names(source: Path, tmp_path: Path) -> None:
-    """Row 1: one flipped byte in a rank file: loading stays unchecked (no hash: the flipped byte is loaded);
+    """One flipped byte in a rank file: loading stays unchecked (no hash: the flipped byte is loaded);
     `verify` names the file and the command that wrote the output; that command (and with --resume) re-checks
     every file and rewrites exactly the damaged one, every other file keeping its mtime."""
     import shlex
@@ -649,7 +649,7 @@ sys.meta_path.insert(0, SigintAtImport)
                                                  ("torch", "verify")])
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(source: Path, tmp_path: Path, module: str,
                                                          command: str) -> None:
-    """Row 2: a Ctrl-C while the console script starts (torch importing, and the package's modules) is the one
+    """A Ctrl-C while the console script starts (torch importing, and the package's modules) is the one
     line and exit 130, not a KeyboardInterrupt traceback: the entry imports nothing heavy before its guard."""
     site = tmp_path / "site"
     site.mkdir()
@@ -673,7 +673,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(source: Path, tmp_path:
     (["--quite"], "unrecognized argument --quite; did you mean --quiet?"),
 ])
 def test_a_mistyped_flag_gets_a_did_you_mean(source: Path, tmp_path: Path, typed: list[str], meant: str) -> None:
-    """Row 3: a mistyped flag is one line with what it probably meant, exit 2, nothing written."""
+    """A mistyped flag is one line with what it probably meant, exit 2, nothing written."""
     line = one_error_line(cli(str(source), str(tmp_path / "out"), *typed, process=True))
     assert line == f"wna16-shard: error: {meant}"
     assert not (tmp_path / "out").exists()
@@ -681,7 +681,7 @@ def test_a_mistyped_flag_gets_a_did_you_mean(source: Path, tmp_path: Path, typed
 
 def test_a_mistyped_subcommand_gets_a_did_you_mean(source: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Row 3: `verfy OUT` (no such folder) asks "did you mean verify"; a verify flag typo too; a folder that is
+    """`verfy OUT` (no such folder) asks "did you mean verify"; a verify flag typo too; a folder that is
     really named `verfy` is a source as before."""
     out = tmp_path / "out"
     line = one_error_line(cli("verfy", str(out), process=True))
