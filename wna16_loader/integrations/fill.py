@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -14,18 +14,22 @@ from ..errors import ConfigError
 from ..load.experts import read_moe_config
 from ..load.inplace import FillReport, LayerTarget, fill_layers
 from ..load.outputs import is_presharded
-from ..parallel.config import ParallelConfig
+from ..parallel.config import Node, ParallelConfig
 from ..preshard.plan import COMMON_DIR
 from ..storage.index import CheckpointIndex
+from ..storage.readahead import ReadOptions
 
 Layer = TypeVar("Layer")
 
 
 def fill_model(folder: Path, engine: str, layers: Mapping[str, Layer], target_of: Callable[[Layer], LayerTarget],
-               parallel: ParallelConfig, name_of: Callable[[str], str] = str) -> FillReport:
+               parallel: ParallelConfig, name_of: Callable[[str], str] = str, *,
+               world_group: Any = None) -> FillReport:
     """Fill every MoE layer of a model (`layers`: the engine's name -> its layer) from `folder`, in place, in its
     method's layout. `name_of`: a checkpoint experts prefix -> the engine's layer name. A layer no prefix names
-    raises ConfigError (naming `engine`, whose default loader is the fix)."""
+    raises ConfigError (naming `engine`, whose default loader is the fix). `world_group`: the engine's CPU
+    process group of every rank; the ranks of this host that fill the same layers read a checkpoint folder
+    together (`Node.from_environment`)."""
     moe = read_moe_config(folder)
     prefixes = (*moe.experts_prefixes, *moe.mtp_prefixes)
     names = {prefix: name_of(prefix) for prefix in prefixes}
@@ -35,7 +39,15 @@ def fill_model(folder: Path, engine: str, layers: Mapping[str, Layer], target_of
         raise ConfigError(f"{engine}'s MoE layers {unfilled} match no experts prefix of {folder} (its prefixes: "
                           f"{list(prefixes)}); load this model with {engine}'s default --load-format")
     mtp = any(prefix in moe.mtp_prefixes for prefix in targets)
-    return fill_layers(folder, parallel, targets, include_mtp=mtp)
+    return fill_layers(folder, parallel, targets, include_mtp=mtp, reads=node_reads(world_group, parallel, targets))
+
+
+def node_reads(world_group: Any, parallel: ParallelConfig, targets: Mapping[str, LayerTarget]) -> ReadOptions:
+    """The read options of an engine's rank: its node (the ranks of `world_group` on this host filling the same
+    layers: other pipeline stages are never one node), or alone without a group."""
+    if world_group is None:
+        return ReadOptions()
+    return ReadOptions(node=Node.from_environment(world_group, rank=parallel.rank, load=",".join(sorted(targets))))
 
 
 def common_weights(folder: Path, ignored: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -36,6 +36,7 @@ try:
     from sglang.srt.arg_groups.choices import add_load_format_choices
     from sglang.srt.configs.device_config import DeviceConfig
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import get_world_group
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.quantization.awq.schemes.awq_moe import AWQMoEScheme
     from sglang.srt.layers.quantization.compressed_tensors.schemes.compressed_tensors_wNa16_moe import (
@@ -100,7 +101,8 @@ class WNA16ModelLoader(sglang_loader.DefaultModelLoader):
 def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
     """Fill every MoE layer of `model` from `folder`, in place, in its method's layout."""
     layers = expert_layers(model)
-    return fill_model(folder, "SGLang", layers, layer_target, parallel_of(next(iter(layers.values()))))
+    return fill_model(folder, "SGLang", layers, layer_target, parallel_of(next(iter(layers.values()))),
+                      world_group=get_world_group().cpu_group)
 
 
 def expert_layers(model: nn.Module) -> dict[str, FusedMoE]:

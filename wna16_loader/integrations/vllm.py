@@ -31,6 +31,7 @@ from .fill import common_weights, fill_model
 
 try:
     from vllm.config import ModelConfig, get_current_vllm_config
+    from vllm.distributed.parallel_state import get_world_group
     from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
     from vllm.model_executor.layers.quantization.auto_awq import AutoAWQMoEMethod
@@ -76,7 +77,7 @@ def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
     """Fill every MoE layer of `model` from `folder`, in place, in its method's layout."""
     layers = expert_layers(model)
     return fill_model(folder, "vLLM", layers, layer_target, parallel_of(next(iter(layers.values()))),
-                      partial(vllm_name, model))
+                      partial(vllm_name, model), world_group=get_world_group().cpu_group)
 
 
 def expert_layers(model: nn.Module) -> dict[str, RoutedExperts]:

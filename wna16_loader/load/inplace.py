@@ -61,12 +61,14 @@ class LayerTarget:
 class FillReport:
     """What `fill_layers` did: the layers filled (prefix -> method row name), the non-expert tensors it
     left for the engine (checkpoint folders only), the most scratch one layer held (bytes), and the layers
-    whose checkpoint words were copied as they are (`load.direct`)."""
+    whose checkpoint words were copied as they are (`load.direct`); `window_bytes`: the shared memory a node's
+    read used (0: the rank read alone)."""
 
     layers: dict[str, str]
     ignored: tuple[str, ...]
     scratch_bytes: int
     copied: tuple[str, ...] = ()
+    window_bytes: int = 0
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
@@ -184,7 +186,7 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
                 ahead.start(number)
                 if plan.prefix in targets:
                     done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
-        return _report(done, targets, scan.others)
+        return replace(_report(done, targets, scan.others), window_bytes=ahead.window_bytes)
 
 
 def _cache_ranges(index: CheckpointIndex, plans: list[LayerPlan], targets: Mapping[str, LayerTarget],
