@@ -11,6 +11,7 @@ from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..storage.hub import resolve_checkpoint
 from .journal import JOURNAL_NAME, check_existing, interrupted, output_complete, start, warn_starting_over
 from .manifest import build_manifest
+from .layouts import warn_unserved
 from .plan import COMMON_DIR, ShardPlan, make_plan, warn_plan
 from .progress import RankSummary, ShardSummary
 from .safefiles import copy_file, locked_by_another, make_dir, output_lock, write_json_atomic
@@ -81,6 +82,7 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         except KeyboardInterrupt:
             raise interrupted(out, plan, journal) from None
         (out / JOURNAL_NAME).unlink(missing_ok=True)
+    warn_unserved(plan, out)
     return replace(ShardSummary(out=out, plan=plan, ranks=summaries), **_verified(out, plan, verify))
 
 
