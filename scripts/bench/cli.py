@@ -4,7 +4,8 @@
   python scripts/bench --quick                  the same at 8 layers (2.4 GB), one repetition
   python scripts/bench --size full --reps 3     the 550 MB shape, every format (suite small)
   python scripts/bench --size deepseek-names    the name scale (suite names)
-  python scripts/bench --suite bounds|reads|verify|device [options]
+  python scripts/bench --suite bounds|reads|verify|device|inplace [options]
+  ./scripts/test_vllm --python scripts/bench --suite vllm [options]   (in a vLLM tier venv)
 Every suite takes --help.
 """
 
@@ -15,12 +16,13 @@ import importlib
 
 from .baselines import NAME_SIZES, SCALE_SIZES
 
-SUITES = ("scale", "small", "names", "bounds", "reads", "verify", "device")
+SUITES = ("scale", "small", "names", "bounds", "reads", "verify", "device", "inplace", "vllm")
 SMALL_SIZES = ("small", "full", "full8", "mixtral")
 SIZED = ("scale", "small", "names", "device")  # the suites that take --size
 QUICK = {"scale": ["--size", "qwen3-30b-8l", "--reps", "1", "--skip", "whole,floortr,owntr", "--no-shard"], "small": ["--size", "small", "--reps", "2"],
          "names": ["--reps", "1", "--no-conversions"], "bounds": ["--reps", "1"], "reads": ["--reps", "2"],
-         "verify": ["--reps", "1", "--experts", "16"], "device": ["--reps", "1"]}
+         "verify": ["--reps", "1", "--experts", "16"], "device": ["--reps", "1"],
+         "inplace": ["--experts", "16", "--layers", "2"], "vllm": ["--layers", "2", "--layouts", "tp2", "--reps", "1"]}
 
 
 def suite_of(suite: str | None, size: str | None) -> str:
