@@ -46,9 +46,9 @@ try:
     from vllm.model_executor.layers.quantization.moe_wna16 import MoeWNA16Method
     from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
 except ImportError as exc:  # the plugin is only imported by vLLM itself, or by a user who has it
-    raise ImportError(f"wna16_loader.integrations.vllm is the vLLM plugin: it needs one of the tested vLLM versions "
-                      f"{', '.join(v.version for v in TESTED_VLLM)} (docs/vllm-versions.md), and the installed vLLM "
-                      f"lacks a symbol it uses ({exc}); the rest of wna16_loader does not need vLLM") from exc
+    raise ImportError(f"wna16_loader.integrations.vllm is the vLLM plugin and needs vLLM, one of the tested versions "
+                      f"{', '.join(v.version for v in TESTED_VLLM)} (docs/vllm-versions.md); importing what it uses "
+                      f"failed: {exc}; the rest of wna16_loader does not need vLLM") from exc
 
 LOAD_FORMAT = "wna16"
 # vLLM's MoE method class -> the row declaring its parameters: the one place a method is told apart.
