@@ -161,9 +161,10 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "2", "0", "x2,", "16"])
     assert rows[4][1][2:9] == ["704", "176", "16", "44360", "0", "2", "0"]  # unpadded: the old rule
     assert rows[16][1][-3:] == ["x14,", "16,", "48"]
-    assert methods[8] == "none (padded I, G_eff < G, zero points)"  # from the layout rows (layouts.vllm)
-    assert methods[4] == "moe_wna16 (as is)"  # G_eff 16 < G: only moe_wna16 halves G
-    assert methods[1] == "moe_wna16 (as is)"  # G 128 leaves a partial group (H 64, I 704): the K // G rows are short
+    assert set(methods.values()) == {"no"}  # asymmetric GPTQ: refused by vLLM's configs (layouts.serving)
+    assert ("  vLLM 0.32.0, 0.34.0 at TP 8: no: with no flag, vLLM's gptq config refuses it: \"Unsupported "
+            "quantization config: bits=4, sym=False\"; with --quantization moe_wna16, vLLM's moe_wna16 config refuses "
+            "it for the model's linear layers: \"Unsupported quantization config: bits=4, sym=False\"") in out
     assert main([str(src), "--dry-run"]) == 0 and "padding columns per TP rank" in capsys.readouterr().out
     assert main([str(src), "--plan", "--ep", "4"]) == 0
     assert "impossible: ep_size=4 is larger than the expert count 2" in capsys.readouterr().out
@@ -246,7 +247,9 @@ def test_reduced_group_size_is_warned_and_shown(tmp_path: Path) -> None:
     src = tmp_path / "src"
     write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)
     run = cli(str(src), str(tmp_path / "out"), "--tp", "8", "--quiet")
-    line = one_error_line(run, code=0)
+    assert run.returncode == 0 and run.stdout == "" and "Traceback" not in run.stderr
+    line, unserved = run.stderr.splitlines()  # the second: no vLLM serves it (--quiet included; test_serving.py)
+    assert unserved.startswith(f"wna16-shard: warning: {tmp_path / 'out'}: no tested vLLM serves this output")
     assert line == ("wna16-shard: warning: tp=8: group size 32 becomes G_eff 16 in 1 layer(s) "
                     "(model.layers.0.mlp.experts): I/tp = 128/8 is not a multiple of 32, so each scale and zero "
                     "point is repeated; kernels that accept only some group sizes may refuse it. TP sizes that keep "
@@ -262,8 +265,8 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert lines[1].split() == ["folder", "files", "tensors", "size", "group", "kept", "seconds", "experts"]
     assert lines[3].split()[:6] == ["rank-00000-of-00002", "1", "7", "13.9", "KiB", "32"]
     assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
-    assert lines[6] == ("vLLM 0.32 methods that take this output: moe_wna16 (as is), auto_awq (re-laid), ct_wna16 "
-                        "(re-laid): every layer of every rank")
+    assert lines[6] == (f"vLLM 0.32.0, 0.34.0 at TP 2: yes: vllm serve {out} --load-format wna16 -tp 2 (MoE method "
+                        f"moe_wna16, no --quantization flag)")  # H 64: not a Marlin shape, auto_awq falls back
     assert lines[7].startswith(f"verified: {out}: ok: 3 files (") and lines[7].endswith(
         f"19 tensors) match the manifest's sha256; 4 experts in 1 layer(s) equal their tensors converted afresh from "
         f"{source}, 5 common tensors byte-identical")
@@ -399,25 +402,22 @@ def edited_mixed(tmp_path: Path, edit) -> Path:
     return folder
 
 
-def test_the_summary_says_which_vllm_methods_take_the_output(tmp_path: Path) -> None:
-    """The summary says, per layer and rank, which vLLM 0.32 MoE methods take the output (from the layout
-    rows): the mixed fixture's quantized layers and its float layer apart; GPTQ I 128 at --tp 3, where rank 2's
-    share is padded (I' 144) and no method but moe_wna16 takes G_eff 16, and none takes padding."""
-    mixed = cli(str(MIXED), str(tmp_path / "mixed"), "--tp", "2")
-    assert mixed.returncode == 0, mixed.stderr
-    lines = [line for line in mixed.stdout.splitlines() if line.startswith("vLLM 0.32 methods")]
-    assert lines == ["vLLM 0.32 methods that take this output: moe_wna16 (as is), auto_awq (re-laid), ct_wna16 "
-                     "(re-laid): model.layers.0.mlp.experts on every rank; model.layers.1.mlp.experts on every rank",
-                     "vLLM 0.32 methods that take this output: unquantized (as is): model.layers.2.mlp.experts on "
-                     "every rank"]
+def test_the_summary_says_whether_vllm_serves_the_output(tmp_path: Path) -> None:
+    """The summary's serve line (layouts.serving): the AWQ fixture at --tp 2 serves with no flag (auto_awq); the
+    asymmetric GPTQ fixture at --tp 3 cannot be served, and says why."""
+    awq = ROOT / "tests" / "fixtures" / "awq_w4_g32" / "checkpoint"
+    served = cli(str(awq), str(tmp_path / "awq"), "--tp", "2")
+    assert served.returncode == 0 and "warning" not in served.stderr, served.stderr
+    assert [line for line in served.stdout.splitlines() if line.startswith("vLLM ")] == [
+        f"vLLM 0.32.0, 0.34.0 at TP 2: yes: vllm serve {tmp_path / 'awq'} --load-format wna16 -tp 2 (MoE method "
+        f"auto_awq, no --quantization flag)"]
     edge = ROOT / "tests" / "fixtures" / "gptq_w4_g32_zero_edge" / "checkpoint"
     padded = cli(str(edge), str(tmp_path / "tp3"), "--tp", "3")
     assert padded.returncode == 0, padded.stderr
-    assert [line for line in padded.stdout.splitlines() if line.startswith("vLLM 0.32 methods")] == [
-        "vLLM 0.32 methods that take this output: moe_wna16 (as is): model.layers.0.mlp.experts on "
-        "rank-00000-of-00003, rank-00001-of-00003",
-        "vLLM 0.32 methods that take this output: none (padded I, G_eff < G, zero points): "
-        "model.layers.0.mlp.experts on rank-00002-of-00003"]
+    assert [line for line in padded.stdout.splitlines() if line.startswith("vLLM ")] == [
+        "vLLM 0.32.0, 0.34.0 at TP 3: no: with no flag, vLLM's gptq config refuses it: \"Unsupported quantization "
+        "config: bits=4, sym=False\"; with --quantization moe_wna16, vLLM's moe_wna16 config refuses it for the "
+        "model's linear layers: \"Unsupported quantization config: bits=4, sym=False\""]
 
 
 def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> None:
@@ -426,7 +426,12 @@ def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> Non
     the summary and --plan give each rank's experts (2, 1, 1)."""
     out = tmp_path / "out"
     run = cli(str(MIXED), str(out), "--ep", "3")
-    assert run.returncode == 0 and "warning" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    assert [line for line in run.stderr.splitlines() if "warning" in line] == [
+        f"wna16-shard: warning: {out}: no tested vLLM serves this output with --load-format wna16: no: with no flag, "
+        f"vLLM's gptq config refuses it: \"Unsupported quantization config: bits=4, sym=False\"; with --quantization "
+        f"moe_wna16, vLLM's moe_wna16 config refuses it for the model's linear layers: \"Unsupported quantization "
+        f"config: bits=4, sym=False\""]
     rows = {line.split()[0]: line for line in run.stdout.splitlines()[2:6]}
     fields = rows["rank-00000-of-00003"].split()
     assert fields[5:8] == ["32,64,float", "fp16", "0"] and fields[-2:] == ["2:", "0–1"]
@@ -442,7 +447,7 @@ def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> Non
     float_block = plan[plan.index("weights float16:") + 1:]
     assert float_block[0].split()[6:9] == ["padding", "bytes", "experts/EP"]
     assert float_block[1].split() == ["*", "1", "3", "128", "128", "float", "98312", "0", "2,", "1", "x2", "0",
-                                      "unquantized", "(as", "is)"]
+                                      "no"]
     assert "-1" not in "\n".join(plan)
 
 
@@ -456,6 +461,7 @@ def test_include_mtp_on_an_output_written_with_no_mtp(tmp_path: Path, caplog: py
     mtp_checkpoint(tmp_path / "src", "qwen3_5_moe-mtp")
     out = tmp_path / "out"
     assert main([str(tmp_path / "src"), str(out), "--tp", "2", "--no-mtp", "--quiet"]) == 0
+    caplog.clear()  # (wna16-shard's own warnings)
     with caplog.at_level(logging.WARNING, logger="wna16_loader"):
         layers = load_experts(out, ParallelConfig(2, 1), include_mtp=True)
     assert not any(layer.mtp for layer in layers.values())
@@ -588,7 +594,8 @@ def test_warnings_only_when_something_is_written(tmp_path: Path) -> None:
     src, out = tmp_path / "src", tmp_path / "out"
     write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)
     first = cli(str(src), str(out), "--tp", "8", "--quiet")
-    assert one_error_line(first, code=0).startswith("wna16-shard: warning: tp=8: group size 32 becomes G_eff 16")
+    assert first.returncode == 0 and first.stderr.startswith("wna16-shard: warning: tp=8: group size 32 becomes G_eff 16")
+    assert first.stderr.splitlines()[1].startswith(f"wna16-shard: warning: {out}: no tested vLLM serves this output")
     again = cli(str(src), str(out), "--tp", "8")
     assert again.returncode == 0 and again.stderr == "" and "already complete: nothing to do" in again.stdout
     other = one_error_line(cli(str(src), str(out), "--tp", "8", "--ep", "2"))

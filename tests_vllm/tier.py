@@ -52,6 +52,9 @@ def run_job(job: dict, out: Path, rank: int, load: Callable[[dict], dict[str, to
         error = {"type": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()[-3000:]}
         (folder / f"rank{rank}.json").write_text(json.dumps(error))
         return
+    if job["kind"] == "serve":  # the methods the engine picked, as JSON
+        (folder / f"rank{rank}.json").write_text(json.dumps({"methods": tensors}))
+        return
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / f"rank{rank}.safetensors"))
 
 

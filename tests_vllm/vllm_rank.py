@@ -85,15 +85,8 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
     """Every parameter of the whole model as vLLM's load (`job["load_format"]`: auto or wna16) left it
     before its `process_weights_after_loading` (names as they are), and after it where vLLM's MoE backend
     can run on this CPU (`workarounds.processes_moe_weights`; names prefixed "processed.")."""
-    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader import base_loader, get_model
-    from vllm.plugins import load_general_plugins
+    from vllm.model_executor.model_loader import base_loader
 
-    load_general_plugins()  # as every vLLM process does: our entry point registers --load-format wna16
-    model_config = ModelConfig(model=job["folder"], quantization=job.get("quantization"), dtype="float16",
-                               skip_tokenizer_init=True, enforce_eager=True)
-    config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format=job["load_format"]),
-                        device_config=DeviceConfig("cpu"), parallel_config=current_parallel())
     loaded: dict[str, torch.Tensor] = {}
     process = base_loader.process_weights_after_loading
 
@@ -104,13 +97,43 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
 
     base_loader.process_weights_after_loading = probe
     try:
-        with set_current_vllm_config(config):  # replaces the job's fresh config: this one names the model
-            model = get_model(vllm_config=config)
+        model = build_model(job)
     finally:
         base_loader.process_weights_after_loading = process
     if workarounds.processes_moe_weights():
         loaded.update({f"processed.{name}": p.data for name, p in model.named_parameters()})
     return {name: t.contiguous() for name, t in loaded.items()}
+
+
+def serve_job(job: dict) -> dict[str, str]:
+    """The MoE method class vLLM built each MoE layer with, after the whole model loaded as `model_job`'s
+    (vLLM's own processing left out: no forward is run)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.model_executor.model_loader import base_loader
+
+    process = base_loader.process_weights_after_loading
+    base_loader.process_weights_after_loading = lambda *args: None
+    workarounds.any_linear_kernel()
+    try:
+        model = build_model(job)
+    finally:
+        base_loader.process_weights_after_loading = process
+    return {m.layer_name: type(m.quant_method).__name__ for m in model.modules() if isinstance(m, RoutedExperts)}
+
+
+def build_model(job: dict):
+    """vLLM's model of `job["folder"]`, loaded with `job["load_format"]` and `job["quantization"]` (None: none)."""
+    from vllm.config import DeviceConfig, LoadConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # as every vLLM process does: our entry point registers --load-format wna16
+    model_config = ModelConfig(model=job["folder"], quantization=job.get("quantization"), dtype="float16",
+                               skip_tokenizer_init=True, enforce_eager=True)
+    config = VllmConfig(model_config=model_config, load_config=LoadConfig(load_format=job["load_format"]),
+                        device_config=DeviceConfig("cpu"), parallel_config=current_parallel())
+    with set_current_vllm_config(config):  # replaces the job's fresh config: this one names the model
+        return get_model(vllm_config=config)
 
 
 def current_parallel():
@@ -139,7 +162,10 @@ def main(jobs_file: str, rank_arg: str) -> None:
         initialize_model_parallel(tp)
     for job in spec["jobs"]:
         with fresh():
-            tier.run_job(job, Path(spec["out"]), rank, layer_job if job["kind"] == "layer" else model_job)
+            tier.run_job(job, Path(spec["out"]), rank, JOBS[job["kind"]])
+
+
+JOBS = {"layer": layer_job, "model": model_job, "serve": serve_job}
 
 
 if __name__ == "__main__":

@@ -119,3 +119,26 @@ def drop_trivial_g_idx(weights: list[tuple[str, torch.Tensor]], group_size: int)
             continue
         kept.append((name, tensor))
     return kept
+
+
+def any_linear_kernel() -> None:
+    """7. Serve-line jobs only (vllm_rank.serve_job): the real fixtures' attention layers are tiny (an output
+    of 4 columns) and vLLM's CPU has no quantized linear kernel for them ("supported sizes are multiples of
+    32"). Those jobs build and load the model but never run it, so a layer no kernel implements gets a
+    placeholder kernel class instead of the error; every other refusal (the config's, the MoE method's) stays."""
+    import sys
+
+    for module in [m for name, m in sys.modules.items() if name.startswith("vllm.model_executor.layers.quantization")]:
+        choose = getattr(module, "choose_mp_linear_kernel", None)
+        if choose is not None and not getattr(choose, "placeholder", False):
+            module.choose_mp_linear_kernel = _or_placeholder(choose)
+
+
+def _or_placeholder(choose):
+    def pick(config, *args, **kwargs):
+        try:
+            return choose(config, *args, **kwargs)
+        except ValueError:
+            return type("NoCPUKernelForThisSize", (), {"__init__": lambda self, *args, **kwargs: None})
+    pick.placeholder = True
+    return pick

@@ -9,6 +9,9 @@ contender table (contenders.py) and one target table (targets.py). Suites:
   reads    mapping against preadv for a TP rank's column slices
   verify   `wna16-shard verify --source` against writing the same output
   device   host-to-device bandwidth and every rank's device load (CUDA or ROCm)
+  inplace  the peak memory the in-place fill of vLLM's MoE parameters adds over them, per method row
+  vllm     vLLM's model load, its default loader (as is, EP filter, prefetch) against --load-format wna16 from
+           the checkpoint and from a wna16-shard output, TP/EP 4 and 8, cold and warm (in a vLLM venv)
 """
 
 import sys

@@ -5,7 +5,8 @@
   python scripts/bench --size full --reps 3     the 550 MB shape, every format (suite small)
   python scripts/bench --size deepseek-names    the name scale (suite names)
   python scripts/bench --suite node --size qwen3-30b-16l --ranks 8   N ranks of one machine started together
-  python scripts/bench --suite bounds|reads|verify|device [options]
+  python scripts/bench --suite bounds|reads|verify|device|inplace [options]
+  ./scripts/test_vllm --python scripts/bench --suite vllm [options]   (in a vLLM tier venv)
 Every suite takes --help.
 """
 
@@ -16,12 +17,13 @@ import importlib
 
 from .baselines import NAME_SIZES, SCALE_SIZES
 
-SUITES = ("scale", "small", "names", "bounds", "reads", "verify", "device", "node")
+SUITES = ("scale", "small", "names", "bounds", "reads", "verify", "device", "inplace", "vllm", "node")
 SMALL_SIZES = ("small", "full", "full8", "mixtral")
 SIZED = ("scale", "small", "names", "device", "node")  # the suites that take --size
 QUICK = {"scale": ["--size", "qwen3-30b-8l", "--reps", "1", "--skip", "whole,floortr,owntr", "--no-shard"], "small": ["--size", "small", "--reps", "2"],
          "names": ["--reps", "1", "--no-conversions"], "bounds": ["--reps", "1"], "reads": ["--reps", "2"],
          "verify": ["--reps", "1", "--experts", "16"], "device": ["--reps", "1"],
+         "inplace": ["--experts", "16", "--layers", "2"], "vllm": ["--layers", "2", "--layouts", "tp2", "--reps", "1"],
          "node": ["--size", "qwen3-30b-8l", "--reps", "1"]}
 
 

@@ -136,3 +136,31 @@ def runnable(rows: tuple[Contender, ...], checkpoint_size: int) -> tuple[list[Co
         else:
             skipped[row.key] = why
     return run, skipped
+
+
+# --- the vLLM suite (suite_vllm.py): vLLM's model load, its default loader against --load-format wna16 ---------
+
+@dataclass(frozen=True)
+class VllmContender:
+    """One row of the vLLM suite: vLLM's load_format, the folder it reads ("checkpoint", or "shard": a
+    wna16-shard output of the layout's split), the LoadConfig and ParallelConfig fields it sets (a row whose
+    field this vLLM lacks is reported as skipped), and whether it means anything without expert parallelism."""
+
+    key: str
+    label: str
+    load_format: str
+    folder: str = "checkpoint"
+    load: tuple[tuple[str, Any], ...] = ()
+    parallel: tuple[tuple[str, Any], ...] = ()
+    ep_only: bool = False
+
+
+VLLM_CONTENDERS: tuple[VllmContender, ...] = (
+    VllmContender("default", "vLLM's default loader, as is", "auto"),
+    VllmContender("default+filter", "vLLM's default loader, --enable-ep-weight-filter", "auto",
+                  parallel=(("enable_ep_weight_filter", True),), ep_only=True),
+    VllmContender("default+prefetch", "vLLM's default loader, --safetensors-load-strategy prefetch", "auto",
+                  load=(("safetensors_load_strategy", "prefetch"),)),
+    VllmContender("wna16", "--load-format wna16 from the checkpoint", "wna16"),
+    VllmContender("wna16 shard", "--load-format wna16 from a wna16-shard output", "wna16", folder="shard"),
+)

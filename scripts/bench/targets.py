@@ -79,6 +79,23 @@ SMALL_TP4_PRESHARDED = 1.5  # a TP 4 rank ÷ the pre-sharded rank of the same sp
 SMALL_WHOLE_TP4 = 3.0  # the whole-tensor loader ÷ ours at TP 4, at least
 
 
+# The vLLM suite (suite_vllm): "ROW LAYOUT STATE" is the slowest rank's load_weights seconds (median over
+# repetitions) of contender ROW at layout LAYOUT (tp4, ep8, ...), cold or warm; "ROW LAYOUT added" the largest
+# rank's anonymous memory added by load_weights over its parameters' bytes.
+VLLM_TARGETS: tuple[Target, ...] = (
+    Target("cold EP 8: wna16 from the checkpoint ÷ vLLM's default loader with its EP filter",
+           "wna16 ep8 cold", "default+filter ep8 cold", 0.3, issue=39),
+    Target("cold TP 8: wna16 from the checkpoint ÷ vLLM's default loader", "wna16 tp8 cold", "default tp8 cold",
+           0.7, issue=39),
+    Target("cold TP 4: wna16 from a shard ÷ vLLM's default loader", "wna16 shard tp4 cold", "default tp4 cold", 0.5,
+           issue=39),
+    Target("cold TP 8: wna16 from a shard ÷ vLLM's default loader", "wna16 shard tp8 cold", "default tp8 cold", 0.5,
+           issue=39),
+    Target("TP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 tp8 added", None, 1.05, issue=39),
+    Target("EP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 ep8 added", None, 1.05, issue=39),
+)
+
+
 def evaluate(targets: tuple[Target, ...], values: dict[str, float]) -> list[Verdict]:
     """Each target's value and verdict on `values` (name -> measured number)."""
     out = []

@@ -1,4 +1,4 @@
-"""scripts/bench_inplace.py: what filling vLLM-shaped parameters in place adds at its peak, measured on the
+"""scripts/bench --suite inplace (bench/suite_inplace.py): what filling vLLM-shaped parameters in place adds at its peak, measured on the
 device path (the GPU stand-in's max_memory_allocated, as scripts/gpu_check measures it on a GPU)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import bench_inplace
 import pytest
+from bench import suite_inplace as bench_inplace
 
 from wna16_loader.preshard.run import preshard_checkpoint
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint

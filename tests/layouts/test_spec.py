@@ -68,21 +68,23 @@ def test_every_row_names_its_tp_dim_on_the_I_p_dimension():
 
 
 @pytest.mark.parametrize("kind, text", [
-    (dict(quantized=True, padded=False, reduced=False, asymmetric=False),
-     "moe_wna16 (as is), auto_gptq (re-laid), auto_awq (re-laid), ct_wna16 (re-laid)"),
-    (dict(quantized=True, padded=False, reduced=False, asymmetric=True),
-     "moe_wna16 (as is), auto_awq (re-laid), ct_wna16 (re-laid)"),
-    (dict(quantized=True, padded=False, reduced=True, asymmetric=False), "moe_wna16 (as is)"),
-    (dict(quantized=True, padded=True, reduced=True, asymmetric=True), "none (padded I, G_eff < G, zero points)"),
-    (dict(quantized=False, padded=False, reduced=False, asymmetric=False), "unquantized (as is)"),
-    (dict(quantized=True, padded=False, reduced=False, asymmetric=False, partial=True), "moe_wna16 (as is)"),
-    (dict(quantized=True, padded=True, reduced=False, asymmetric=False, partial=True),
-     "none (padded I, a partial group)"),
+    (dict(quantized=True, padded=False, reduced=False, asymmetric=True), "auto_gptq does not hold zero points"),
+    (dict(quantized=True, padded=True, reduced=True, asymmetric=False),
+     "auto_gptq does not hold padding columns (an I that TP does not split evenly) or a G_eff below the checkpoint's G"),
+    (dict(quantized=False, padded=False, reduced=False, asymmetric=False),
+     "auto_gptq holds quantized experts, the layer's are not"),
+    (dict(quantized=True, padded=False, reduced=False, asymmetric=False, partial=True),
+     "auto_gptq does not hold a partial last group"),
+    (dict(quantized=True, padded=False, reduced=False, asymmetric=False), None),
 ])
-def test_plan_says_which_methods_take_an_output(kind, text):
-    """`wna16-shard --plan`'s last column, derived from the rows."""
-    from wna16_loader.layouts.spec import accepting
-    assert accepting(VLLM_LAYOUTS, **kind) == text
+def test_a_row_says_why_it_cannot_hold_a_layer(kind, text):
+    """`MethodLayout.refusal`, derived from the row's declared fields (the serve line's per-layer answer)."""
+    assert AUTO_GPTQ.refusal(**{"partial": False, "group_eff": 32, **kind}) == text
+
+
+def test_moe_wna16_needs_g_32():
+    assert MOE_WNA16.refusal(quantized=True, padded=False, reduced=True, asymmetric=True, partial=False,
+                             group_eff=16) == "moe_wna16 does not hold G_eff 16 (it needs G >= 32)"
 
 
 def _checkpoint_storage(config: dict) -> dict:

@@ -17,7 +17,6 @@ from wna16_loader.errors import PreshardError
 from wna16_loader.formats import Dim, resolve_quant_spec
 from wna16_loader.models.config import read_config_files
 from wna16_loader.preshard import MANIFEST_NAME, OutputLayout, make_plan, preshard_checkpoint, shard, verify_output
-from wna16_loader.preshard.layouts import vllm_methods
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 HIDDEN, INTER, EXPERTS = 64, 128, 4
@@ -243,13 +242,3 @@ def test_layout_cost_matches_what_loads(tmp_path: Path, tp: int, ep: int) -> Non
                                                                      8: (256, 32, 32), 1: (176, 176, 64)}[tp]
     assert cost.group_eff == loads[0].group_size
     assert (cost.padding_bytes == 0) == (tp == 1)
-
-
-@pytest.mark.parametrize(("hidden", "part", "methods"), [
-    (64, 64, "moe_wna16 (as is), auto_gptq (re-laid), auto_awq (re-laid), ct_wna16 (re-laid)"),
-    (48, 64, "moe_wna16 (as is)"),  # G 32 leaves a partial group along H: only moe_wna16 holds it
-    (64, 80, "moe_wna16 (as is)"),  # ... along I_p
-])
-def test_the_methods_column_leaves_out_rows_short_of_a_partial_group(hidden: int, part: int, methods: str) -> None:
-    quant = resolve_quant_spec(quant_config("gptq", bits=4, group_size=32, symmetric=True))
-    assert vllm_methods(quant, group_eff=32, padded=False, hidden=hidden, part=part) == methods

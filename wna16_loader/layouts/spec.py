@@ -150,6 +150,7 @@ class MethodLayout:
     padded: bool = False  # holds an I_p with padding columns (an I that TP does not divide)
     asymmetric: bool = True  # holds layers with zero points (the engine builds the method for them)
     act_order: bool = True  # holds a layer whose g_idx orders its groups (False: the row has no place for g_idx)
+    min_group: int = 0  # the smallest G_eff the engine builds it with (moe_wna16: `assert group_size >= 32`)
 
     @property
     def fused_as_is(self) -> bool:
@@ -165,23 +166,22 @@ class MethodLayout:
         ceil = replace(floor, GH=floor.GH_eff, GI=floor.GI_eff, GI_all=2)
         return all(allocated_shape(p, floor) == allocated_shape(p, ceil) for p in self.params)
 
+    def refusal(self, *, quantized: bool, padded: bool, reduced: bool, asymmetric: bool, partial: bool,
+                group_eff: int) -> str | None:
+        """Why this row cannot hold a fused layer of this kind (None: it can); `partial`: G leaves a last,
+        partial group along H or I_p (`leaves_partial_group`)."""
+        if self.quantized != quantized:
+            return f"{self.name} holds {'quantized' if self.quantized else 'float'} experts, the layer's are not"
+        why = (["padding columns (an I that TP does not split evenly)"] * (padded and not self.padded)
+               + ["a G_eff below the checkpoint's G"] * (reduced and not self.reduced_groups)
+               + ["zero points"] * (asymmetric and not self.asymmetric)
+               + ["a partial last group"] * (partial and not self.partial_groups)
+               + [f"G_eff {group_eff} (it needs G >= {self.min_group})"] * (0 < group_eff < self.min_group))
+        return f"{self.name} does not hold {' or '.join(why)}" if why else None
+
     def filled(self, has_zero_point: bool) -> tuple[ParamDecl, ...]:
         """The parameters filled for a layer with or without zero points."""
         return tuple(p for p in self.params if p.need is not Need.ZERO_POINTS or has_zero_point)
-
-
-def accepting(rows: tuple[MethodLayout, ...], *, quantized: bool, padded: bool, reduced: bool,
-              asymmetric: bool, partial: bool = False) -> str:
-    """Which of `rows` hold a fused layer of this kind, and whether as it is or re-laid (for `--plan`);
-    `partial`: G leaves a last, partial group along H or I_p."""
-    fits = [row for row in rows if row.quantized == quantized and (row.padded or not padded)
-            and (row.reduced_groups or not reduced) and (row.asymmetric or not asymmetric)
-            and (row.partial_groups or not partial)]
-    if not fits:
-        why = (["padded I"] * padded + ["G_eff < G"] * reduced + ["zero points"] * asymmetric
-               + ["a partial group"] * partial)
-        return "none (" + ", ".join(why) + ")"
-    return ", ".join(f"{row.name} ({'as is' if row.fused_as_is else 're-laid'})" for row in fits)
 
 
 def leaves_partial_group(group_size: int, group_eff: int, *dims: int) -> bool:

@@ -44,7 +44,7 @@ MOE_WNA16 = MethodLayout("moe_wna16", ("vllm", "sglang"), (
     _fused("w13_qzeros", W13, Source.ZEROS, ("E", "N13/P8", "GH_eff"), torch.uint8, need=Need.ZERO_POINTS),
     _fused("w2_qzeros", W2, Source.ZEROS, ("E", "H/P8", "GI_eff"), torch.uint8, need=Need.ZERO_POINTS),
 ), notes="the fused layout itself; symmetric layers keep vLLM's empty qzeros and g_idx placeholders; no g_idx "
-         "(both engines drop a checkpoint's)", reduced_groups=True, act_order=False)
+         "(both engines drop a checkpoint's)", reduced_groups=True, act_order=False, min_group=32)
 
 
 def _k_major(name: str, half: Half, source: Source, shape: tuple[str, ...], dtype: torch.dtype | None, *,

@@ -9,7 +9,7 @@
 
 Works from a checkpoint folder (each rank reads only its slices) and from a `wna16-shard --layout fused`
 output (each rank reads only its own files). A re-laid layer adds one layer's fused tensors plus one
-expert chunk's conversion temporaries over the parameters, a copied one nothing (scripts/bench_inplace.py
+expert chunk's conversion temporaries over the parameters, a copied one nothing (scripts/bench --suite inplace
 measures it). From a checkpoint folder every layer's planned byte ranges are brought into the page cache ahead
 of its reads (`posix_fadvise`: no buffers of the read-ahead's own).
 """

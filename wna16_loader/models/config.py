@@ -304,20 +304,28 @@ def read_config_files(folder: str | Path) -> MoEConfig:
     folder = Path(folder)
     check_config_present(folder)
     config = load_json(folder / "config.json")
-    text, qconfig, where = text_config(config), None, f"{folder / 'config.json'}: quantization_config"
-    if "quantization_config" not in text and "quantization_config" not in config:
-        for name, method in QUANT_FILES.items():
-            if (folder / name).is_file():
-                qconfig, where = {"quant_method": method, **load_json(folder / name)}, str(folder / name)
-                break
-        else:
-            raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
-                              f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
-                              f"formats: {accepted_formats()}.")
-    found = qconfig or embedded_qconfig(config, text)
+    found, where, qconfig = read_qconfig(folder, config)
     if found is not None:  # the format checked first, so that its errors name the file
         format_of(found, where=where)
     return resolve_moe_config(config, qconfig)
+
+
+def read_qconfig(folder: Path, config: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str,
+                                                                               dict[str, Any] | None]:
+    """The quantization_config `folder` holds (config.json's, else quantize_config.json's or quant_config.json's
+    with its implied quant_method), where it was found, and the file's one when it came from a file (None: from
+    config.json); a ConfigError when there is none."""
+    config = load_json(folder / "config.json") if config is None else config
+    text, where = text_config(config), f"{folder / 'config.json'}: quantization_config"
+    if "quantization_config" in text or "quantization_config" in config:
+        return embedded_qconfig(config, text), where, None
+    for name, method in QUANT_FILES.items():
+        if (folder / name).is_file():
+            qconfig = {"quant_method": method, **load_json(folder / name)}
+            return qconfig, str(folder / name), qconfig
+    raise ConfigError(f"{folder}: config.json has no quantization_config, and the folder has no "
+                      f"{' or '.join(QUANT_FILES)}; this is not a WNA16-quantized checkpoint. Accepted "
+                      f"formats: {accepted_formats()}.")
 
 
 def check_config_present(folder: Path) -> None:

@@ -3,8 +3,9 @@
 For TP sizes 1, 2, 4, 8, 16 (and the requested one) x the requested EP size: I', I_p, G_eff,
 the padding of every TP rank, and the bytes one rank holds of one MoE layer (the largest rank)
 with the part of them that is padding. Computed from config.json and the safetensors headers
-(for the scale dtype); nothing is read or written. The last column says which of vLLM 0.32's MoE methods
-(layouts.vllm) take that layout's output: as it is (read straight into their parameters) or re-laid on load.
+(for the scale dtype); nothing is read or written. The last column says whether each tested vLLM serves that
+layout's output with `--load-format wna16` (layouts.serving): with no flag, with `--quantization moe_wna16`,
+or not at all, and why (one line per TP size after the table).
 """
 
 from __future__ import annotations
@@ -17,19 +18,20 @@ import torch
 
 from ..errors import WNA16Error
 from ..formats import QuantSpec
-from ..layouts.spec import accepting, leaves_partial_group
-from ..layouts.vllm import VLLM_LAYOUTS
+from ..layouts.serving import LayerKind, Split, serve_lines, short_verdict, unserved
 from ..load.experts import planned
 from ..load.fused import FusedSpec
+from ..load.outputs import OutputLayout
 from ..load.padfill import padding_bytes
 from ..load.plan import LayerPlan, layer_geometry
-from ..models.config import MoEConfig
+from ..logs import log
+from ..models.config import MoEConfig, read_qconfig
 from ..parallel.config import ParallelConfig
-from .plan import check_source_folder
+from .plan import ShardPlan, check_source_folder
 
 PLAN_TP_SIZES = (1, 2, 4, 8, 16)
 HEADER = (" tp  ep      I'    I_p G_eff    bytes/rank padding bytes  experts/EP rank  padding columns per TP rank"
-          "   vLLM 0.32 methods that take it")
+          "   vllm serve --load-format wna16")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: in
         for plan in plans:
             groups.setdefault(plan.moe.quant, []).append(plan)
     tps = sorted(set(PLAN_TP_SIZES) | ({tp_size} if tp_size else set()))
+    folder = check_source_folder(src)
+    splits = {tp: plan_split(folder, moe, groups.values(), tp, ep_size, placement) for tp in tps}
     q = moe.quant
     kind = (f"{q.format_name} {q.bits}-bit, G={q.group_size}, {'sym' if q.symmetric else 'asym'}, "
             f"act_order={q.act_order}") if len(groups) <= 1 else f"{len(groups)} specs, one block each"
@@ -92,48 +96,51 @@ def describe_layouts(src: str | Path, *, tp_size: int | None = None, ep_size: in
             lines.append(f"{'scales' if group[0].moe.quant.quantized else 'weights'} "
                          f"{str(dtype).removeprefix('torch.')}:")
             lines.append("  " + HEADER)
-            lines += [_row(group[0].moe, dtype, tp, ep_size, placement, mark=tp == tp_size, layer=group[0].layer)
-                      for tp in tps]
-    return "\n".join(lines)
+            lines += [_row(group[0].moe, dtype, tp, ep_size, placement, mark=tp == tp_size, layer=group[0].layer,
+                           serve=short_verdict(splits[tp]) if splits[tp] else "-") for tp in tps]
+    lines.append("vLLM, by TP size (from the declarations in layouts/serving.py, checked by the vLLM tier):")
+    return "\n".join(lines + ["  " + line for tp in tps if splits[tp] for line in serve_lines(splits[tp])])
 
 
-def vllm_methods(quant: QuantSpec, *, group_eff: int, padded: bool, hidden: int, part: int) -> str:
-    """Which of vLLM 0.32's MoE methods take a fused layer of source spec `quant` written with `group_eff`
-    (and padding, when `padded`) for H `hidden` and I_p `part`: as it is, or re-laid on load; `none (why)` when
-    none does."""
-    return accepting(VLLM_LAYOUTS, quantized=quant.quantized, padded=padded,
-                     reduced=quant.quantized and group_eff not in (quant.group_size, -1),
-                     asymmetric=quant.quantized and not quant.symmetric,
-                     partial=quant.quantized and leaves_partial_group(quant.group_size, group_eff, hidden, part))
+def output_split(plan: ShardPlan) -> Split:
+    """The serve question (layouts.serving) of a shard plan's output: every layer of every rank as written."""
+    layers = tuple(LayerKind(p.prefix, p.moe.quant, p.fused.hidden, p.fused.part, p.fused.group_size,
+                             bool(p.fused.padding)) for rank in plan.ranks for p in rank.plans.values())
+    return Split(read_qconfig(plan.source)[0] or {}, plan.moe.quant, plan.params["tp"], plan.params["ep"], layers)
 
 
-def method_lines(ranks: Iterable[tuple[str, Iterable[LayerPlan]]]) -> list[str]:
-    """`vLLM 0.32 methods: auto_gptq (re-laid), moe_wna16 (as is): every layer of every rank`, one line per
-    distinct answer over the (rank name, layer plans) given, naming the layers and ranks where they differ."""
-    where: dict[str, dict[str, list[str]]] = {}
-    ranks = list(ranks)
-    for rank, plans in ranks:
-        for plan in plans:
-            answer = vllm_methods(plan.moe.quant, group_eff=plan.fused.group_size, padded=bool(plan.fused.padding),
-                                  hidden=plan.fused.hidden, part=plan.fused.part)
-            where.setdefault(answer, {}).setdefault(plan.prefix, []).append(rank)
-    if len(where) == 1:
-        return [f"vLLM 0.32 methods that take this output: {next(iter(where))}: every layer of every rank"]
-    return [f"vLLM 0.32 methods that take this output: {answer}: "
-            + "; ".join(f"{prefix} on {'every rank' if len(on) == len(ranks) else ', '.join(on)}"
-                        for prefix, on in layers.items())
-            for answer, layers in where.items()]
+def warn_unserved(plan: ShardPlan, out: Path) -> None:
+    """One warning (on stderr, --quiet included) when no tested vLLM serves a fused output just written."""
+    if plan.layout is OutputLayout.FUSED:
+        split = output_split(plan)
+        if unserved(split):
+            log.warning("%s: no tested vLLM serves this output with --load-format wna16: %s", out,
+                        " | ".join(line.split(": ", 1)[1] for line in serve_lines(split)))
+
+
+def plan_split(src: Path, moe: MoEConfig, groups: Iterable[list[LayerPlan]], tp: int, ep: int,
+               placement: str) -> Split | None:
+    """The serve question of `--plan`'s row TP `tp` x EP `ep`: the first layer of each spec group on every
+    rank; None where the layout is impossible."""
+    layers = []
+    for group in groups:
+        plan = group[0]
+        try:
+            cost = layout_cost(plan.moe, plan.fused.scale_dtype, tp, ep, placement, plan.layer)
+        except WNA16Error:
+            return None
+        layers += [LayerKind(plan.prefix, plan.moe.quant, plan.fused.hidden, cost.part, cost.group_eff, bool(pad))
+                   for pad in cost.padding]
+    return Split(read_qconfig(src)[0] or {}, moe.quant, tp, ep, tuple(layers))
 
 
 def _row(moe: MoEConfig, dtype: torch.dtype, tp: int, ep: int, placement: str, *, mark: bool,
-         layer: int | None = None) -> str:
+         layer: int | None = None, serve: str = "-") -> str:
     head = f"{'*' if mark else ' '} {tp:>3} {ep:>3}"
     try:
         c = layout_cost(moe, dtype, tp, ep, placement, layer)
     except WNA16Error as exc:
         return f"{head}  impossible: {exc}"
     group = c.group_eff if moe.quant.quantized else "float"  # float experts have no groups
-    methods = vllm_methods(moe.quant, group_eff=c.group_eff, padded=any(c.padding), hidden=moe.hidden_size,
-                           part=c.part)
     return (f"{head} {c.padded_intermediate:>7} {c.part:>6} {group:>5}  {c.rank_bytes:>12} "
-            f"{c.padding_bytes:>13}  {runs(c.experts):<15}  {runs(c.padding):<27}  {methods}")
+            f"{c.padding_bytes:>13}  {runs(c.experts):<15}  {runs(c.padding):<27}  {serve}")

@@ -12,7 +12,8 @@ from typing import Any
 from ..errors import format_ranges
 from ..formats.spec import group_words
 from ..load.outputs import OutputLayout
-from .layouts import method_lines
+from ..layouts.serving import serve_lines
+from .layouts import output_split
 from .plan import COMMON_DIR, RankPlan, ShardPlan, paddings
 
 
@@ -169,10 +170,10 @@ class ShardSummary:
         return "\n".join(rows + padding_lines(self.plan) + self._methods())
 
     def _methods(self) -> list[str]:
-        """Which vLLM methods take the output (a fused one; --layout checkpoint holds source tensors)."""
+        """Whether each tested vLLM serves the output (a fused one; --layout checkpoint holds source tensors)."""
         if self.plan.layout is not OutputLayout.FUSED:
             return []
-        return method_lines((rank.folder, rank.plans.values()) for rank in self.plan.ranks)
+        return serve_lines(output_split(self.plan), str(self.out))
 
 
 def _group_sizes(rank: RankPlan) -> str:

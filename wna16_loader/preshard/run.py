@@ -12,6 +12,7 @@ from ..storage.hub import resolve_checkpoint
 from .journal import (JOURNAL_NAME, Recheck, check_existing, interrupted, recheck, start, warn_repairing,
                       warn_starting_over)
 from .manifest import build_manifest
+from .layouts import warn_unserved
 from .plan import COMMON_DIR, ShardPlan, make_plan, warn_plan
 from .progress import RankSummary, ShardSummary
 from .safefiles import copy_file, locked_by_another, make_dir, output_lock, write_json_atomic
@@ -85,6 +86,7 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         except KeyboardInterrupt:
             raise interrupted(out, plan, journal) from None
         (out / JOURNAL_NAME).unlink(missing_ok=True)
+    warn_unserved(plan, out)
     return replace(ShardSummary(out=out, plan=plan, ranks=summaries), **_verified(out, plan, verify))
 
 

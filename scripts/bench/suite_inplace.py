@@ -1,7 +1,7 @@
-#!/usr/bin/env python3
-"""Peak memory that filling an engine's MoE parameters in place adds over the parameters themselves.
+"""Suite inplace: peak memory that filling an engine's MoE parameters in place adds over the parameters.
 
-    python scripts/bench_inplace.py [--experts 64] [--hidden 1024] [--inter 768] [--layers 4] [--engine sglang]
+    python scripts/bench --suite inplace [--experts 64] [--hidden 1024] [--inter 768] [--layers 4] [--device D]
+                                         [--engine sglang]
 
 Writes a synthetic GPTQ 4-bit g128 symmetric checkpoint and a `wna16-shard --layout fused` output of it
 (TP 2) in a scratch folder, then, in one fresh process per row: allocates (and touches) the parameters of
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.layouts import AUTO_GPTQ, GPTQ_MARLIN, MOE_WNA16, SGLANG_LAYOUTS, VLLM_LAYOUTS, allocated_shape
@@ -126,7 +126,7 @@ def measured(mode: str, row: str, source: str, tp: int, device: str) -> dict:
     return {"params": params_bytes, "layer": layer_bytes, "added": added, "seconds": time.perf_counter() - start}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -136,10 +136,10 @@ def main() -> None:
                                                         "or stand-in (a dry run of the cuda path)")
     parser.add_argument("--engine", choices=sorted(RUNS), default="vllm", help="whose method rows to fill")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child[0], args.child[1], args.child[2], int(args.child[3]), args.child[4])))
-        return
+        return 0
     from wna16_loader.preshard.run import preshard_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +161,8 @@ def main() -> None:
             label = "previous path (load_experts, then copy)" if mode == "copy" else mode
             print(f"| {row} | {label} | {tp} | {r['params'] / 2**20:.1f} | {r['layer'] / 2**20:.1f} | "
                   f"{r['added'] / 2**20:.1f} | {r['added'] / r['params']:.2f} |")
+    return 0
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the per-row child process
+    main(sys.argv[1:])
