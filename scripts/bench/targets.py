@@ -84,15 +84,13 @@ SMALL_WHOLE_TP4 = 3.0  # the whole-tensor loader ÷ ours at TP 4, at least
 # rank's anonymous memory added by load_weights over its parameters' bytes.
 VLLM_TARGETS: tuple[Target, ...] = (
     Target("cold EP 8: wna16 from the checkpoint ÷ vLLM's default loader with its EP filter",
-           "wna16 ep8 cold", "default+filter ep8 cold", 0.3, issue=39),
+           "wna16 ep8 cold", "default+filter ep8 cold", 0.3),
     Target("cold TP 8: wna16 from the checkpoint ÷ vLLM's default loader", "wna16 tp8 cold", "default tp8 cold",
-           0.7, issue=39),
-    Target("cold TP 4: wna16 from a shard ÷ vLLM's default loader", "wna16 shard tp4 cold", "default tp4 cold", 0.5,
-           issue=39),
-    Target("cold TP 8: wna16 from a shard ÷ vLLM's default loader", "wna16 shard tp8 cold", "default tp8 cold", 0.5,
-           issue=39),
-    Target("TP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 tp8 added", None, 1.05, issue=39),
-    Target("EP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 ep8 added", None, 1.05, issue=39),
+           0.7),
+    Target("cold TP 4: wna16 from a shard ÷ vLLM's default loader", "wna16 shard tp4 cold", "default tp4 cold", 0.5),
+    Target("cold TP 8: wna16 from a shard ÷ vLLM's default loader", "wna16 shard tp8 cold", "default tp8 cold", 0.5),
+    Target("TP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 tp8 added", None, 1.05),
+    Target("EP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 ep8 added", None, 1.05),
 )
 
 
