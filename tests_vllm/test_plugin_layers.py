@@ -182,3 +182,25 @@ def test_without_a_flag_vllm_picks_the_marlin_methods(vllm_out):
               for name in ("synthetic_gptq_w4_sym.auto", "awq_w4_g32.auto", "ct_w4_g32_asym", "synthetic_gptq_w4_sym")}
     assert picked == {"synthetic_gptq_w4_sym.auto": "AutoGPTQMoEMethod", "awq_w4_g32.auto": "AutoAWQMoEMethod",
                       "ct_w4_g32_asym": "CompressedTensorsWNA16MoEMethod", "synthetic_gptq_w4_sym": "MoeWNA16Method"}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_ranks_of_a_host_read_a_cold_checkpoint_together(tmp_path, tp):
+    """vLLM's TP group over gloo, its ranks on one host: the plugin builds their node from vLLM's world group
+    (no flag) and they read the cold checkpoint together, its bytes from storage about once between them."""
+    from tier import run_group
+
+    from wna16_loader.testing.synthetic import quant_config, write_checkpoint
+
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=True),
+                              num_experts=4, hidden=512, intermediate=1024, references=False).folder
+    job = Case("node", "gptq", sizes=(4, 512, 1024)).job(folder) | {"kind": "node"}
+    run_group(tp, [job], tmp_path / "out")
+    ranks = [result(tmp_path / "out", "node", rank) for rank in range(tp)]
+    assert all("storage" in r for r in ranks), ranks
+    if int(ranks[0]["resident"]) or not sum(int(r["storage"]) for r in ranks):
+        pytest.skip("no cold read here: this file system keeps pages after POSIX_FADV_DONTNEED, or counts no "
+                    "read_bytes (tmpfs)")
+    checkpoint = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    assert all(int(r["window"]) > 0 for r in ranks)
+    assert sum(int(r["storage"]) for r in ranks) <= 1.1 * checkpoint

@@ -63,6 +63,60 @@ def layer_job(job: dict) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def node_job(job: dict) -> dict[str, torch.Tensor]:
+    """The plugin's fill of one layer (as `layer_job` builds it) from a cold checkpoint: rank 0 evicts its files,
+    every rank waits for that, then fills; what this rank read from storage (/proc/self/io read_bytes), the
+    node's window (FillReport.window_bytes) and what rank 0 found still resident after the eviction."""
+    import torch.distributed as dist
+    from vllm.model_executor.layers.fused_moe.layer import FusedMoEFactory
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from wna16_loader.integrations import vllm as plugin
+
+    folder = Path(job["folder"])
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    runner = FusedMoEFactory(num_experts=job["experts"], top_k=job["top_k"], hidden_size=job["hidden"],
+                             intermediate_size=job["intermediate"], params_dtype=torch.float16,
+                             quant_config=get_quantization_config(job["method"]).from_config(config),
+                             prefix=job["prefix"], ckpt_names=tuple(job["ckpt_names"]))
+    model = torch.nn.Module()
+    model.experts = runner.routed_experts
+    resident = evicted(sorted(folder.glob("*.safetensors"))) if dist.get_rank() == 0 else 0
+    dist.barrier()
+    before = read_bytes()
+    report = plugin.load_experts_into(model, folder)
+    return {"storage": torch.tensor([read_bytes() - before]), "window": torch.tensor([report.window_bytes]),
+            "resident": torch.tensor([resident])}
+
+
+def read_bytes() -> int:
+    lines = Path("/proc/self/io").read_text().splitlines()
+    return next(int(line.split()[1]) for line in lines if line.startswith("read_bytes:"))
+
+
+def evicted(files: list[Path]) -> int:
+    """Write back and drop the files' pages (POSIX_FADV_DONTNEED); the bytes still resident (mincore)."""
+    import ctypes
+    import mmap
+    import os
+
+    os.sync()
+    libc, left = ctypes.CDLL(None, use_errno=True), 0
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(fd).st_size
+        mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        os.close(fd)
+        anchor = ctypes.c_char.from_buffer(mapped)
+        vector = (ctypes.c_ubyte * ((size + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+        failed = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector)
+        del anchor
+        mapped.close()
+        left += size if failed else sum(v & 1 for v in vector) * mmap.PAGESIZE
+    return left
+
+
 def default_fill(runner, job: dict, folder: Path, config: dict) -> None:
     """vLLM's own weight loaders over the checkpoint's expert tensors of the layer."""
     head = job["prefix"] + "."
@@ -165,7 +219,7 @@ def main(jobs_file: str, rank_arg: str) -> None:
             tier.run_job(job, Path(spec["out"]), rank, JOBS[job["kind"]])
 
 
-JOBS = {"layer": layer_job, "model": model_job, "serve": serve_job}
+JOBS = {"layer": layer_job, "model": model_job, "serve": serve_job, "node": node_job}
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def _runai(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
 def _prefetch(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
     """vLLM's prefetch strategy with its default loader: a thread reads files[rank::ranks] into the page cache
     while the rank takes every tensor of every file whole (safetensors `get_tensor`, as vLLM's default iterator
-    does before a weight_loader copies the rank's slice; that small copy is left out)."""
+    does) and copies the rank's 1/ranks of its last dimension out of it (a weight_loader's TP slice; its
+    conversion into the engine's layout is left out)."""
     from safetensors import safe_open
 
     files = pages.files_of(folder)
@@ -79,7 +80,9 @@ def _prefetch(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    delivered += handle.get_tensor(name).nbytes
+                    whole = handle.get_tensor(name)
+                    width = whole.shape[-1] // ranks
+                    delivered += whole.narrow(-1, rank * width, width).clone().nbytes if width else 0
         fetch.join()
         return delivered
     return run
@@ -97,7 +100,7 @@ ROWS: tuple[NodeRow, ...] = (
     NodeRow("runai-buffered", "Run:ai streamer on every rank (buffered)", _runai, peer=RUNAI,
             env=tuple(runai_env("buffered").items())),
     NodeRow("prefetch", "vLLM's prefetch + default loader (emulated: files[rank::N] into the page cache while "
-                        "every tensor is read whole)", _prefetch),
+                        "every tensor is taken whole and the rank's columns copied out)", _prefetch),
 )
 PEERS = ("runai", "runai-buffered", "prefetch")
 BY_KEY = {row.key: row for row in ROWS}

@@ -23,9 +23,9 @@ from wna16_loader.errors import ShardingError
 from wna16_loader.load.experts import planned
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.plan import plan_layers
-from wna16_loader.load.reads import load_groups, node_members, planned_ranges
+from wna16_loader.load.reads import load_groups, node_members, planned_ranges, shares_pages
 from wna16_loader.parallel.config import Node
-from wna16_loader.storage.readahead import ReadOptions
+from wna16_loader.storage.readahead import PlannedRange, ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 EVERY_READ_AHEAD = ReadOptions(min_bytes=0, min_tensor_bytes=0)  # whatever the size (the default skips small loads)
@@ -135,3 +135,12 @@ def test_ranks_of_disjoint_bytes_read_alone_and_tp_ranks_together(tmp_path) -> N
         with planned(folder, parallel) as (moe, index, scan, plans):
             _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
         assert (together is not None) == shared, parallel
+
+
+def test_shares_pages_counts_the_bytes_two_ranks_read() -> None:
+    file = Path("/f/model.safetensors")
+    a = [[PlannedRange(file, 0, 40960, False)]]
+    b = [[PlannedRange(file, 40960, 81920, False)]]
+    c = [[PlannedRange(file, 4096, 45056, False)]]
+    assert not shares_pages([a, b], [a[0] + b[0]], gap=0)  # disjoint: each reads its own
+    assert shares_pages([a, c], [a[0] + c[0]], gap=0)  # 36 of 44 KiB read twice

@@ -57,14 +57,19 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
                 plans: list[LayerPlan], reads: ReadOptions) -> tuple[Groups, Groups | None]:
     """(this rank's groups, the node's groups or None): a layer each. A rank reads its groups itself, every
     byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group
-    of the node's is that layer's ranges of every rank of the node, the same on each of them."""
+    of the node's is that layer's ranges of every rank of the node, the same on each of them. None where the
+    node's ranks share no pages: ranks of different EP ranks each (disjoint experts: known from the configs,
+    nothing planned), or ranges that overlap too little (`shares_pages`)."""
     own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)]
            for plan in plans]
     node = reads.node
     if node is None or node.size == 1:
         return own, None
+    members = node_members(node, parallel)
+    if len({member.ep_rank for member in members}) == len(members):  # each its own experts: no page shared
+        return own, None
     tables, ranks = LayerTables(index, moe), []
-    for member in node_members(node, parallel):
+    for member in members:
         plans_of = plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
         ranks.append([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans_of])
     together = [[r for rank in ranks for r in rank[number]] for number in range(len(plans))]
