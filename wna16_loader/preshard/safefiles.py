@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import PreshardError
+from ..storage.node import alive
 
 LOCK_NAME = ".wna16-shard.lock"
 
@@ -103,7 +104,7 @@ def output_lock(out: Path) -> Iterator[None]:
             break
         except FileExistsError:
             holder = _lock_holder(path)
-            if holder is not None and _alive(holder):
+            if holder is not None and alive(holder):
                 raise PreshardError(f"{path}: another wna16-shard run (pid {holder}) is writing into {out}; wait "
                                     f"for it to finish, or delete the lock file if that process is gone.") from None
             path.unlink(missing_ok=True)  # stale: its process died (e.g. killed); resume is safe
@@ -122,7 +123,7 @@ def output_lock(out: Path) -> Iterator[None]:
 def locked_by_another(out: Path) -> bool:
     """Whether a live process other than this one holds OUT's lock (read only; nothing is written)."""
     holder = _lock_holder(out / LOCK_NAME)
-    return holder is not None and holder != os.getpid() and _alive(holder)
+    return holder is not None and holder != os.getpid() and alive(holder)
 
 
 def _lock_holder(path: Path) -> int | None:
@@ -130,16 +131,6 @@ def _lock_holder(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def make_dir(folder: Path) -> None:
