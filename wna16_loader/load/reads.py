@@ -66,7 +66,7 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     if node is None or node.size == 1:
         return own, None
     members = node_members(node, parallel)
-    if len({member.ep_rank for member in members}) == len(members):  # each its own experts: no page shared
+    if disjoint_experts(members):
         return own, None
     tables, ranks = LayerTables(index, moe), []
     for member in members:
@@ -74,6 +74,11 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
         ranks.append([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans_of])
     together = [[r for rank in ranks for r in rank[number]] for number in range(len(plans))]
     return own, (together if shares_pages(ranks, together, reads.gap_bytes) else None)
+
+
+def disjoint_experts(members: list[ParallelConfig]) -> bool:
+    """Whether every rank of the node holds other experts (an EP rank each): then no page is shared."""
+    return len({parallel.ep_rank for parallel in members}) == len(members)
 
 
 def shares_pages(ranks: list[Groups], together: Groups, gap: int) -> bool:
