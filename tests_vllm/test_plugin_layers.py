@@ -193,8 +193,8 @@ def test_the_ranks_of_a_host_read_a_cold_checkpoint_together(tmp_path, tp):
     from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
     folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=32, symmetric=True),
-                              num_experts=4, hidden=512, intermediate=1024, references=False).folder
-    job = Case("node", "gptq", sizes=(4, 512, 1024)).job(folder) | {"kind": "node"}
+                              num_experts=4, hidden=1024, intermediate=2048, references=False).folder  # (26 MB)
+    job = Case("node", "gptq", sizes=(4, 1024, 2048)).job(folder) | {"kind": "node"}
     run_group(tp, [job], tmp_path / "out")
     ranks = [result(tmp_path / "out", "node", rank) for rank in range(tp)]
     assert all("storage" in r for r in ranks), ranks
@@ -203,4 +203,4 @@ def test_the_ranks_of_a_host_read_a_cold_checkpoint_together(tmp_path, tp):
                     "read_bytes (tmpfs)")
     checkpoint = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     assert all(int(r["window"]) > 0 for r in ranks)
-    assert sum(int(r["storage"]) for r in ranks) <= 1.1 * checkpoint
+    assert sum(int(r["storage"]) for r in ranks) <= 1.25 * checkpoint  # (as tests/storage/test_node.py's bound)

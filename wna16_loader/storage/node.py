@@ -235,11 +235,12 @@ class SharedWindow:
             delay = min(2 * delay, 5e-3)
 
     def _check(self, doing: str, liveness: bool) -> None:
-        """Raise NodeError naming the ranks that exited before they were done (looked for with `liveness`),
-        else those whose load failed, else those that stopped because of another."""
+        """Raise NodeError naming the ranks that exited while running (looked for with `liveness`; one that
+        failed or stopped first says so itself), else those whose load failed, else those that stopped because
+        of another."""
         states = [(i, Failure(self.word(i, Word.FAILED)), self.word(i, Word.PID)) for i in range(self.node.size)]
         liveness = liveness or any(state in (Failure.OWN, Failure.PEER) for _, state, _ in states)  # (the cause?)
-        gone = [i for i, state, pid in states if liveness and pid and state is not Failure.DONE and not alive(pid)]
+        gone = [i for i, state, pid in states if liveness and pid and state is Failure.NONE and not alive(pid)]
         if gone:
             raise NodeError(self._about(gone, f"exited while the node was {doing}"))
         for failure, what in ((Failure.OWN, "failed"), (Failure.PEER, "stopped because of another rank")):
