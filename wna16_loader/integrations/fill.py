@@ -22,6 +22,15 @@ from ..storage.readahead import ReadOptions
 Layer = TypeVar("Layer")
 
 
+def moe_layers(model: torch.nn.Module, layer_type: type, engine: str) -> dict[str, Any]:
+    """The engine's layer name -> every MoE layer (`layer_type`) of `model`; ConfigError when it has none."""
+    layers = {m.layer_name: m for m in model.modules() if isinstance(m, layer_type)}
+    if not layers:
+        raise ConfigError(f"--load-format wna16 fills MoE expert parameters, but the model has no MoE layer; load it "
+                          f"with {engine}'s default --load-format")
+    return layers
+
+
 def fill_model(folder: Path, engine: str, layers: Mapping[str, Layer], target_of: Callable[[Layer], LayerTarget],
                parallel: ParallelConfig, name_of: Callable[[str], str] = str, *,
                world_group: Any = None) -> FillReport:

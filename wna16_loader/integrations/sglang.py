@@ -30,7 +30,7 @@ from ..layouts import AUTO_AWQ, CT_WNA16_K_MAJOR, GPTQ_MARLIN, MOE_WNA16, UNQUAN
 from ..load.inplace import FillReport, LayerTarget
 from ..parallel.config import ParallelConfig
 from ..storage.hub import resolve_checkpoint
-from .fill import common_weights, fill_model
+from .fill import common_weights, fill_model, moe_layers
 
 try:
     from sglang.srt.arg_groups.choices import add_load_format_choices
@@ -107,11 +107,7 @@ def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
 
 def expert_layers(model: nn.Module) -> dict[str, FusedMoE]:
     """SGLang layer name -> every `FusedMoE` module of the model (its MoE layers)."""
-    layers = {m.layer_name: m for m in model.modules() if isinstance(m, FusedMoE)}
-    if not layers:
-        raise ConfigError(f"--load-format {LOAD_FORMAT} fills MoE expert parameters, but the model has no MoE "
-                          f"layer; load it with SGLang's default --load-format")
-    return layers
+    return moe_layers(model, FusedMoE, "SGLang")
 
 
 def method_of(layer: FusedMoE) -> object:

@@ -28,7 +28,7 @@ from ..layouts.serving import TESTED_VLLM
 from ..load.inplace import FillReport, LayerTarget
 from ..parallel.config import ExpertPlacement, ParallelConfig
 from ..storage.hub import resolve_checkpoint
-from .fill import common_weights, fill_model
+from .fill import common_weights, fill_model, moe_layers
 
 try:
     from vllm.config import ModelConfig, get_current_vllm_config
@@ -84,11 +84,7 @@ def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
 
 def expert_layers(model: nn.Module) -> dict[str, RoutedExperts]:
     """vLLM layer name -> every `RoutedExperts` module of the model (its MoE layers)."""
-    layers = {m.layer_name: m for m in model.modules() if isinstance(m, RoutedExperts)}
-    if not layers:
-        raise ConfigError(f"--load-format {LOAD_FORMAT} fills MoE expert parameters, but the model has no MoE "
-                          f"layer; load it with vLLM's default --load-format")
-    return layers
+    return moe_layers(model, RoutedExperts, "vLLM")
 
 
 def layer_target(layer: RoutedExperts) -> LayerTarget:

@@ -69,9 +69,9 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     if disjoint_experts(members):
         return own, None
     tables, ranks = LayerTables(index, moe), []
-    for member in members:
-        plans_of = plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
-        ranks.append([planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes) for plan in plans_of])
+    for member in members:  # (this rank's own groups as they are: planned once)
+        ranks.append(own if member == parallel else [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)
+                                                     for plan in plan_layers(index, moe, member, Ledger(), scan, tables)])
     together = [[r for rank in ranks for r in rank[number]] for number in range(len(plans))]
     return own, (together if shares_pages(ranks, together, reads.gap_bytes) else None)
 
