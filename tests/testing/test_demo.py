@@ -90,7 +90,11 @@ def test_the_printed_next_command_runs_as_printed(tmp_path: Path) -> None:
                           "--tp", "2"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     line = run.stdout.splitlines()[-1]
-    assert line.startswith("next: ") and shlex.split(line)[1].endswith("wna16-shard"), line  # the console script
+    script = Path(sys.executable).parent / "wna16-shard"  # pip install -e . put it there; else `python -m`
+    words = shlex.split(line)
+    expected = ["wna16-shard"] if script.is_file() else [sys.executable, "-m", "wna16_loader.cli"]
+    assert line.startswith("next: ") and words[1].endswith(expected[0]), line
+    assert words[2:len(expected) + 1] == expected[1:], line
     shard = subprocess.run(line.removeprefix("next: ") + " --quiet", shell=True, cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=300)
     assert shard.returncode == 0, shard.stderr
