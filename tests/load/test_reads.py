@@ -108,10 +108,10 @@ def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
     parallel = ParallelConfig(2, 1, 2, 0)
     node = Node((0, 1, 2, 3), 1, "k")
     with planned(folder, parallel) as (moe, index, scan, plans):
-        own, none = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD)
+        own, none, _ = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD)
         assert none is None and not any(r.shared for group in own for r in group)
         assert [len(g) for g in own] == [len(planned_ranges(index, plan)) for plan in plans]
-        again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node))
+        again, together, _ = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node))
         assert again == own
         for number, group in enumerate(together):
             every = [r for rank in node.ranks for r in planned_ranges(
@@ -133,7 +133,7 @@ def test_ranks_of_disjoint_bytes_read_alone_and_tp_ranks_together(tmp_path) -> N
     reads = replace(EVERY_READ_AHEAD, gap_bytes=0)
     for parallel, shared in ((ParallelConfig(1, 0, 4, 2), False), (ParallelConfig(4, 2), True)):
         with planned(folder, parallel) as (moe, index, scan, plans):
-            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
+            _, together, _ = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
         assert (together is not None) == shared, parallel
 
 

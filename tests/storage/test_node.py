@@ -34,7 +34,8 @@ from wna16_loader.load.experts import planned
 from wna16_loader.load.reads import load_groups
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.parallel.config import Node
-from wna16_loader.storage.node import ALIGN, NodeRead, SharedWindow, Word, placed, stripe, windows_of
+from wna16_loader.storage.node import ALIGN, NodeRead, SharedWindow, Word
+from wna16_loader.storage.windows import placed, stripe, windows_of
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
@@ -234,7 +235,7 @@ def _killed(local: int, key: str, folder: str, out: str) -> None:
     if local == 2:
         def die(*args: object, **kwargs: object) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
-        experts_module.load_layer = die
+        experts_module.load_layer = experts_module.exchanged_layer = die
     start = time.monotonic()
     try:
         load_experts(folder, ParallelConfig(tp_size=4, tp_rank=local), reads=_options(node))

@@ -178,7 +178,7 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
     done: list[Filled] = []
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _same_layers(path, [plan.prefix for plan in plans], targets)
-        together = load_groups(index, moe, parallel, scan, plans, reads)[1]
+        together = load_groups(index, moe, parallel, scan, plans, reads).together
         if together is not None:
             together = [group if plan.prefix in targets else [] for plan, group in zip(plans, together)]
         with index.reading_ahead(_cache_ranges(index, plans, targets, reads), reads, node_groups=together) as ahead:

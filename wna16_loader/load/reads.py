@@ -6,17 +6,19 @@
 |                             | its pages), else the rank's own bytes                                      |
 | load_groups(...)            | what a load from a checkpoint folder reads ahead: its own groups, and with |
 |                             | a node of several ranks the node's (every rank's ranges, layer by layer)   |
+|                             | and every rank's plans (for `load.exchange`)                               |
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 from ..errors import ShardingError
 from ..models.config import MoEConfig
 from ..parallel.config import Node, ParallelConfig
 from ..storage.index import CheckpointIndex
-from ..storage.node import placed
+from ..storage.windows import placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger
 from .params import rank_spans, storage_index
@@ -53,27 +55,40 @@ def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes:
     return out
 
 
+class LoadGroups(NamedTuple):
+    """What a load reads: `own`, this rank's groups; `together`, the node's (None: each rank reads alone);
+    `members`, with `together`, every rank's plans in local rank order."""
+
+    own: Groups
+    together: Groups | None = None
+    members: list[list[LayerPlan]] | None = None
+
+
 def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, scan: CheckpointScan,
-                plans: list[LayerPlan], reads: ReadOptions) -> tuple[Groups, Groups | None]:
-    """(this rank's groups, the node's groups or None): a layer each. A rank reads its groups itself, every
-    byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group
-    of the node's is that layer's ranges of every rank of the node, the same on each of them. None where the
-    node's ranks share no pages: ranks of different EP ranks each (disjoint experts: known from the configs,
-    nothing planned), or ranges that overlap too little (`shares_pages`)."""
+                plans: list[LayerPlan], reads: ReadOptions) -> LoadGroups:
+    """This rank's groups, and the node's with every rank's plans (see `LoadGroups`): a layer each. A rank
+    reads its groups itself, every byte as its own (direct: no other rank shares its pages); with `reads.node`
+    of several ranks, each group of the node's is that layer's ranges of every rank of the node, the same on
+    each of them. None where the node's ranks share no pages: ranks of different EP ranks each (disjoint
+    experts: known from the configs, nothing planned), or ranges that overlap too little (`shares_pages`)."""
     own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)]
            for plan in plans]
     node = reads.node
     if node is None or node.size == 1:
-        return own, None
+        return LoadGroups(own)
     members = node_members(node, parallel)
     if disjoint_experts(members):
-        return own, None
-    tables, ranks = LayerTables(index, moe), []
-    for member in members:  # (this rank's own groups as they are: planned once)
-        ranks.append(own if member == parallel else [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)
-                                                     for plan in plan_layers(index, moe, member, Ledger(), scan, tables)])
+        return LoadGroups(own)
+    tables = LayerTables(index, moe)
+    member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
+                    for member in members]
+    ranks = [own if member == parallel else [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)
+                                             for plan in member_plans[i]]
+             for i, member in enumerate(members)]  # (this rank's own groups as they are: planned once)
     together = [[r for rank in ranks for r in rank[number]] for number in range(len(plans))]
-    return own, (together if shares_pages(ranks, together, reads.gap_bytes) else None)
+    if not shares_pages(ranks, together, reads.gap_bytes):
+        return LoadGroups(own)
+    return LoadGroups(own, together, member_plans)
 
 
 def disjoint_experts(members: list[ParallelConfig]) -> bool:

@@ -90,7 +90,7 @@ class MappedFile:
         if region is not None and (low - region.begin) % size == 0:
             flat = region.flat(view.dtype)
             return flat.as_strided(view.shape, view.stride(), flat.storage_offset() + (low - region.begin) // size)
-        if region is None and view.dim() > 1 and len(view) > 1 and self.overlay.holds(self.path):
+        if region is None and view.dim() > 1 and len(view) > 1 and self.overlay.overlaps(self.path, low, high):
             parts = []  # e.g. experts in two regions: each from its own
             for part in view.unbind(0):
                 if (found := self.rebased(part)) is part:

@@ -30,13 +30,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
 from pathlib import Path
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..errors import NodeError
 from ..parallel.config import Node
-from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, coalesced, pieces
+from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, overlapping
+from .windows import Placed, stripe, windows_of
 
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
@@ -52,6 +53,8 @@ class Word(IntEnum):
     READ = 1  # windows this rank has read its stripe of
     USED = 2  # windows this rank is done with (their views no longer used)
     FAILED = 3  # Failure: why this rank stopped (0 while it runs or once it is done)
+    CONVERTED = 4  # layers this rank has converted its share of, for every rank (`load.exchange`)
+    TAKEN = 5  # layers this rank has taken its own tensors of out of the mailbox
 
 
 class Failure(IntEnum):
@@ -61,62 +64,6 @@ class Failure(IntEnum):
     OWN = 1  # its own load failed
     PEER = 2  # it stopped because another rank failed or exited
     DONE = 3  # it finished: every window read and used (its process may exit)
-
-
-class Placed(NamedTuple):
-    """File bytes [begin, end) of `path` (begin aligned) at byte `offset` of a window's half."""
-
-    path: Path
-    begin: int
-    end: int
-    offset: int
-
-
-class Window(NamedTuple):
-    """Groups [first, stop) read together into one half: `spans` in half order, `nbytes` long."""
-
-    first: int
-    stop: int
-    spans: tuple[Placed, ...]
-    nbytes: int
-
-
-def placed(ranges: Sequence[PlannedRange], gap: int) -> tuple[tuple[Placed, ...], int]:
-    """`ranges` coalesced file by file (begins aligned down, ends up) and laid one after another: the spans and
-    the bytes they take."""
-    spans, at = [], 0
-    by_file: dict[Path, list[tuple[int, int]]] = {}
-    for r in ranges:
-        by_file.setdefault(r.file, []).append((r.begin // ALIGN * ALIGN, -(-r.end // ALIGN) * ALIGN))
-    for path in sorted(by_file):
-        for begin, end in coalesced(by_file[path], gap):
-            spans.append(Placed(path, begin, end, at))
-            at += end - begin
-    return tuple(spans), at
-
-
-def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> tuple[list[Window], int]:
-    """Consecutive groups packed into windows of at most one half each (`window_bytes` // 2, grown to the
-    largest group where one does not fit): the windows and the half's size."""
-    half = max(window_bytes // 2 // ALIGN * ALIGN, max((placed(g, gap)[1] for g in groups), default=0), ALIGN)
-    out: list[Window] = []
-    first = 0
-    for stop in range(1, len(groups) + 1):
-        spans, nbytes = placed([r for g in groups[first:stop] for r in g], gap)
-        if nbytes > half:
-            out.append(Window(first, stop - 1, *placed([r for g in groups[first:stop - 1] for r in g], gap)))
-            first = stop - 1
-        if stop == len(groups):
-            out.append(Window(first, stop, *placed([r for g in groups[first:stop] for r in g], gap)))
-    return out, half
-
-
-def stripe(window: Window, local_rank: int, ranks: int, request_bytes: int) -> list[Placed]:
-    """This rank's requests of `window`: its spans cut into requests of at most `request_bytes`, dealt
-    round-robin to the node's ranks."""
-    requests = [Placed(s.path, begin, end, s.offset + begin - s.begin)
-                for s in window.spans for begin, end in pieces(s.begin, s.end, request_bytes)]
-    return requests[local_rank::ranks]
 
 
 def alive(pid: int) -> bool:
@@ -138,28 +85,32 @@ class SharedWindow:
     """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
     its header words are how the ranks wait for each other."""
 
-    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False) -> None:
+    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False, mail_bytes: int = 0) -> None:
         """`warm` (local rank 0's word, the others learn it): the page cache holds every planned byte, so the
-        ranks read through their mappings and the window holds no data."""
+        ranks read through their mappings and the window holds no data. `mail_bytes`: each of the mailbox's
+        two slots (`mail`), warm or not."""
         self.node, self.warm = node, warm and node.local_rank == 0
         self.half_bytes = 0 if self.warm else half_bytes
+        self.mail_bytes = -(-mail_bytes // ALIGN) * ALIGN
         self.path = SHM / f"wna16-node-{node.key}"
         self._map = self._create() if node.local_rank == 0 else self._attach()
         self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
         self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.half_bytes, offset=HEADER) \
             if self.half_bytes else torch.empty(0, dtype=torch.uint8)
+        self.mailbox = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.mail_bytes,
+                                        offset=HEADER + 2 * self.half_bytes) if self.mail_bytes else self.data[:0]
         self.set(Word.PID, os.getpid())
 
     @property
     def size(self) -> int:
-        return HEADER + 2 * self.half_bytes
+        return HEADER + 2 * (self.half_bytes + self.mail_bytes)
 
     def _create(self) -> mmap.mmap:
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
-            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)  # (pages come as the ranks write them)
         finally:
             os.close(fd)
         words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
@@ -205,15 +156,20 @@ class SharedWindow:
         return mapped
 
     def word(self, local_rank: int, word: Word) -> int:
-        return self.words[FILE_WORDS + 4 * local_rank + word]
+        return self.words[FILE_WORDS + len(Word) * local_rank + word]
 
     def set(self, word: Word, value: int) -> None:
-        self.words[FILE_WORDS + 4 * self.node.local_rank + word] = value
+        self.words[FILE_WORDS + len(Word) * self.node.local_rank + word] = value
 
     def half(self, window: int) -> torch.Tensor:
         """The bytes of the half window `window` is read into."""
         start = window % 2 * self.half_bytes
         return self.data[start:start + self.half_bytes]
+
+    def mail(self, layer: int) -> torch.Tensor:
+        """The bytes of the mailbox slot layer `layer` is exchanged through (slots alternate)."""
+        start = layer % 2 * self.mail_bytes
+        return self.mailbox[start:start + self.mail_bytes]
 
     def wait(self, word: Word, target: int, doing: str, own: Callable[[], None]) -> None:
         """Until every rank's `word` is at least `target` (`own()` raises this rank's own failure). Raises
@@ -262,22 +218,25 @@ class SharedWindow:
     def close(self) -> None:
         """Drop this object's hold on the mapping (unmapped once no view of it is left)."""
         self.words = None
-        self.data = torch.empty(0, dtype=torch.uint8)
+        self.data = self.mailbox = torch.empty(0, dtype=torch.uint8)
 
 
 class NodeRead:
     """The overlay of a load that reads together with its node (module table): `groups` are the node's
     planned ranges (every rank's), the same on every rank."""
 
-    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node) -> None:
+    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node, *,
+                 mail_bytes: int = 0) -> None:
+        """`mail_bytes`: each slot of the mailbox the ranks exchange converted layers through (`load.exchange`;
+        0: none)."""
         self.node, self.options = node, options
         self.windows, half = windows_of(groups, node.window_bytes, options.gap_bytes)
         self._reader = FileReader(options.direct)
-        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and self._cached())
+        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and self._cached(), mail_bytes=mail_bytes)
         if self.shared.warm:  # every rank reads through its mapping: nothing to share
             self.windows = []
         self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
-        self.window_bytes = 2 * self.shared.half_bytes
+        self.window_bytes = 2 * (self.shared.half_bytes + self.shared.mail_bytes)
         self.current = -1
         self.failed = False
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}
@@ -326,8 +285,20 @@ class NodeRead:
         at = bisect.bisect_right(found[0], low) - 1
         return found[1][at] if at >= 0 and found[1][at].end >= high else None
 
-    def holds(self, path: Path) -> bool:
-        return path in self._files
+    def overlaps(self, path: Path, low: int, high: int) -> bool:
+        """Whether a region of the current window holds any of file bytes [low, high) of `path`."""
+        return overlapping(self._files, path, low, high)
+
+    def wait_all(self, word: Word, target: int, doing: str) -> None:
+        """Until every rank's `word` is at least `target` (see `SharedWindow.wait`)."""
+        self.shared.wait(word, target, doing, self._own)
+
+    def set(self, word: Word, value: int) -> None:
+        self.shared.set(word, value)
+
+    def mail(self, layer: int) -> torch.Tensor:
+        """The mailbox slot of layer `layer` (see `SharedWindow.mail`)."""
+        return self.shared.mail(layer)
 
     def _own(self) -> None:
         if self._error is not None:

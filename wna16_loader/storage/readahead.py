@@ -311,9 +311,9 @@ class ReadAhead:
         region.wait()
         return region
 
-    def holds(self, path: Path) -> bool:
-        """Whether any region of `path` is submitted and not released."""
-        return path in self._files
+    def overlaps(self, path: Path, low: int, high: int) -> bool:
+        """Whether a region of `path` submitted and not released holds any of file bytes [low, high)."""
+        return overlapping(self._files, path, low, high)
 
     def _submit(self, group: int) -> None:
         own: dict[Path, list[tuple[int, int]]] = {}
@@ -375,6 +375,14 @@ class ReadAhead:
         self._regions.clear()
         self._files.clear()
         self._reader.close()
+
+
+def overlapping(files: dict[Path, tuple[list[int], list[Region]]], path: Path, low: int, high: int) -> bool:
+    """Whether a region of `path` in `files` (path -> begins and regions, sorted and disjoint) holds any of
+    file bytes [low, high)."""
+    found = files.get(path)
+    at = -1 if found is None else bisect.bisect_left(found[0], high) - 1
+    return at >= 0 and found[1][at].end > low
 
 
 def read_fully(fd: int, view: memoryview, at: int, direct: bool = False) -> int:

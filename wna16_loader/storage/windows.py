@@ -1,0 +1,69 @@
+"""A node's planned byte ranges packed into windows (pure arithmetic, for `storage.node`).
+
+| placed(ranges, gap)        | ranges coalesced file by file and laid back to back: (spans, bytes)          |
+| windows_of(groups, ...)    | consecutive groups (layers) packed into windows of at most one half each     |
+| stripe(window, rank, ...)  | a rank's requests of a window: its spans cut into requests, dealt round-robin |
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+from .readahead import ALIGN, PlannedRange, coalesced, pieces
+
+
+class Placed(NamedTuple):
+    """File bytes [begin, end) of `path` (begin aligned) at byte `offset` of a window's half."""
+
+    path: Path
+    begin: int
+    end: int
+    offset: int
+
+
+class Window(NamedTuple):
+    """Groups [first, stop) read together into one half: `spans` in half order, `nbytes` long."""
+
+    first: int
+    stop: int
+    spans: tuple[Placed, ...]
+    nbytes: int
+
+
+def placed(ranges: Sequence[PlannedRange], gap: int) -> tuple[tuple[Placed, ...], int]:
+    """`ranges` coalesced file by file (begins aligned down, ends up) and laid one after another: the spans and
+    the bytes they take."""
+    spans, at = [], 0
+    by_file: dict[Path, list[tuple[int, int]]] = {}
+    for r in ranges:
+        by_file.setdefault(r.file, []).append((r.begin // ALIGN * ALIGN, -(-r.end // ALIGN) * ALIGN))
+    for path in sorted(by_file):
+        for begin, end in coalesced(by_file[path], gap):
+            spans.append(Placed(path, begin, end, at))
+            at += end - begin
+    return tuple(spans), at
+
+
+def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> tuple[list[Window], int]:
+    """Consecutive groups packed into windows of at most one half each (`window_bytes` // 2, grown to the
+    largest group where one does not fit): the windows and the half's size."""
+    half = max(window_bytes // 2 // ALIGN * ALIGN, max((placed(g, gap)[1] for g in groups), default=0), ALIGN)
+    out: list[Window] = []
+    first = 0
+    for stop in range(1, len(groups) + 1):
+        spans, nbytes = placed([r for g in groups[first:stop] for r in g], gap)
+        if nbytes > half:
+            out.append(Window(first, stop - 1, *placed([r for g in groups[first:stop - 1] for r in g], gap)))
+            first = stop - 1
+        if stop == len(groups):
+            out.append(Window(first, stop, *placed([r for g in groups[first:stop] for r in g], gap)))
+    return out, half
+
+
+def stripe(window: Window, local_rank: int, ranks: int, request_bytes: int) -> list[Placed]:
+    """This rank's requests of `window`: its spans cut into requests of at most `request_bytes`, dealt
+    round-robin to the node's ranks."""
+    requests = [Placed(s.path, begin, end, s.offset + begin - s.begin)
+                for s in window.spans for begin, end in pieces(s.begin, s.end, request_bytes)]
+    return requests[local_rank::ranks]
