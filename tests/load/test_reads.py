@@ -23,6 +23,7 @@ from wna16_loader.errors import ShardingError
 from wna16_loader.load.experts import planned
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.plan import plan_layers
+from wna16_loader.storage.readahead import coalesced
 from wna16_loader.load.reads import load_groups, node_members, planned_ranges, shares_pages
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
@@ -108,16 +109,19 @@ def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
     parallel = ParallelConfig(2, 1, 2, 0)
     node = Node((0, 1, 2, 3), 1, "k")
     with planned(folder, parallel) as (moe, index, scan, plans):
-        own, none, _ = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD)
+        own, none = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD)
         assert none is None and not any(r.shared for group in own for r in group)
         assert [len(g) for g in own] == [len(planned_ranges(index, plan)) for plan in plans]
-        again, together, _ = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node))
+        again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node))
         assert again == own
         for number, group in enumerate(together):
             every = [r for rank in node.ranks for r in planned_ranges(
                 index, plan_layers(index, moe, ParallelConfig.from_rank(rank, tp_size=2, ep_size=2), Ledger(),
                                    scan)[number])]
-            assert sorted(r[:3] for r in group) == sorted(r[:3] for r in every)
+            covered = lambda ranges: {path: coalesced([r[1:3] for r in ranges if r.file == path], 1)  # noqa: E731
+                                      for path in {r.file for r in ranges}}
+            assert covered(group) == covered(every)  # the bytes of every rank, each tensor once (2 TP ranks cut each)
+            assert len(group) == len(every) // 2 and len({r[:2] for r in group}) == len(group)
 
 
 def test_a_node_that_does_not_hold_the_rank_is_refused() -> None:
@@ -133,7 +137,7 @@ def test_ranks_of_disjoint_bytes_read_alone_and_tp_ranks_together(tmp_path) -> N
     reads = replace(EVERY_READ_AHEAD, gap_bytes=0)
     for parallel, shared in ((ParallelConfig(1, 0, 4, 2), False), (ParallelConfig(4, 2), True)):
         with planned(folder, parallel) as (moe, index, scan, plans):
-            _, together, _ = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
+            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
         assert (together is not None) == shared, parallel
 
 
@@ -142,5 +146,5 @@ def test_shares_pages_counts_the_bytes_two_ranks_read() -> None:
     a = [[PlannedRange(file, 0, 40960, False)]]
     b = [[PlannedRange(file, 40960, 81920, False)]]
     c = [[PlannedRange(file, 4096, 45056, False)]]
-    assert not shares_pages([a, b], [a[0] + b[0]], gap=0)  # disjoint: each reads its own
-    assert shares_pages([a, c], [a[0] + c[0]], gap=0)  # 36 of 44 KiB read twice
+    assert not shares_pages([a[0], b[0]], a[0] + b[0], gap=0)  # disjoint: each reads its own
+    assert shares_pages([a[0], c[0]], a[0] + c[0], gap=0)  # 36 of 44 KiB read twice

@@ -105,7 +105,7 @@ def _load_checkpoint_into(modules: dict[str, FusedMoEExperts], folder: Path, par
     with planned(folder, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
-        own, together, _ = load_groups(index, moe, parallel, scan, plans, reads)
+        own, together = load_groups(index, moe, parallel, scan, plans, reads)
         with index.reading_ahead(own, reads, node_groups=together) as ahead:
             for number, plan in enumerate(plans):
                 ahead.start(number)

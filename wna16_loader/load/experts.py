@@ -16,10 +16,8 @@ from ..parallel.config import ParallelConfig
 from ..storage.bulk import paused_gc_call
 from ..storage.hub import resolve_checkpoint
 from ..storage.index import CheckpointIndex
-from ..storage.node import NodeRead
 from ..storage.readahead import ReadOptions
 from .device import DevicePolicy
-from .exchange import Exchange, mail_bytes
 from .fused import FusedExperts, FusedWriter
 from .layer import LayerLoad
 from .ledger import Ledger
@@ -91,21 +89,14 @@ def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy,
     ahead while earlier layers convert (`storage.readahead`)."""
     start = time.perf_counter()
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
-        groups = load_groups(index, moe, parallel, scan, plans, reads)
-        mail = mail_bytes(groups.members) if groups.members else 0
-        with index.reading_ahead(groups.own, reads, pin=policy.gpu, node_groups=groups.together,
-                                 mail_bytes=mail) as ahead:
-            exchange = Exchange(ahead, groups.members) if isinstance(ahead, NodeRead) and mail else None
+        own, together = load_groups(index, moe, parallel, scan, plans, reads)
+        with index.reading_ahead(own, reads, pin=policy.gpu, node_groups=together) as ahead:
             result = LoadedExperts()
             written = tensors = 0
             for number, plan in enumerate(plans):
                 ahead.start(number)
-                if exchange is None:
-                    layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite,
-                                                      convert_on_device=convert_on_device)
-                else:
-                    layer, count, nbytes = exchanged_layer(exchange, index, number, plan, device, allow_nonfinite,
-                                                           convert_on_device=convert_on_device)
+                layer, count, nbytes = load_layer(index, moe, plan, device, allow_nonfinite,
+                                                  convert_on_device=convert_on_device)
                 result[plan.prefix] = layer
                 tensors += count
                 written += nbytes
@@ -154,17 +145,6 @@ def warn_no_mtp(logger: RankLogger, folder: Path, moe: MoEConfig, scan: Checkpoi
     else:
         what = f"has no MTP experts ({moe.mtp.source})"
     logger.warning("include_mtp=True, but %s %s: only the decoder's MoE layers are loaded.", folder, what)
-
-
-def exchanged_layer(exchange: Exchange, index: CheckpointIndex, number: int, plan: LayerPlan,
-                    device: torch.device | str, allow_nonfinite: bool, *, convert_on_device: bool = True
-                    ) -> tuple[FusedExperts, int, int]:
-    """`load_layer` through the node's exchange: this rank converts its block of every rank's layer, then
-    takes its own layer out of the mailbox."""
-    exchange.convert(index, number, allow_nonfinite=allow_nonfinite)
-    writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device)
-    layer = exchange.take(number, writer)
-    return layer, sum(len(src.tensors) for src in plan.sources.values()), writer.bytes_written
 
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,

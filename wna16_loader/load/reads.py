@@ -5,8 +5,8 @@
 |                             | holds more bytes than the slice (a column cut: other ranks' columns share  |
 |                             | its pages), else the rank's own bytes                                      |
 | load_groups(...)            | what a load from a checkpoint folder reads ahead: its own groups, and with |
-|                             | a node of several ranks the node's (every rank's ranges, layer by layer)   |
-|                             | and every rank's plans (for `load.exchange`)                               |
+|                             | a node of several ranks the node's (each tensor any rank cuts, once: the   |
+|                             | hull of the ranks' cuts, layer by layer)                                   |
 """
 
 from __future__ import annotations
@@ -30,49 +30,70 @@ Groups = list[list[PlannedRange]]
 SHARED_AT = 0.05  # ranks whose ranges overlap by less than this fraction of their bytes read alone
 
 
-def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes: int = 0) -> list[PlannedRange]:
+def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes: int = 0,
+                   paths: dict[str, Path] | None = None) -> list[PlannedRange]:
     """The file byte ranges `plan`'s load reads (see the module table), in plan order; none when the layer's
     first source holds no tensor of `min_tensor_bytes` (tiny experts: working out a range per tensor would
-    cost more than the mapping's reads of them)."""
-    quant, out = plan.moe.quant, []
-    first = next(iter(plan.sources.values()), None)
+    cost more than the mapping's reads of them). `paths`: file name -> path, shared by the plans of one load
+    (one `Path` per file: a dict finds it by identity)."""
+    return _hull_ranges(index, [plan], min_tensor_bytes, {} if paths is None else paths)
+
+
+def node_ranges(index: CheckpointIndex, plans: list[LayerPlan], *, min_tensor_bytes: int = 0,
+                paths: dict[str, Path] | None = None) -> list[PlannedRange]:
+    """What the ranks of a node read of one layer (`plans`: its plan of each rank): one range per tensor, the
+    hull of the cuts of the ranks that hold its expert (each tensor once, however many ranks cut it)."""
+    same: dict[tuple[int, ...], list[LayerPlan]] = {}  # ranks of one EP rank hold the same experts
+    for plan in plans:
+        same.setdefault(tuple(plan.fused.experts), []).append(plan)
+    paths = {} if paths is None else paths
+    return [r for group in same.values() for r in _hull_ranges(index, group, min_tensor_bytes, paths)]
+
+
+def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_bytes: int,
+                 paths: dict[str, Path]) -> list[PlannedRange]:
+    """`planned_ranges` of plans of one layer whose ranks hold the same experts: per tensor, the hull of their
+    cuts (`shared` where it holds more bytes than the cut, or where several ranks cut it)."""
+    quant, out, first = plans[0].moe.quant, [], next(iter(plans[0].sources.values()), None)
     if first is None or max(ref.nbytes for ref in first.tensors.values()) < min_tensor_bytes:
         return []
-    spans: dict[tuple, tuple[int, int, int]] = {}  # one cut per (projection, source, role, header): experts share it
-    paths: dict[str, Path] = {}
-    for (_, proj), src in plan.sources.items():
+    spans: dict[tuple, tuple[int, int, bool]] = {}  # one hull per (projection, source, role, header): experts share it
+    for (_, proj), src in plans[0].sources.items():
         for role, ref in src.tensors.items():
             key = (proj, src.source, src.expert_row, role, ref.shape, ref.dtype)
             if key not in spans:
-                cut = storage_index(quant.layout(role), rank_spans(src, plan.geometry.slice(proj))[0],
-                                    quant.pack_factor, src.expert_row)
-                spans[key] = span_of(0, ref.shape, ref.dtype.itemsize, cut)
-            low, high, nbytes = spans[key]
-            if nbytes:
+                cuts = [span_of(0, ref.shape, ref.dtype.itemsize,
+                                storage_index(quant.layout(role), rank_spans(src, plan.geometry.slice(proj))[0],
+                                              quant.pack_factor, src.expert_row)) for plan in plans]
+                cuts = [cut for cut in cuts if cut[2]]
+                spans[key] = (min(c[0] for c in cuts), max(c[1] for c in cuts),
+                              len(cuts) > 1 or cuts[0][1] - cuts[0][0] > cuts[0][2]) if cuts else (0, 0, False)
+            low, high, shared = spans[key]
+            if high > low:
                 begin = index.first_byte(ref)
                 path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
-                out.append(PlannedRange(path, begin + low, begin + high, high - low > nbytes))
+                out.append(PlannedRange(path, begin + low, begin + high, shared))
     return out
 
 
 class LoadGroups(NamedTuple):
-    """What a load reads: `own`, this rank's groups; `together`, the node's (None: each rank reads alone);
-    `members`, with `together`, every rank's plans in local rank order."""
+    """What a load reads: `own`, this rank's groups; `together`, the node's (None: each rank reads alone)."""
 
     own: Groups
     together: Groups | None = None
-    members: list[list[LayerPlan]] | None = None
 
 
 def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, scan: CheckpointScan,
                 plans: list[LayerPlan], reads: ReadOptions) -> LoadGroups:
-    """This rank's groups, and the node's with every rank's plans (see `LoadGroups`): a layer each. A rank
-    reads its groups itself, every byte as its own (direct: no other rank shares its pages); with `reads.node`
-    of several ranks, each group of the node's is that layer's ranges of every rank of the node, the same on
-    each of them. None where the node's ranks share no pages: ranks of different EP ranks each (disjoint
-    experts: known from the configs, nothing planned), or ranges that overlap too little (`shares_pages`)."""
-    own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)]
-           for plan in plans]
+    """This rank's groups, and the node's (see `LoadGroups`): a layer each. A rank reads its groups itself, every
+    byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group of
+    the node's is that layer's `node_ranges`, the same on every rank of the node. None where the node's ranks
+    share no pages: ranks of different EP ranks each (disjoint experts: known from the configs, nothing
+    planned), or ranges that overlap too little (`shares_pages`, judged on the first layer that reads anything:
+    the layers of one checkpoint are cut alike, and a wrong guess costs time, never bytes)."""
+    paths: dict[str, Path] = {}
+    own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes,
+                                                             paths=paths)] for plan in plans]
     node = reads.node
     if node is None or node.size == 1:
         return LoadGroups(own)
@@ -82,13 +103,13 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     tables = LayerTables(index, moe)
     member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
                     for member in members]
-    ranks = [own if member == parallel else [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)
-                                             for plan in member_plans[i]]
-             for i, member in enumerate(members)]  # (this rank's own groups as they are: planned once)
-    together = [[r for rank in ranks for r in rank[number]] for number in range(len(plans))]
-    if not shares_pages(ranks, together, reads.gap_bytes):
+    together = [node_ranges(index, list(layer), min_tensor_bytes=reads.min_tensor_bytes, paths=paths)
+                for layer in zip(*member_plans)]
+    number = next((i for i, group in enumerate(together) if group), None)  # the layers are cut alike: one judges
+    if number is None or not shares_pages([planned_ranges(index, plans[number], paths=paths) for plans in member_plans],
+                                          together[number], reads.gap_bytes):
         return LoadGroups(own)
-    return LoadGroups(own, together, member_plans)
+    return LoadGroups(own, together)
 
 
 def disjoint_experts(members: list[ParallelConfig]) -> bool:
@@ -96,12 +117,11 @@ def disjoint_experts(members: list[ParallelConfig]) -> bool:
     return len({parallel.ep_rank for parallel in members}) == len(members)
 
 
-def shares_pages(ranks: list[Groups], together: Groups, gap: int) -> bool:
-    """Whether the node's ranks (`ranks`: each rank's groups; `together`: their union per group) need more than
-    `SHARED_AT` of their bytes twice, as they are read (coalesced, page-aligned): ranks of disjoint bytes (EP
-    ranks, whole experts each) gain nothing from reading together, and each reads its own alone (no waits)."""
-    each = sum(placed(group, gap)[1] for rank in ranks for group in rank)
-    return each > (1 + SHARED_AT) * sum(placed(group, gap)[1] for group in together)
+def shares_pages(ranks: list[list[PlannedRange]], together: list[PlannedRange], gap: int) -> bool:
+    """Whether the ranks of a node (`ranks`: each rank's ranges of one layer; `together`: the node's) need more
+    than `SHARED_AT` of their bytes twice, as they are read (coalesced, page-aligned): ranks of disjoint bytes
+    (EP ranks, whole experts each) gain nothing from reading together, and each reads its own alone (no waits)."""
+    return sum(placed(group, gap)[1] for group in ranks) > (1 + SHARED_AT) * placed(together, gap)[1]
 
 
 def node_members(node: Node, parallel: ParallelConfig) -> list[ParallelConfig]:

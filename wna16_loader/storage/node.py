@@ -53,8 +53,6 @@ class Word(IntEnum):
     READ = 1  # windows this rank has read its stripe of
     USED = 2  # windows this rank is done with (their views no longer used)
     FAILED = 3  # Failure: why this rank stopped (0 while it runs or once it is done)
-    CONVERTED = 4  # layers this rank has converted its share of, for every rank (`load.exchange`)
-    TAKEN = 5  # layers this rank has taken its own tensors of out of the mailbox
 
 
 class Failure(IntEnum):
@@ -85,25 +83,21 @@ class SharedWindow:
     """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
     its header words are how the ranks wait for each other."""
 
-    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False, mail_bytes: int = 0) -> None:
+    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False) -> None:
         """`warm` (local rank 0's word, the others learn it): the page cache holds every planned byte, so the
-        ranks read through their mappings and the window holds no data. `mail_bytes`: each of the mailbox's
-        two slots (`mail`), warm or not."""
+        ranks read through their mappings and the window holds no data."""
         self.node, self.warm = node, warm and node.local_rank == 0
         self.half_bytes = 0 if self.warm else half_bytes
-        self.mail_bytes = -(-mail_bytes // ALIGN) * ALIGN
         self.path = SHM / f"wna16-node-{node.key}"
         self._map = self._create() if node.local_rank == 0 else self._attach()
         self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
         self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.half_bytes, offset=HEADER) \
             if self.half_bytes else torch.empty(0, dtype=torch.uint8)
-        self.mailbox = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.mail_bytes,
-                                        offset=HEADER + 2 * self.half_bytes) if self.mail_bytes else self.data[:0]
         self.set(Word.PID, os.getpid())
 
     @property
     def size(self) -> int:
-        return HEADER + 2 * (self.half_bytes + self.mail_bytes)
+        return HEADER + 2 * self.half_bytes
 
     def _create(self) -> mmap.mmap:
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -166,11 +160,6 @@ class SharedWindow:
         start = window % 2 * self.half_bytes
         return self.data[start:start + self.half_bytes]
 
-    def mail(self, layer: int) -> torch.Tensor:
-        """The bytes of the mailbox slot layer `layer` is exchanged through (slots alternate)."""
-        start = layer % 2 * self.mail_bytes
-        return self.mailbox[start:start + self.mail_bytes]
-
     def wait(self, word: Word, target: int, doing: str, own: Callable[[], None]) -> None:
         """Until every rank's `word` is at least `target` (`own()` raises this rank's own failure). Raises
         NodeError when a rank failed, exited, or stays behind longer than the node's timeout."""
@@ -218,25 +207,22 @@ class SharedWindow:
     def close(self) -> None:
         """Drop this object's hold on the mapping (unmapped once no view of it is left)."""
         self.words = None
-        self.data = self.mailbox = torch.empty(0, dtype=torch.uint8)
+        self.data = torch.empty(0, dtype=torch.uint8)
 
 
 class NodeRead:
     """The overlay of a load that reads together with its node (module table): `groups` are the node's
     planned ranges (every rank's), the same on every rank."""
 
-    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node, *,
-                 mail_bytes: int = 0) -> None:
-        """`mail_bytes`: each slot of the mailbox the ranks exchange converted layers through (`load.exchange`;
-        0: none)."""
+    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node) -> None:
         self.node, self.options = node, options
         self.windows, half = windows_of(groups, node.window_bytes, options.gap_bytes)
         self._reader = FileReader(options.direct)
-        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and self._cached(), mail_bytes=mail_bytes)
+        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and self._cached())
         if self.shared.warm:  # every rank reads through its mapping: nothing to share
             self.windows = []
         self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
-        self.window_bytes = 2 * (self.shared.half_bytes + self.shared.mail_bytes)
+        self.window_bytes = 2 * self.shared.half_bytes
         self.current = -1
         self.failed = False
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}
@@ -288,17 +274,6 @@ class NodeRead:
     def overlaps(self, path: Path, low: int, high: int) -> bool:
         """Whether a region of the current window holds any of file bytes [low, high) of `path`."""
         return overlapping(self._files, path, low, high)
-
-    def wait_all(self, word: Word, target: int, doing: str) -> None:
-        """Until every rank's `word` is at least `target` (see `SharedWindow.wait`)."""
-        self.shared.wait(word, target, doing, self._own)
-
-    def set(self, word: Word, value: int) -> None:
-        self.shared.set(word, value)
-
-    def mail(self, layer: int) -> torch.Tensor:
-        """The mailbox slot of layer `layer` (see `SharedWindow.mail`)."""
-        return self.shared.mail(layer)
 
     def _own(self) -> None:
         if self._error is not None:

@@ -31,13 +31,15 @@ class Window(NamedTuple):
     nbytes: int
 
 
-def placed(ranges: Sequence[PlannedRange], gap: int) -> tuple[tuple[Placed, ...], int]:
-    """`ranges` coalesced file by file (begins aligned down, ends up) and laid one after another: the spans and
-    the bytes they take."""
+def placed(ranges: Sequence[PlannedRange | Placed], gap: int) -> tuple[tuple[Placed, ...], int]:
+    """`ranges` (or spans placed before) coalesced file by file (begins aligned down, ends up) and laid one
+    after another: the spans and the bytes they take."""
     spans, at = [], 0
     by_file: dict[Path, list[tuple[int, int]]] = {}
-    for r in ranges:
-        by_file.setdefault(r.file, []).append((r.begin // ALIGN * ALIGN, -(-r.end // ALIGN) * ALIGN))
+    for path, begin, end, _ in ranges:
+        found = by_file.get(path)
+        (found if found is not None else by_file.setdefault(path, [])).append(
+            (begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN))
     for path in sorted(by_file):
         for begin, end in coalesced(by_file[path], gap):
             spans.append(Placed(path, begin, end, at))
@@ -47,17 +49,19 @@ def placed(ranges: Sequence[PlannedRange], gap: int) -> tuple[tuple[Placed, ...]
 
 def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> tuple[list[Window], int]:
     """Consecutive groups packed into windows of at most one half each (`window_bytes` // 2, grown to the
-    largest group where one does not fit): the windows and the half's size."""
-    half = max(window_bytes // 2 // ALIGN * ALIGN, max((placed(g, gap)[1] for g in groups), default=0), ALIGN)
+    largest group where one does not fit): the windows and the half's size. (Each group is coalesced once;
+    a window coalesces its groups' spans.)"""
+    each = [placed(g, gap) for g in groups]
+    half = max(window_bytes // 2 // ALIGN * ALIGN, max((nbytes for _, nbytes in each), default=0), ALIGN)
     out: list[Window] = []
     first = 0
+    together = lambda first, stop: placed([s for spans, _ in each[first:stop] for s in spans], gap)  # noqa: E731
     for stop in range(1, len(groups) + 1):
-        spans, nbytes = placed([r for g in groups[first:stop] for r in g], gap)
-        if nbytes > half:
-            out.append(Window(first, stop - 1, *placed([r for g in groups[first:stop - 1] for r in g], gap)))
+        if together(first, stop)[1] > half:
+            out.append(Window(first, stop - 1, *together(first, stop - 1)))
             first = stop - 1
         if stop == len(groups):
-            out.append(Window(first, stop, *placed([r for g in groups[first:stop] for r in g], gap)))
+            out.append(Window(first, stop, *together(first, stop)))
     return out, half
 
 
