@@ -1,6 +1,6 @@
 """storage/node.py: a node's ranks read a checkpoint together (a cold one: a warm node reads its mappings).
 
-Pure parts (windows, stripes) as hypothesis properties; the shared window's waits in one process; then real
+The shared window's waits in one process (its windows and stripes: test_windows.py); then real
 processes: 4 ranks over gloo (their Node from `Node.from_environment`) load a cold checkpoint together,
 byte-identical to lone loads, with their storage bytes within 1.1x the union of their ranges; and a rank
 killed mid-load makes the others raise NodeError, naming it, well within the timeout.
@@ -24,8 +24,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from processes import forkserver, start_ranks
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.errors import NodeError
@@ -35,64 +33,8 @@ from wna16_loader.load.reads import load_groups
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage.node import ALIGN, NodeRead, SharedWindow, Word
-from wna16_loader.storage.windows import placed, stripe, windows_of
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
-
-FILES = [Path("/f/a.safetensors"), Path("/f/b.safetensors")]
-
-
-@st.composite
-def layer_groups(draw: st.DrawFn) -> list[list[PlannedRange]]:
-    groups = []
-    for _ in range(draw(st.integers(1, 6))):
-        group = []
-        for _ in range(draw(st.integers(0, 5))):
-            begin = draw(st.integers(0, 1 << 20))
-            group.append(PlannedRange(draw(st.sampled_from(FILES)), begin, begin + draw(st.integers(1, 1 << 18)),
-                                      draw(st.booleans())))
-        groups.append(group)
-    return groups
-
-
-def covered(spans: list[tuple[Path, int, int]]) -> set[tuple[Path, int]]:
-    """The ALIGN-sized pages of `spans`."""
-    return {(path, page) for path, begin, end in spans for page in range(begin // ALIGN, -(-end // ALIGN))}
-
-
-@settings(max_examples=60, deadline=None)
-@given(layer_groups(), st.integers(1, 1 << 20), st.integers(1, 8), st.sampled_from([ALIGN, 4 * ALIGN, 64 * ALIGN]))
-def test_windows_and_stripes_cover_every_planned_byte_once(groups: list[list[PlannedRange]], window_bytes: int,
-                                                           ranks: int, request: int) -> None:
-    windows, half = windows_of(groups, window_bytes, gap=ALIGN)
-    assert [(w.first, w.stop) for w in windows][0][0] == 0 and windows[-1].stop == len(groups)
-    assert all(a.stop == b.first for a, b in zip(windows, windows[1:]))
-    for window in windows:
-        assert window.nbytes <= half and half % ALIGN == 0
-        planned = covered([(r.file, r.begin, r.end) for g in groups[window.first:window.stop] for r in g])
-        assert covered([(s.path, s.begin, s.end) for s in window.spans]) >= planned
-        requests = [r for rank in range(ranks) for r in stripe(window, rank, ranks, request)]
-        assert sorted((r.offset, r.end - r.begin) for r in requests) == sorted(
-            (s.offset + at - s.begin, min(request, s.end - at)) for s in window.spans for at in range(s.begin, s.end,
-                                                                                                      request))
-        assert sum(r.end - r.begin for r in requests) == window.nbytes
-        assert all(r.begin % ALIGN == 0 and r.offset % ALIGN == 0 and r.end - r.begin <= request for r in requests)
-
-
-def test_placed_lays_coalesced_spans_back_to_back() -> None:
-    a, b = FILES
-    spans, nbytes = placed([PlannedRange(a, 5000, 6000, False), PlannedRange(a, 100, 200, True),
-                            PlannedRange(b, 3 * ALIGN, 3 * ALIGN + 1, False)], gap=ALIGN)
-    assert [(s.path, s.begin, s.end, s.offset) for s in spans] == [
-        (a, 0, 2 * ALIGN, 0), (b, 3 * ALIGN, 4 * ALIGN, 2 * ALIGN)]
-    assert nbytes == 3 * ALIGN
-
-
-def test_a_layer_larger_than_half_the_window_grows_the_half() -> None:
-    group = [PlannedRange(FILES[0], 0, 10 * ALIGN, False)]
-    windows, half = windows_of([group, [PlannedRange(FILES[1], 0, ALIGN, True)]], window_bytes=4 * ALIGN, gap=0)
-    assert half == 10 * ALIGN and [(w.first, w.stop) for w in windows] == [(0, 1), (1, 2)]
-
 
 def test_a_rank_that_never_comes_times_out_naming_it() -> None:
     node = Node((4, 5), 0, f"test-{uuid.uuid4().hex}", window_bytes=2 * ALIGN, timeout_s=0.3)

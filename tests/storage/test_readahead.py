@@ -27,6 +27,7 @@ from wna16_loader.storage.readahead import (
     ReadAhead,
     ReadOptions,
     coalesced,
+    overlapping,
     pieces,
     span_of,
 )
@@ -185,6 +186,17 @@ def test_coalesced_covers_every_range_and_bridges_only_short_gaps(ranges, gap) -
         missing = sorted(set(range(a, b)) - covered)
         runs = [m for i, m in enumerate(missing) if i == 0 or missing[i - 1] != m - 1]
         assert len(missing) <= len(runs) * max(gap - 1, 0)
+
+
+@given(spans=st.lists(st.integers(1, 300), min_size=1, max_size=8, unique=True), low=st.integers(0, 40_000),
+       length=st.integers(1, 5_000))
+def test_overlapping_finds_a_region_holding_any_byte_of_a_range(spans, low, length) -> None:
+    regions = [readahead.Region(Path("f"), 100 * at, 100 * at + 60, torch.empty(0, dtype=torch.uint8))
+               for at in sorted(spans)]  # disjoint, sorted, 40 bytes apart
+    files = {Path("f"): ([r.begin for r in regions], regions)}
+    expected = any(r.begin < low + length and low < r.end for r in regions)
+    assert overlapping(files, Path("f"), low, low + length) == expected
+    assert not overlapping(files, Path("g"), low, low + length)
 
 
 @given(begin=st.integers(0, 10_000), length=st.integers(0, 100_000), size=st.integers(64, 9_000))
