@@ -1,4 +1,5 @@
-"""`posix_fadvise(WILLNEED)` that reads every byte it is asked for.
+"""The page cache: what it holds (`PageCache`, mincore(2)) and `posix_fadvise(WILLNEED)` that reads every byte
+it is asked for.
 
 Linux reads at most max(`read_ahead_kb`, `max_sectors_kb`) of the file's block device per WILLNEED call
 (mm/readahead.c, `force_page_cache_ra`: `nr_to_read` is capped at max(bdi->io_pages, ra->ra_pages)) and
@@ -10,12 +11,17 @@ common NVMe setting (read_ahead_kb 128, max_sectors_kb 1280) a 16 MiB call reads
 |                                    | queue, or the read-ahead window of a network or FUSE file system), or |
 |                                    | FALLBACK_BYTES where sysfs does not say                                |
 | will_need(fd, begin, end, step)    | WILLNEED over file bytes [begin, end) in calls of at most `step` bytes |
+| PageCache().holds(path, begin, end)| whether every page of file bytes [begin, end) is cached                |
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import mmap
 import os
+import threading
 from pathlib import Path
 
 FALLBACK_BYTES = 128 << 10  # the kernel's default read-ahead window (VM_READAHEAD_PAGES): a call never reads less
@@ -60,3 +66,42 @@ def will_need(fd: int, begin: int, end: int, step: int) -> int:
         os.posix_fadvise(fd, at, min(step, end - at), os.POSIX_FADV_WILLNEED)
         calls += 1
     return calls
+
+
+LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
+PAGE = mmap.PAGESIZE  # mincore takes a page-aligned address
+
+
+class PageCache:
+    """Which file bytes the page cache holds: mincore(2) over a private mapping of each file (made once, and
+    faulting in nothing)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._lock = threading.Lock()
+
+    def holds(self, path: Path, begin: int, end: int) -> bool:
+        """Whether every page of file bytes [begin, end) is in the page cache (False where mincore is not to
+        be had)."""
+        with self._lock:
+            if path not in self._maps:
+                with open(path, "rb") as handle:
+                    self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapped = self._maps[path]
+        begin, end = begin // PAGE * PAGE, min(end, len(mapped))  # mincore takes a page-aligned address
+        if end <= begin or LIBC is None:
+            return False
+        pages = (end - begin + PAGE - 1) // PAGE
+        vector = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(mapped, begin)
+        try:
+            failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
+        finally:
+            del anchor
+        return not failed and sum(bytes(vector)) == pages  # (each entry 0 or 1)
+
+    def close(self) -> None:
+        with self._lock:
+            for mapped in self._maps.values():
+                mapped.close()
+            self._maps.clear()

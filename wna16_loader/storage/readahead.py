@@ -33,9 +33,6 @@ next `start` (a load copies every view into its output before it moves on to the
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,11 +45,10 @@ import torch
 
 from ..errors import WNA16Error
 from ..parallel.config import Node
-from .advice import advice_bytes, will_need
+from .advice import PageCache, advice_bytes, will_need
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
-LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if ctypes.util.find_library("c") else None
 
 
 class CacheFill(Enum):
@@ -184,41 +180,6 @@ def span_of(begin: int, shape: tuple[int, ...], itemsize: int, index: Sequence[s
         low, high, count = low + start * stride, high + (stop - 1) * stride, count * (stop - start)
         stride *= size
     return begin + low, begin + high + itemsize, count * itemsize
-
-
-class PageCache:
-    """Which file bytes the page cache holds: mincore(2) over a private mapping of each file (made once, and
-    faulting in nothing)."""
-
-    def __init__(self) -> None:
-        self._maps: dict[Path, mmap.mmap] = {}
-        self._lock = threading.Lock()
-
-    def holds(self, path: Path, begin: int, end: int) -> bool:
-        """Whether every page of file bytes [begin, end) is in the page cache (False where mincore is not to
-        be had)."""
-        with self._lock:
-            if path not in self._maps:
-                with open(path, "rb") as handle:
-                    self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
-            mapped = self._maps[path]
-        begin, end = begin // ALIGN * ALIGN, min(end, len(mapped))  # mincore takes a page-aligned address
-        if end <= begin or LIBC is None:
-            return False
-        pages = (end - begin + ALIGN - 1) // ALIGN
-        vector = (ctypes.c_ubyte * pages)()
-        anchor = ctypes.c_char.from_buffer(mapped, begin)
-        try:
-            failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
-        finally:
-            del anchor
-        return not failed and sum(bytes(vector)) == pages  # (each entry 0 or 1)
-
-    def close(self) -> None:
-        with self._lock:
-            for mapped in self._maps.values():
-                mapped.close()
-            self._maps.clear()
 
 
 class FileReader:
