@@ -1,10 +1,14 @@
 """For tests that start child processes: SIGINT delivered as a terminal delivers it; ranks forked from a fork
-server that imported torch once."""
+server that imported torch once; files evicted from the page cache (a cold start)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import multiprocessing
+import os
 import signal
+from pathlib import Path
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
@@ -29,3 +33,25 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
     process group, so forking it is safe; each rank still starts with nothing but those imports."""
     forkserver()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def evicted(files: list[Path]) -> int:
+    """Write back, drop every file's pages from the page cache, and return the bytes still resident."""
+    os.sync()
+    libc, left = ctypes.CDLL(None, use_errno=True), 0
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        anchor = ctypes.c_char.from_buffer(mapped)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vector = (ctypes.c_ubyte * pages)()
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector)
+        del anchor
+        mapped.close()
+        left += size if rc else sum(v & 1 for v in vector) * mmap.PAGESIZE
+    return left

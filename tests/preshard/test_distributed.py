@@ -1,9 +1,11 @@
-"""Rank-parallel wna16-shard over torch.distributed (gloo, 2 CPU processes): the output is byte-identical
-to a single-process run, for both layouts, and through the CLI's code path; errors reach every process."""
+"""Rank-parallel wna16-shard over torch.distributed (gloo, 2 and 4 CPU processes): the output is byte-identical
+to a single-process run, for both layouts, through the CLI's code path and read as a node (a rank folder per
+process); errors reach every process."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,11 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from processes import evicted, start_ranks
+
 from wna16_loader import cli
 from wna16_loader.errors import ShardingError
 from wna16_loader.parallel.config import ShardJob
 from wna16_loader.preshard import preshard_checkpoint, preshard_distributed
 from wna16_loader.preshard.distributed import owner
+from wna16_loader.storage.readahead import ALIGN, ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 
@@ -93,3 +98,35 @@ def test_reduced_group_warning_once_per_run_under_torchrun(tmp_path):
     assert len(warnings) == 1 and "tp=8: group size 32 becomes G_eff 16" in warnings[0], run.stderr
     preshard_checkpoint(src, tmp_path / "single", tp_size=8, progress=False)
     assert file_hashes(tmp_path / "out") == file_hashes(tmp_path / "single")
+
+
+def node_worker(process: int, processes: int, init_file: str, src: str, out: str) -> None:
+    """One of 4 processes writing a TP 4 output, one rank folder each: they read as a node (spawned)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=process, world_size=processes,
+                            timeout=timedelta(seconds=120))
+    try:
+        reads = ReadOptions(min_bytes=0, min_tensor_bytes=0, request_bytes=4 * ALIGN)
+        summary = preshard_distributed(src, out, ShardJob.from_environment(), tp_size=4, reads=reads)
+        if process == 0:
+            windows = {rank.name: rank.window_bytes for rank in summary.ranks}
+            Path(out + ".windows.json").write_text(json.dumps(windows))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_rank_folder_per_process_reads_as_a_node(tmp_path):
+    """A fresh fused run with as many processes as output ranks: each rank folder's layers are read with the
+    node's shared window (reported per folder), and the output is byte-identical to a single-process run."""
+    src = tmp_path / "src"
+    write_checkpoint(src, quant_config("gptq", bits=4, group_size=32, symmetric=False), num_experts=4, hidden=256,
+                     intermediate=512, num_layers=3, files=2, references=False)
+    single = tmp_path / "single"
+    preshard_checkpoint(src, single, tp_size=4, progress=False)
+    out = str(tmp_path / "dist")
+    cold = not evicted(sorted(src.glob("*.safetensors")))  # (a file system that keeps the pages: a warm node)
+    start_ranks(node_worker, (4, str(tmp_path / "init"), str(src), out), 4)
+    assert file_hashes(Path(out)) == file_hashes(single)
+    windows = json.loads(Path(out + ".windows.json").read_text())
+    assert windows.pop("common") == 0 and len(windows) == 4, windows
+    assert all((nbytes > 0) == cold for nbytes in windows.values()), windows  # cold: read into the node's window

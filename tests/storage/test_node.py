@@ -8,9 +8,7 @@ killed mid-load makes the others raise NodeError, naming it, well within the tim
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
 import os
 import signal
 import time
@@ -23,7 +21,7 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from processes import forkserver, start_ranks
+from processes import evicted, forkserver, start_ranks
 
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.errors import NodeError
@@ -97,28 +95,6 @@ def load_plans(folder: Path) -> Iterator[tuple[CheckpointIndex, list[list[Planne
 
 
 # --- real processes -------------------------------------------------------------------------------------------
-
-def evicted(files: list[Path]) -> int:
-    """Write back, drop every file's pages from the page cache, and return the bytes still resident."""
-    os.sync()
-    libc, left = ctypes.CDLL(None, use_errno=True), 0
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-        finally:
-            os.close(fd)
-        anchor = ctypes.c_char.from_buffer(mapped)
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vector = (ctypes.c_ubyte * pages)()
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector)
-        del anchor
-        mapped.close()
-        left += size if rc else sum(v & 1 for v in vector) * mmap.PAGESIZE
-    return left
-
 
 def _read_bytes() -> int:
     return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["read_bytes"])

@@ -7,6 +7,7 @@
 | load_groups(...)            | what a load from a checkpoint folder reads ahead: its own groups, and with |
 |                             | a node of several ranks the node's (each tensor any rank cuts, once: the   |
 |                             | hull of the ranks' cuts, layer by layer)                                   |
+| node_groups(...)            | the node's groups from every rank's plans (a pre-shard run's too)          |
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group of
     the node's is that layer's `node_ranges`, the same on every rank of the node. None where the node's ranks
     share no pages: ranks of different EP ranks each (disjoint experts: known from the configs, nothing
-    planned), or ranges that overlap too little (`shares_pages`, judged on the first layer that reads anything:
-    the layers of one checkpoint are cut alike, and a wrong guess costs time, never bytes)."""
+    planned), or ranges that overlap too little (`node_groups`)."""
     paths: dict[str, Path] = {}
     own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes,
                                                              paths=paths)] for plan in plans]
@@ -103,13 +103,22 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     tables = LayerTables(index, moe)
     member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
                     for member in members]
+    return LoadGroups(own, node_groups(index, member_plans, reads, paths))
+
+
+def node_groups(index: CheckpointIndex, members: list[list[LayerPlan]], reads: ReadOptions,
+                paths: dict[str, Path] | None = None) -> Groups | None:
+    """The node's groups (`members`: every rank's plans, layer by layer in use order): each layer's
+    `node_ranges`; None where the ranks share too few pages (`shares_pages`, judged on the first layer that
+    reads anything: the layers of one checkpoint are cut alike, and a wrong guess costs time, never bytes)."""
+    paths = {} if paths is None else paths
     together = [node_ranges(index, list(layer), min_tensor_bytes=reads.min_tensor_bytes, paths=paths)
-                for layer in zip(*member_plans)]
-    number = next((i for i, group in enumerate(together) if group), None)  # the layers are cut alike: one judges
-    if number is None or not shares_pages([planned_ranges(index, plans[number], paths=paths) for plans in member_plans],
+                for layer in zip(*members)]
+    number = next((i for i, group in enumerate(together) if group), None)
+    if number is None or not shares_pages([planned_ranges(index, plans[number], paths=paths) for plans in members],
                                           together[number], reads.gap_bytes):
-        return LoadGroups(own)
-    return LoadGroups(own, together)
+        return None
+    return together
 
 
 def disjoint_experts(members: list[ParallelConfig]) -> bool:

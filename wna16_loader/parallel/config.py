@@ -206,6 +206,14 @@ class ShardJob:
         if self.processes > 1:
             dist.barrier(group=self.process_group)
 
+    def node(self, load: str, *, window_bytes: int = 1 << 30, timeout_s: float = 300.0) -> "Node":
+        """The processes of this run on this host that write from the same source (`load`: e.g. its path), as a
+        `Node` of their process indices; this process alone in a single-process run. Every process calls it."""
+        if self.processes == 1:
+            return Node.alone(self.process)
+        return Node.from_environment(self.process_group, rank=self.process, load=load, window_bytes=window_bytes,
+                                     timeout_s=timeout_s)
+
 
 @dataclass(frozen=True)
 class Node:

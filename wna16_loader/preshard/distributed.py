@@ -11,19 +11,25 @@ several machines, OUT must be one shared filesystem seen at the same path by eve
 | lock, check, journal  | process 0  | broadcast: the journal, or the error   |
 |                       |            | (a finished OUT: its intact files)     |
 | write owned folders   | everyone   | all_gather: summaries and records      |
+|  (a fresh run, a rank |            | the node's window (`storage/node.py`): |
+|  folder per process:  |            | each rank's layers in step             |
+|  read as a node)      |            |                                        |
 | small files, manifest | process 0  | barrier                                |
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from ..errors import PreshardError
 from ..load.outputs import MANIFEST_NAME, OutputLayout
-from ..parallel.config import ShardJob
+from ..load.reads import node_groups, planned_ranges
+from ..parallel.config import Node, ShardJob
 from ..storage.index import CheckpointIndex
+from ..storage.readahead import ReadOptions
 from .journal import JOURNAL_NAME, check_existing, recheck, start
 from .manifest import build_manifest
 from .plan import ShardPlan, make_plan
@@ -40,10 +46,12 @@ def owner(group: int | None, processes: int) -> int:
 
 def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_size: int, ep_size: int = 1,
                          placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
-                         layout: str | OutputLayout = OutputLayout.FUSED, mtp: bool = True) -> ShardSummary:
+                         layout: str | OutputLayout = OutputLayout.FUSED, mtp: bool = True,
+                         reads: ReadOptions | None = None) -> ShardSummary:
     """`preshard_checkpoint` split over the processes of `job` (every process calls it with the same
     arguments; torch.distributed must be initialised when there are several). Process 0's summary lists
-    every folder."""
+    every folder. A fresh fused run with one rank folder per process reads as a node: the processes of each
+    host read every source byte once, together (`reads`: the read options, default `ReadOptions()`)."""
     out = Path(out)
     check_out_not_in_source(Path(src), out)
     lead = job.process == 0
@@ -53,10 +61,11 @@ def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_
         make_dir(out)
     with output_lock(out) if lead else nullcontext():
         journal = _started(out, plan, resume, job)
-        mine = [g for g in [None, *range(len(plan.ranks))] if owner(g, job.processes) == job.process]
+        node = job.node(str(plan.source)) if _together(plan, journal, job) else None  # (every process decides alike)
+        mine = [g for g in [*range(len(plan.ranks)), None] if owner(g, job.processes) == job.process]
         try:
             with CheckpointIndex(plan.source) as index:  # one mapping per source file for all owned folders
-                done: Any = [(g, *write_group(out, plan, g, journal, {"written": 0, "kill_after": 0}, index=index))
+                done: Any = [(g, *_write_owned(out, plan, g, journal, index, node, reads or ReadOptions()))
                              for g in mine]
         except Exception as exc:  # every process must reach the gather, or the others wait forever
             done = f"process {job.process}: {type(exc).__name__}: {exc}"
@@ -74,6 +83,48 @@ def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_
             (out / JOURNAL_NAME).unlink(missing_ok=True)
         job.barrier()
     return ShardSummary(out=out, plan=plan, ranks=tuple(summary for _, summary, _ in results))
+
+
+def _together(plan: ShardPlan, journal: dict[str, dict[str, Any]], job: ShardJob) -> bool:
+    """Whether the processes read as a node: several, one fused rank folder each (process p writes rank p), and
+    nothing of those folders written yet (a resumed run's processes would not walk the layers in step)."""
+    ranks = plan.ranks
+    return 1 < job.processes == len(ranks) and all(r.parallel.rank == i and r.plans and not r.sliced
+                                                   for i, r in enumerate(ranks)) and \
+        not any(f.path in journal for r in ranks for f in r.files)
+
+
+def _write_owned(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
+                 index: CheckpointIndex, node: Node | None, reads: ReadOptions) -> tuple[Any, Any]:
+    """`write_group` of one owned folder; a rank folder's layers read with the node, when there is one."""
+    state = {"written": 0, "kill_after": 0}
+    if node is None or group is None:
+        return write_group(out, plan, group, journal, state, index=index)
+    with _read_with_node(index, plan, group, node, reads) as (start, ahead):
+        summary, records = write_group(out, plan, group, journal, state, index=index, on_layer=start)
+    return replace(summary, window_bytes=ahead.window_bytes), records
+
+
+@contextmanager
+def _read_with_node(index: CheckpointIndex, plan: ShardPlan, group: int, node: Node, reads: ReadOptions
+                    ) -> Iterator[tuple[Callable[[str], None], Any]]:
+    """Rank `group`'s layers, in the order its files take them (sorted names: a layer's tensors together),
+    read ahead with the node's ranks (each process of the node writes the rank of its number); yields the
+    `start(prefix)` the writer calls before loading each layer, and the read."""
+    rank, options = plan.ranks[group], replace(reads, node=node)
+    order = list(dict.fromkeys(name.rpartition(".")[0] for f in rank.files for name in f.tensors))
+    paths: dict[str, Path] = {}
+    own = [planned_ranges(index, rank.plans[p], min_tensor_bytes=options.min_tensor_bytes, paths=paths) for p in order]
+    together = node_groups(index, [[plan.ranks[r].plans[p] for p in order] for r in node.ranks], options, paths)
+    position = {prefix: i for i, prefix in enumerate(order)}
+    with index.reading_ahead(own, options, node_groups=together) as ahead:
+        last = [-1]
+
+        def start(prefix: str) -> None:
+            assert position[prefix] > last[0], f"{prefix}: layers must be loaded in file order, once each"
+            last[0] = position[prefix]
+            ahead.start(position[prefix])
+        yield start, ahead
 
 
 def _started(out: Path, plan: ShardPlan, resume: bool, job: ShardJob) -> dict[str, dict[str, Any]]:

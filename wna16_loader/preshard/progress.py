@@ -137,6 +137,7 @@ class RankSummary:
     bytes: int
     seconds: float
     kept: int = 0
+    window_bytes: int = 0  # the shared window of the node that read this folder's layers together (0: none)
 
 
 @dataclass(frozen=True)

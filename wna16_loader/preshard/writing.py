@@ -133,19 +133,22 @@ def _stop(workers: list[multiprocessing.process.BaseProcess]) -> None:
 
 def write_group(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
                 state: dict[str, int], advance: Callable[[int, str], None] | None = None, *,
-                index: CheckpointIndex | None = None) -> tuple[RankSummary, list[dict[str, Any]]]:
+                index: CheckpointIndex | None = None, on_layer: Callable[[str], None] | None = None
+                ) -> tuple[RankSummary, list[dict[str, Any]]]:
     """Write one folder's files (common/ when `group` is None, else rank `group`) and wait for them to be
     committed; their journal records. `advance(bytes, path)` is called after each file (kept ones included).
     `index`: the source, already open (folders written one after another share its mappings and the pages
-    they faulted in)."""
+    they faulted in). `on_layer(prefix)`: called before each fused layer is loaded (a read ahead's `start`)."""
     with ThreadPoolExecutor(1, "wna16-commit") as commits, torch_threads_beside_writers():
-        summary, futures = write_folder(out, plan, group, journal, state, advance, index=index, commits=commits)
+        summary, futures = write_folder(out, plan, group, journal, state, advance, index=index, commits=commits,
+                                        on_layer=on_layer)
     return summary, [future.result() for future in futures]
 
 
 def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[str, dict[str, Any]],
                  state: dict[str, int], advance: Callable[[int, str], None] | None, *,
-                 index: CheckpointIndex | None, commits: Executor) -> tuple[RankSummary, list[Future[dict[str, Any]]]]:
+                 index: CheckpointIndex | None, commits: Executor, on_layer: Callable[[str], None] | None = None
+                 ) -> tuple[RankSummary, list[Future[dict[str, Any]]]]:
     """`write_group`, except that each file, once written to its temporary name, is handed to `commits`
     (one thread: fsync, rename, journal, in order) while the next one is produced; the futures of those
     commits are returned, not waited for."""
@@ -158,7 +161,7 @@ def write_folder(out: Path, plan: ShardPlan, group: int | None, journal: dict[st
     futures = []
     if todo:
         with nullcontext(index) if index is not None else CheckpointIndex(plan.source) as source_index:
-            source = tensor_source(plan, rank, source_index)
+            source = tensor_source(plan, rank, source_index, on_layer)
             for fp in todo:
                 written = write_temporary(out, fp, source, metadata, advance)
                 futures.append(commits.submit(_commit_file, out, fp, written, state))
@@ -206,15 +209,17 @@ class TensorSource:
         self.meta, self.fetch = meta, fetch
 
 
-def tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex) -> TensorSource:
-    """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time)."""
+def tensor_source(plan: ShardPlan, rank: RankPlan | None, index: CheckpointIndex,
+                  on_layer: Callable[[str], None] | None = None) -> TensorSource:
+    """Raw common reads, checkpoint-layout slices, or fused layers (one layer in memory at a time; `on_layer(prefix)`
+    called before each is loaded)."""
     if rank is None:
         return TensorSource(lambda n: (index.refs[n].shape, index.refs[n].dtype),
                             lambda n: index.view(index.refs[n]))  # written straight from the mapping
     if rank.sliced:
         return TensorSource(lambda n: (rank.sliced[n].shape, rank.sliced[n].dtype),
                             lambda n: materialize(index, rank.sliced[n]))
-    layers = FusedLayers(plan, rank, index)
+    layers = FusedLayers(plan, rank, index, on_layer)
     return TensorSource(layers.meta, layers.fetch)
 
 
@@ -225,8 +230,9 @@ class FusedLayers:
     so peak memory is about one fused layer, whatever the number of layers or the file size.
     """
 
-    def __init__(self, plan: ShardPlan, rank: RankPlan, index: CheckpointIndex) -> None:
-        self.index, self.moe, self.plans = index, plan.moe, rank.plans
+    def __init__(self, plan: ShardPlan, rank: RankPlan, index: CheckpointIndex,
+                 on_layer: Callable[[str], None] | None = None) -> None:
+        self.index, self.moe, self.plans, self.on_layer = index, plan.moe, rank.plans, on_layer
         self.cached: tuple[str, FusedExperts] | None = None
 
     def meta(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
@@ -243,6 +249,8 @@ class FusedLayers:
         """The fused layer `prefix` (loading it drops the previous one first)."""
         if self.cached is None or self.cached[0] != prefix:
             self.cached = None
+            if self.on_layer is not None:
+                self.on_layer(prefix)
             layer, _, _ = load_layer(self.index, self.moe, self.plans[prefix], "cpu", False)
             self.cached = (prefix, layer)
         return self.cached[1]
