@@ -62,8 +62,10 @@ def fastsafetensors_env(mode: str) -> dict[str, str]:
     return {"FASTSAFETENSORS_ODIRECT": FST_ODIRECT[mode]}
 
 
-def runai_read(folder: Path) -> Callable[[], int]:
-    """Every tensor of every file of `folder` streamed by the Run:ai streamer; the bytes delivered."""
+def runai_read(folder: Path, *, distributed: bool = False) -> Callable[[], int]:
+    """Every tensor of every file of `folder` streamed by the Run:ai streamer; the bytes delivered. `distributed`:
+    its distributed streaming over the initialised torch.distributed group (with RUNAI_STREAMER_DIST=1 on gloo:
+    each rank reads a part, then every part is broadcast to every rank)."""
     from runai_model_streamer import SafetensorsStreamer
 
     files = [str(f) for f in sorted(folder.glob("*.safetensors"))]
@@ -71,7 +73,7 @@ def runai_read(folder: Path) -> Callable[[], int]:
     def run() -> int:
         delivered = 0
         with SafetensorsStreamer() as streamer:
-            streamer.stream_files(files, device="cpu", owned=False)
+            streamer.stream_files(files, device="cpu", owned=False, is_distributed=distributed)
             for _, tensor in streamer.get_tensors():
                 delivered += tensor.numel() * tensor.element_size()
         return delivered

@@ -64,6 +64,17 @@ def _runai(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
     return runai_read(folder)
 
 
+def _runai_distributed(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
+    """Run:ai's distributed streaming: the ranks join a gloo group (before the clock), then stream together."""
+    import torch.distributed as dist
+
+    from .peers import runai_read
+
+    scratch = Path(os.environ["WNA16_NODE_SCRATCH"])  # (child_main's: emptied before every run)
+    dist.init_process_group("gloo", init_method=f"file://{scratch / 'gloo-init'}", rank=rank, world_size=ranks)
+    return runai_read(folder, distributed=True)
+
+
 def _prefetch(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
     """vLLM's prefetch strategy with its default loader: a thread reads files[rank::ranks] into the page cache
     while the rank takes every tensor of every file whole (safetensors `get_tensor`, as vLLM's default iterator
@@ -99,10 +110,13 @@ ROWS: tuple[NodeRow, ...] = (
             env=tuple(runai_env("direct").items())),
     NodeRow("runai-buffered", "Run:ai streamer on every rank (buffered)", _runai, peer=RUNAI,
             env=tuple(runai_env("buffered").items())),
+    NodeRow("runai-dist", "Run:ai distributed streaming (gloo: each rank reads a part, every part is broadcast to "
+                          "every rank)", _runai_distributed, peer=RUNAI,
+            env=(*runai_env("direct").items(), ("RUNAI_STREAMER_DIST", "1"))),
     NodeRow("prefetch", "vLLM's prefetch + default loader (emulated: files[rank::N] into the page cache while "
                         "every tensor is taken whole and the rank's columns copied out)", _prefetch),
 )
-PEERS = ("runai", "runai-buffered", "prefetch")
+PEERS = ("runai", "runai-buffered", "runai-dist", "prefetch")
 BY_KEY = {row.key: row for row in ROWS}
 
 
@@ -116,7 +130,7 @@ def child_main(key: str, folder: str, rank: int, ranks: int, go: str, out: str) 
     import torch
 
     torch.set_num_threads(1)
-    os.environ.update(dict(BY_KEY[key].env))
+    os.environ.update(dict(BY_KEY[key].env), WNA16_NODE_SCRATCH=str(Path(go).parent))
     call = BY_KEY[key].prepare(Path(folder), rank, ranks)
     Path(f"{out}.ready").touch()
     while not os.path.exists(go):

@@ -103,6 +103,10 @@ def test_other_formats_read_ahead_byte_identical(tmp_path, fmt) -> None:
 
 
 
+COLD = lambda node, files: False  # noqa: E731 - the node's rank 0 found nothing cached (no other process here)
+WARM = lambda node, files: True  # noqa: E731 - it found every file cached
+
+
 def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
     folder = write_checkpoint(tmp_path, quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
                               num_layers=2, references=False).folder
@@ -112,7 +116,8 @@ def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
         own, none = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD)
         assert none is None and not any(r.shared for group in own for r in group)
         assert [len(g) for g in own] == [len(planned_ranges(index, plan)) for plan in plans]
-        again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node))
+        again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node),
+                                      warm=COLD)
         assert again == own
         for number, group in enumerate(together):
             every = [r for rank in node.ranks for r in planned_ranges(
@@ -137,8 +142,10 @@ def test_ranks_of_disjoint_bytes_read_alone_and_tp_ranks_together(tmp_path) -> N
     reads = replace(EVERY_READ_AHEAD, gap_bytes=0)
     for parallel, shared in ((ParallelConfig(1, 0, 4, 2), False), (ParallelConfig(4, 2), True)):
         with planned(folder, parallel) as (moe, index, scan, plans):
-            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=Node((0, 1, 2, 3), 2, "k")))
-        assert (together is not None) == shared, parallel
+            node = Node((0, 1, 2, 3), 2, "k")
+            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=node), warm=COLD)
+            _, warm = load_groups(index, moe, parallel, scan, plans, replace(reads, node=node), warm=WARM)
+        assert (together is not None) == shared and warm is None, parallel  # warm: each reads its mappings
 
 
 def test_shares_pages_counts_the_bytes_two_ranks_read() -> None:

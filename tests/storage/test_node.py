@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from wna16_loader.load.experts import planned
 from wna16_loader.load.reads import load_groups
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.parallel.config import Node
-from wna16_loader.storage.node import ALIGN, NodeRead, SharedWindow, Word
+from wna16_loader.storage.node import ALIGN, NodeRead, SharedWindow, Word, node_warm
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
@@ -78,6 +79,29 @@ def test_a_failed_rank_is_named_by_the_others() -> None:
         leader.wait(Word.READ, 1, "reading window 0 of 1", lambda: None)
     leader.close()
     follower.close()
+
+
+def _answers(files: list[Path]) -> dict[int, bool]:
+    """`node_warm` of a node of two ranks (threads here, the follower started first: it waits for rank 0)."""
+    key, answers = f"test-{uuid.uuid4().hex}", {}
+    threads = [threading.Thread(target=lambda local=local: answers.__setitem__(
+        local, node_warm(Node((0, 1), local, key, timeout_s=30), files))) for local in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not (Path("/dev/shm") / f"wna16-node-{key}.warm").exists()
+    return answers
+
+
+def test_every_rank_gets_local_rank_0s_answer_on_a_warm_page_cache(tmp_path: Path) -> None:
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for file in files:
+        file.write_bytes(os.urandom(64 * ALIGN))
+        file.read_bytes()
+    assert _answers(files) == {0: True, 1: True}
+    kept = evicted(files[1:]) == 64 * ALIGN  # (a file system that keeps its pages: still warm)
+    assert _answers(files) == {0: kept, 1: kept}
 
 
 def test_node_rejects_what_cannot_name_a_window() -> None:

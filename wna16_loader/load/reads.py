@@ -13,12 +13,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..errors import ShardingError
 from ..models.config import MoEConfig
 from ..parallel.config import Node, ParallelConfig
 from ..storage.index import CheckpointIndex
+from ..storage.node import node_warm
 from ..storage.windows import placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger
@@ -85,12 +86,14 @@ class LoadGroups(NamedTuple):
 
 
 def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, scan: CheckpointScan,
-                plans: list[LayerPlan], reads: ReadOptions) -> LoadGroups:
+                plans: list[LayerPlan], reads: ReadOptions, *,
+                warm: Callable[[Node, list[Path]], bool] = node_warm) -> LoadGroups:
     """This rank's groups, and the node's (see `LoadGroups`): a layer each. A rank reads its groups itself, every
     byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group of
     the node's is that layer's `node_ranges`, the same on every rank of the node. None where the node's ranks
     share no pages: ranks of different EP ranks each (disjoint experts: known from the configs, nothing
-    planned), or ranges that overlap too little (`node_groups`)."""
+    planned), a warm page cache (`warm(node, files)`, every rank's answer the same: `node_warm` asks local rank
+    0 whether it finds this rank's files cached), or ranges that overlap too little (`node_groups`)."""
     paths: dict[str, Path] = {}
     own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes,
                                                              paths=paths)] for plan in plans]
@@ -98,8 +101,8 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     if node is None or node.size == 1:
         return LoadGroups(own)
     members = node_members(node, parallel)
-    if disjoint_experts(members):
-        return LoadGroups(own)
+    if disjoint_experts(members) or warm(node, sorted(set(paths.values()))):
+        return LoadGroups(own)  # (warm: each rank reads its mappings, nothing planned together)
     tables = LayerTables(index, moe)
     member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
                     for member in members]

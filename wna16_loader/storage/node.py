@@ -36,6 +36,7 @@ import torch
 
 from ..errors import NodeError
 from ..parallel.config import Node
+from .advice import PageCache
 from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, overlapping
 from .windows import Placed, stripe, windows_of
 
@@ -83,12 +84,13 @@ class SharedWindow:
     """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
     its header words are how the ranks wait for each other."""
 
-    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False) -> None:
+    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False, suffix: str = "") -> None:
         """`warm` (local rank 0's word, the others learn it): the page cache holds every planned byte, so the
-        ranks read through their mappings and the window holds no data."""
+        ranks read through their mappings and the window holds no data. `suffix`: of the file's name (a node's
+        other rendezvous)."""
         self.node, self.warm = node, warm and node.local_rank == 0
         self.half_bytes = 0 if self.warm else half_bytes
-        self.path = SHM / f"wna16-node-{node.key}"
+        self.path = SHM / f"wna16-node-{node.key}{suffix}"
         self._map = self._create() if node.local_rank == 0 else self._attach()
         self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
         self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.half_bytes, offset=HEADER) \
@@ -208,6 +210,25 @@ class SharedWindow:
         """Drop this object's hold on the mapping (unmapped once no view of it is left)."""
         self.words = None
         self.data = torch.empty(0, dtype=torch.uint8)
+
+
+def node_warm(node: Node, files: Sequence[Path]) -> bool:
+    """Whether local rank 0 finds every one of `files` wholly in the page cache; every rank of `node` gets its
+    answer (through a header-only window). A warm node has nothing to share: each rank reads its mappings alone
+    and nothing is planned together."""
+    pages = PageCache()
+    try:
+        warm = node.local_rank == 0 and all(pages.holds(f, 0, f.stat().st_size) for f in files)
+    finally:
+        pages.close()
+    shared = SharedWindow(node, 0, warm=warm, suffix=".warm")
+    try:
+        shared.wait(Word.PID, 1, "agreeing whether the page cache holds the checkpoint", lambda: None)
+        return shared.warm
+    finally:
+        if node.local_rank == 0:
+            shared.unlink()
+        shared.close()
 
 
 class NodeRead:
