@@ -127,9 +127,7 @@ def layer_target(layer: FusedMoE) -> LayerTarget:
                           f"{' with fused shared experts' if layout else ''}, whose parameters --load-format "
                           f"{LOAD_FORMAT} does not fill (it fills {known}, without fused shared experts); load "
                           f"this model with SGLang's default --load-format")
-    local = [layer._map_global_expert_id_to_local_expert_id(e) for e in range(layer.num_experts)]
-    slots = sorted((slot, expert) for expert, slot in enumerate(local) if slot >= 0)
-    return LayerTarget(layout, dict(layer.named_parameters(recurse=False)), tuple(e for _, e in slots))
+    return LayerTarget.of(layout, layer, layer._map_global_expert_id_to_local_expert_id, layer.num_experts)
 
 
 def parallel_of(layer: FusedMoE) -> ParallelConfig:

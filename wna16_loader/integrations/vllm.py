@@ -95,9 +95,7 @@ def layer_target(layer: RoutedExperts) -> LayerTarget:
         raise ConfigError(f"{layer.layer_name}: vLLM chose the MoE method {type(layer.quant_method).__name__}, "
                           f"whose parameters --load-format {LOAD_FORMAT} does not fill (it fills {known}); load "
                           f"this model with vLLM's default --load-format")
-    local = [layer._map_global_expert_id_to_local_expert_id(e) for e in range(layer.global_num_experts)]
-    slots = sorted((slot, expert) for expert, slot in enumerate(local) if slot >= 0)
-    return LayerTarget(layout, dict(layer.named_parameters(recurse=False)), tuple(e for _, e in slots))
+    return LayerTarget.of(layout, layer, layer._map_global_expert_id_to_local_expert_id, layer.global_num_experts)
 
 
 def parallel_of(layer: RoutedExperts) -> ParallelConfig:

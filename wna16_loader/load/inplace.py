@@ -56,6 +56,14 @@ class LayerTarget:
         """Where the engine's parameters live (the first one's device)."""
         return next(iter(self.params.values())).device
 
+    @classmethod
+    def of(cls, layout: MethodLayout, layer: torch.nn.Module, local_slot: Callable[[int], int],
+           experts: int) -> "LayerTarget":
+        """An engine `layer` filled in `layout`: its own parameters, and its slots' experts from
+        `local_slot(global expert id)` over `experts` ids (negative: not on this rank)."""
+        slots = sorted((slot, expert) for expert in range(experts) if (slot := local_slot(expert)) >= 0)
+        return cls(layout, dict(layer.named_parameters(recurse=False)), tuple(e for _, e in slots))
+
 
 @dataclass(frozen=True)
 class FillReport:
