@@ -58,6 +58,24 @@ def _ours(ep: bool, together: bool) -> Callable[[Path, int, int], Callable[[], A
     return prepare
 
 
+def _hook(ep: bool) -> Callable[[Path, int, int], Callable[[], Any]]:
+    """The engine hook's path: vLLM's moe_wna16 parameters of every layer made (and touched) before the clock, as
+    an engine makes its parameters at model init, then filled in place (`fill_layers`), the node reading together."""
+    def prepare(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
+        from wna16_loader import ParallelConfig, ReadOptions
+        from wna16_loader.layouts import MOE_WNA16
+        from wna16_loader.load.inplace import fill_layers
+        from wna16_loader.parallel import Node
+
+        from .suite_inplace import targets_for
+
+        parallel = ParallelConfig(1, 0, ranks, rank) if ep else ParallelConfig(ranks, rank)
+        targets = targets_for(folder, parallel, MOE_WNA16.name)[0]
+        node = Node(tuple(range(ranks)), rank, f"bench-{os.getppid()}-{ranks}")
+        return lambda: fill_layers(folder, parallel, targets, reads=ReadOptions(node=node))
+    return prepare
+
+
 def _runai(folder: Path, rank: int, ranks: int) -> Callable[[], Any]:
     from .peers import runai_read
 
@@ -104,6 +122,9 @@ ROWS: tuple[NodeRow, ...] = (
             env=tuple(runai_env("direct").items())),
     NodeRow("tp", "`load_experts` TP N, the node reading together", _ours(ep=False, together=True)),
     NodeRow("ep", "`load_experts` EP N, the node reading together", _ours(ep=True, together=True)),
+    NodeRow("hook-tp", "the engine hook TP N (`fill_layers` into moe_wna16 parameters made before the clock), "
+                       "the node reading together", _hook(ep=False)),
+    NodeRow("hook-ep", "the engine hook EP N, the node reading together", _hook(ep=True)),
     NodeRow("tp-alone", "`load_experts` TP N, each rank alone", _ours(ep=False, together=False)),
     NodeRow("ep-alone", "`load_experts` EP N, each rank alone", _ours(ep=True, together=False)),
     NodeRow("runai", "Run:ai streamer on every rank (its default, direct)", _runai, peer=RUNAI,

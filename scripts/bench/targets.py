@@ -60,6 +60,10 @@ NODE_TARGETS: tuple[Target, ...] = (
     Target("cold: EP N node ÷ one reader (goal with a core per rank)", "ep cold", "floor cold", 1.3),
     Target("warm ÷ cold: TP N node (no load slower warm)", "tp warm", "tp cold", 1.0),
     Target("warm ÷ cold: EP N node (no load slower warm)", "ep warm", "ep cold", 1.0),
+    Target("cold: the hook's TP N node ÷ the best peer node", "hook-tp cold", "best peer cold", 0.5),
+    Target("cold: the hook's TP N node ÷ its EP N node", "hook-tp cold", "hook-ep cold", 1.2),
+    Target("cold: the hook's EP N node ÷ the best peer node", "hook-ep cold", "best peer cold", 0.4),
+    Target("warm ÷ cold: the hook's TP N node", "hook-tp warm", "hook-tp cold", 1.0),
 )
 
 # The name scale (suite names, and suite bounds on the same loads): contender -> ((base, limit), ...), each a
