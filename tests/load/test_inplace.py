@@ -19,7 +19,9 @@ from wna16_loader.layouts import (AUTO_AWQ, AUTO_GPTQ, CT_WNA16, GPTQ_MARLIN, MO
                                   allocated_shape, shape_of)
 from wna16_loader.layouts.relayout import fill_param
 from wna16_loader.load.inplace import LayerTarget, fill_layers, fused_name, layer_sizes
+from wna16_loader.parallel import Node
 from wna16_loader.preshard.run import preshard_checkpoint
+from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.storage.readahead import ReadOptions
 from wna16_loader.testing.synthetic import QuantizedProjection, encode_role, quant_config, write_checkpoint
 
@@ -284,6 +286,28 @@ def test_the_read_ahead_leaves_every_value_as_the_mapping_reads_it(source, row):
     fill_layers(folder, config, got, reads=ReadOptions(min_bytes=0, min_tensor_bytes=0, request_bytes=4096,
                                                        gap_bytes=0))  # tiny tensors: every range read ahead
     assert_same(want, got)
+
+
+@pytest.mark.parametrize("node", [None, Node((0, 1), 1, "fill")])
+def test_a_rank_alone_fills_through_the_page_cache_and_an_ep_node_reads_direct(source, monkeypatch, node):
+    """Alone, every planned range goes to the page cache (the parameters stay the only memory); a rank of a node
+    whose ranks hold other experts (EP) reads its own ranges into buffers (direct) instead: the same values."""
+    folder, _ = source
+    config = ParallelConfig(1, 0, 2, 1)
+    fused = load_experts(folder, config)
+    want, got = targets(fused, MOE_WNA16), targets(fused, MOE_WNA16)
+    fill_layers(folder, config, want, reads=ReadOptions(enabled=False))
+    seen, reading_ahead = [], CheckpointIndex.reading_ahead
+
+    def spy(index, groups, reads, **kwargs):
+        seen.append((groups, kwargs.get("node_groups")))
+        return reading_ahead(index, groups, reads, **kwargs)
+    monkeypatch.setattr(CheckpointIndex, "reading_ahead", spy)
+    fill_layers(folder, config, got, reads=ReadOptions(min_bytes=0, min_tensor_bytes=0, node=node))
+    assert_same(want, got)
+    (groups, together), = seen
+    ranges = [r for group in groups for r in group]
+    assert together is None and ranges and all(r.shared == (node is None) for r in ranges)
 
 
 def test_a_copied_layer_holds_no_scratch(source):

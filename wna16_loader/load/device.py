@@ -14,8 +14,8 @@
 
 Host-converted weights stay in ordinary memory: the pinned allocator keeps what it once held, and a
 layer of weights pinned per load would stay pinned for the process's life. Ordinary host staging of a
-large parameter is `populated`: its pages mapped in one call, not faulted in 4 KiB at a time. The package never reads the
-environment for any of this; a device string from the caller is all it takes.
+large parameter is `populated`: its pages mapped in one call, not faulted in 4 KiB at a time. The package
+never reads the environment for any of this; a device string from the caller is all it takes.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from .direct import copy_direct, direct_copies, made_from_sizes
 from .experts import load_layer, planned
 from .fused import FusedSpec
 from .plan import LayerPlan
-from .reads import load_groups, planned_ranges
+from .reads import load_groups
 from .outputs import is_presharded, rank_record, rank_specs
 from .presharded import Located, checked_entry, locate_rank, read_param
 from .device import DevicePolicy
@@ -178,18 +178,20 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
     of the source too (else their expert tensors are non-expert tensors, left for the engine).
     `copy_words=False`: every layer whose method is not the fused layout is re-laid from fused scratch, even
     where the checkpoint's words could be copied as they are (the reference the copies are tested against).
-    `reads`: the read-ahead's knobs; from a checkpoint folder every planned range goes to the page cache only
-    (`_cache_ranges`), so the parameters stay the load's only memory; with `reads.node` of several ranks (each
-    filling the same layers) the node reads the target layers together through its window instead."""
+    `reads`: the read-ahead's knobs; from a checkpoint folder a rank alone sends every planned range to the page
+    cache only (`load_groups(cached=True)`), so the parameters stay the load's only memory; with `reads.node` of
+    several ranks (each filling the same layers) the node reads the target layers together through its window, or,
+    where its ranks share no pages (EP ranks), each rank reads its own ranges direct into buffers of
+    `reads.ahead` + 1 layers of its share (the memory a node's load is given, as a window is)."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
     done: list[Filled] = []
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _same_layers(path, [plan.prefix for plan in plans], targets)
-        together = load_groups(index, moe, parallel, scan, plans, reads).together
-        if together is not None:
-            together = [group if plan.prefix in targets else [] for plan, group in zip(plans, together)]
-        with index.reading_ahead(_cache_ranges(index, plans, targets, reads), reads, node_groups=together) as ahead:
+        alone = reads.node is None or reads.node.size == 1
+        own, together = (_targeted(plans, targets, groups)
+                         for groups in load_groups(index, moe, parallel, scan, plans, reads, cached=alone))
+        with index.reading_ahead(own, reads, node_groups=together) as ahead:
             for number, plan in enumerate(plans):
                 ahead.start(number)
                 if plan.prefix in targets:
@@ -197,12 +199,10 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
         return replace(_report(done, targets, scan.others), window_bytes=ahead.window_bytes)
 
 
-def _cache_ranges(index: CheckpointIndex, plans: list[LayerPlan], targets: Mapping[str, LayerTarget],
-                  reads: ReadOptions) -> list[list[PlannedRange]]:
-    """Each target layer's planned byte ranges, all marked shared: the read-ahead fills the page cache the
-    mapping's views then read, and holds no buffers of its own (the parameters are the only memory)."""
-    return [[r._replace(shared=True) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes)]
-            if plan.prefix in targets else [] for plan in plans]
+def _targeted(plans: list[LayerPlan], targets: Mapping[str, LayerTarget],
+              groups: list[list[PlannedRange]] | None) -> list[list[PlannedRange]] | None:
+    """`groups` (a layer each, or None) with the layers no target asks for emptied."""
+    return None if groups is None else [group if plan.prefix in targets else [] for plan, group in zip(plans, groups)]
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,13 @@ SHARED_AT = 0.05  # ranks whose ranges overlap by less than this fraction of the
 
 
 def planned_ranges(index: CheckpointIndex, plan: LayerPlan, *, min_tensor_bytes: int = 0,
-                   paths: dict[str, Path] | None = None) -> list[PlannedRange]:
+                   paths: dict[str, Path] | None = None, shared: bool | None = None) -> list[PlannedRange]:
     """The file byte ranges `plan`'s load reads (see the module table), in plan order; none when the layer's
     first source holds no tensor of `min_tensor_bytes` (tiny experts: working out a range per tensor would
     cost more than the mapping's reads of them). `paths`: file name -> path, shared by the plans of one load
-    (one `Path` per file: a dict finds it by identity)."""
-    return _hull_ranges(index, [plan], min_tensor_bytes, {} if paths is None else paths)
+    (one `Path` per file: a dict finds it by identity); `shared`: every range's mark, where the load decides it
+    (None: as the module table says)."""
+    return _hull_ranges(index, [plan], min_tensor_bytes, {} if paths is None else paths, shared)
 
 
 def node_ranges(index: CheckpointIndex, plans: list[LayerPlan], *, min_tensor_bytes: int = 0,
@@ -49,13 +50,13 @@ def node_ranges(index: CheckpointIndex, plans: list[LayerPlan], *, min_tensor_by
     for plan in plans:
         same.setdefault(tuple(plan.fused.experts), []).append(plan)
     paths = {} if paths is None else paths
-    return [r for group in same.values() for r in _hull_ranges(index, group, min_tensor_bytes, paths)]
+    return [r for group in same.values() for r in _hull_ranges(index, group, min_tensor_bytes, paths, None)]
 
 
 def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_bytes: int,
-                 paths: dict[str, Path]) -> list[PlannedRange]:
+                 paths: dict[str, Path], shared: bool | None) -> list[PlannedRange]:
     """`planned_ranges` of plans of one layer whose ranks hold the same experts: per tensor, the hull of their
-    cuts (`shared` where it holds more bytes than the cut, or where several ranks cut it)."""
+    cuts (`shared` where it holds more bytes than the cut, or where several ranks cut it; or as given)."""
     quant, out, first = plans[0].moe.quant, [], next(iter(plans[0].sources.values()), None)
     if first is None or max(ref.nbytes for ref in first.tensors.values()) < min_tensor_bytes:
         return []
@@ -68,13 +69,13 @@ def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_byte
                                 storage_index(quant.layout(role), rank_spans(src, plan.geometry.slice(proj))[0],
                                               quant.pack_factor, src.expert_row)) for plan in plans]
                 cuts = [cut for cut in cuts if cut[2]]
-                spans[key] = (min(c[0] for c in cuts), max(c[1] for c in cuts),
+                spans[key] = (min(c[0] for c in cuts), max(c[1] for c in cuts), shared if shared is not None else
                               len(cuts) > 1 or cuts[0][1] - cuts[0][0] > cuts[0][2]) if cuts else (0, 0, False)
-            low, high, shared = spans[key]
+            low, high, mark = spans[key]
             if high > low:
                 begin = index.first_byte(ref)
                 path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
-                out.append(PlannedRange(path, begin + low, begin + high, shared))
+                out.append(PlannedRange(path, begin + low, begin + high, mark))
     return out
 
 
@@ -86,17 +87,18 @@ class LoadGroups(NamedTuple):
 
 
 def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, scan: CheckpointScan,
-                plans: list[LayerPlan], reads: ReadOptions, *,
+                plans: list[LayerPlan], reads: ReadOptions, *, cached: bool = False,
                 warm: Callable[[Node, list[Path]], bool] = node_warm) -> LoadGroups:
     """This rank's groups, and the node's (see `LoadGroups`): a layer each. A rank reads its groups itself, every
-    byte as its own (direct: no other rank shares its pages); with `reads.node` of several ranks, each group of
+    byte as its own (direct: no other rank shares its pages; `cached`: every byte marked shared instead, read
+    into the page cache for the mapping's views); with `reads.node` of several ranks, each group of
     the node's is that layer's `node_ranges`, the same on every rank of the node. None where the node's ranks
     share no pages: ranks of different EP ranks each (disjoint experts: known from the configs, nothing
     planned), a warm page cache (`warm(node, files)`, every rank's answer the same: `node_warm` asks local rank
     0 whether it finds this rank's files cached), or ranges that overlap too little (`node_groups`)."""
     paths: dict[str, Path] = {}
-    own = [[r._replace(shared=False) for r in planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes,
-                                                             paths=paths)] for plan in plans]
+    own = [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes, paths=paths, shared=cached)
+           for plan in plans]
     node = reads.node
     if node is None or node.size == 1:
         return LoadGroups(own)
