@@ -4,8 +4,9 @@
   cuts of w13 are shared and its row cuts of w2 its own; every range lies inside its tensor.
 - A load that reads ahead (any request size, gap, thread count, direct or not) is byte-identical to one
   through the file mappings alone.
-- `load_groups`: a lone rank reads all its ranges as its own (or, `cached`, through the page cache); with a node, each layer's group holds every
-  rank's ranges (the node's read of several processes is tested in tests/storage/test_node.py).
+- `load_groups`: a lone rank reads all its ranges as its own (or, `cached`, through the page cache); with a
+  node, each layer's group holds every rank's ranges (the node's read of several processes is tested in
+  tests/storage/test_node.py).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
         assert none is None and not any(r.shared for group in own for r in group)
         assert [len(g) for g in own] == [len(planned_ranges(index, plan)) for plan in plans]
         cached, _ = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD, cached=True)
-        assert [[r._replace(shared=False) for r in g] for g in cached] == own and all(r.shared for g in cached for r in g)
+        assert [[r._replace(shared=False) for r in g] for g in cached] == own
+        assert all(r.shared for g in cached for r in g)
         again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node),
                                       warm=COLD)
         assert again == own
