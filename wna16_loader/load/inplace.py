@@ -29,6 +29,7 @@ from ..layouts.spec import (Half, MethodLayout, ParamDecl, Sizes, allocated_grou
                             leaves_partial_group, shape_of)
 from ..models.config import MoEConfig, read_config_files
 from ..parallel.config import ParallelConfig
+from ..storage.bulk import paused_gc_call
 from ..storage.filemap import read_into
 from ..storage.index import CheckpointIndex
 from ..storage.readahead import PlannedRange, ReadOptions
@@ -185,6 +186,13 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
     `reads.ahead` + 1 layers of its share (the memory a node's load is given, as a window is)."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
+    return _fill_checkpoint(path, parallel, targets, include_mtp, copy_words, reads)
+
+
+@paused_gc_call  # the index, scan and plans are freed before the GC is back on: see storage/bulk.py
+def _fill_checkpoint(path: str | Path, parallel: ParallelConfig, targets: Mapping[str, LayerTarget],
+                     include_mtp: bool, copy_words: bool, reads: ReadOptions) -> FillReport:
+    """`fill_layers` from a checkpoint folder."""
     done: list[Filled] = []
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _same_layers(path, [plan.prefix for plan in plans], targets)
