@@ -12,6 +12,7 @@ common NVMe setting (read_ahead_kb 128, max_sectors_kb 1280) a 16 MiB call reads
 |                                    | FALLBACK_BYTES where sysfs does not say                                |
 | will_need(fd, begin, end, step)    | WILLNEED over file bytes [begin, end) in calls of at most `step` bytes |
 | PageCache().holds(path, begin, end)| whether every page of file bytes [begin, end) is cached                |
+| PageCache().resident(path, b, e)   | (pages of those bytes cached, pages of the range)                      |
 """
 
 from __future__ import annotations
@@ -83,22 +84,28 @@ class PageCache:
     def holds(self, path: Path, begin: int, end: int) -> bool:
         """Whether every page of file bytes [begin, end) is in the page cache (False where mincore is not to
         be had)."""
+        held, pages = self.resident(path, begin, end)
+        return pages > 0 and held == pages
+
+    def resident(self, path: Path, begin: int, end: int) -> tuple[int, int]:
+        """(pages of file bytes [begin, end) in the page cache, pages of the range); none held where mincore is
+        not to be had."""
         with self._lock:
             if path not in self._maps:
                 with open(path, "rb") as handle:
                     self._maps[path] = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
             mapped = self._maps[path]
         begin, end = begin // PAGE * PAGE, min(end, len(mapped))  # mincore takes a page-aligned address
-        if end <= begin or LIBC is None:
-            return False
-        pages = (end - begin + PAGE - 1) // PAGE
+        pages = max(0, (end - begin + PAGE - 1) // PAGE)
+        if not pages or LIBC is None:
+            return 0, pages
         vector = (ctypes.c_ubyte * pages)()
         anchor = ctypes.c_char.from_buffer(mapped, begin)
         try:
             failed = LIBC.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(end - begin), vector)
         finally:
             del anchor
-        return not failed and sum(bytes(vector)) == pages  # (each entry 0 or 1)
+        return (0 if failed else sum(bytes(vector)), pages)  # (each entry 0 or 1)
 
     def close(self) -> None:
         with self._lock:
