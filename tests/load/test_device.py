@@ -9,9 +9,7 @@ Every path must be bit-identical to the CPU load, allocate on no other device an
 
 from __future__ import annotations
 
-import io
 import json
-import mmap
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +34,7 @@ from wna16_loader import (
 from wna16_loader.errors import DeviceError, WNA16Error
 from wna16_loader.formats import Dim
 from wna16_loader.load import qweights
-from wna16_loader.load.device import POPULATE_AT, DevicePolicy, populated
+from wna16_loader.load.device import DevicePolicy
 from wna16_loader.load.fused import FusedWriter
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.params import rank_spans
@@ -320,31 +318,6 @@ def first_plan(folder: Path, parallel: ParallelConfig) -> LayerPlan:
 def test_cpu_target_stages_in_ordinary_memory(sources: Callable[[str], Source]) -> None:
     layer = next(iter(load_experts(sources("gptq4-act-order").folder, ParallelConfig(2, 1)).values()))
     assert all(t.device == torch.device("cpu") and not t.is_pinned() for t in layer.tensors.values())
-
-
-def rss_anon() -> int:
-    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(fields["RssAnon"].split()[0]) * 1024
-
-
-@pytest.mark.skipif(not hasattr(mmap, "MAP_POPULATE"), reason="MAP_POPULATE is Linux's")
-def test_populated_host_staging_is_mapped_before_its_first_write() -> None:
-    """A large host staging tensor's pages are resident when it is made (one call, no fault per page); it is
-    ordinary memory otherwise: written, read, saved, freed with the tensor. Small ones come from torch.empty."""
-    rows = POPULATE_AT // 4096 * 8
-    before = rss_anon()
-    big = DevicePolicy.of("cpu").staging((rows, 1024), torch.int32, packed=True)
-    assert rss_anon() - before >= rows * 4096 * 0.9
-    assert big.shape == (rows, 1024) and big.dtype == torch.int32 and not big.is_pinned()
-    big.copy_(torch.arange(rows * 1024, dtype=torch.int32).view(rows, 1024))
-    saved = io.BytesIO()
-    torch.save(big, saved)
-    assert torch.equal(torch.load(io.BytesIO(saved.getvalue())), big)
-    held = rss_anon()
-    del big
-    assert held - rss_anon() >= rows * 4096 * 0.9  # unmapped with the tensor
-    small = populated((POPULATE_AT // 2 - 1,), torch.uint8)
-    assert small.untyped_storage().resizable()  # torch.empty's
 
 
 @pytest.mark.parametrize("fmt,bits", [("gptq", 4), ("gptq", 8), ("awq", 4), ("compressed-tensors", 4)])

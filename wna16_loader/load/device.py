@@ -4,7 +4,6 @@
 |------------------------------------|----------------|---------------------------------------------------------|
 | weights converted on the device    | never          | `convert_on_device` (default on)                         |
 | staging of the weights             | the result     | on the device (converted there), else ordinary host     |
-| ordinary host staging              | `populated`    | `populated` (host-converted weights)                     |
 | staging of scales, zeros, g_idx    | the result     | pinned host memory, one non-blocking copy per parameter |
 | upload chunks, pre-sharded params  | -              | pinned host buffers, one non-blocking copy each          |
 | a host tensor for a device copy    | as it is       | copied into memory of our own first (never a file map)  |
@@ -13,35 +12,18 @@
 | synchronise                        | -              | once, at the end of every load (`synchronize`)           |
 
 Host-converted weights stay in ordinary memory: the pinned allocator keeps what it once held, and a
-layer of weights pinned per load would stay pinned for the process's life. Ordinary host staging of a
-large parameter is `populated`: its pages mapped in one call, not faulted in 4 KiB at a time. The package
-never reads the environment for any of this; a device string from the caller is all it takes.
+layer of weights pinned per load would stay pinned for the process's life. The package never reads the
+environment for any of this; a device string from the caller is all it takes.
 """
 
 from __future__ import annotations
 
-import math
-import mmap
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import DeviceError
-
-POPULATE_AT = 2 << 20  # bytes: smaller host tensors come from the allocator's reused memory
-
-
-def populated(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty host tensor whose pages are all mapped by one call (a private anonymous MAP_POPULATE mapping,
-    freed with the tensor) instead of faulted in one 4 KiB page at a time by its first writes: a load writes
-    each result once, whole, and page faults cost most where the ranks of a node take them at once. Tensors
-    under POPULATE_AT, and systems without MAP_POPULATE, get `torch.empty`."""
-    nbytes, flag = math.prod(shape) * dtype.itemsize, getattr(mmap, "MAP_POPULATE", 0)
-    if nbytes < POPULATE_AT or not flag:
-        return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | flag)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -92,9 +74,7 @@ class DevicePolicy:
         (CPU targets, host-converted weights)."""
         if self.on_device(packed):
             return torch.empty(shape, dtype=dtype, device=self.target)
-        if self.gpu and not packed:
-            return torch.empty(shape, dtype=dtype, pin_memory=True)
-        return populated(shape, dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=self.gpu and not packed)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy reads from (pinned for a GPU)."""
