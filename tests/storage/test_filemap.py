@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from wna16_loader import CheckpointError, ParallelConfig, load_experts
-from wna16_loader.storage.filemap import MappedFile, gather
+from wna16_loader.storage.filemap import MappedFile, gather, grid_view
 from wna16_loader.storage.index import ITEMSIZES, CheckpointIndex
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
@@ -194,3 +194,31 @@ def test_gather_of_tensors_evenly_spaced_in_file_order(tmp_path, monkeypatch):
     monkeypatch.setattr("wna16_loader.storage.filemap._same_views", lambda *a: strided.append(a) or [])
     got = gather(mapped, begins, (3, 4), torch.int32, (slice(1, 3), slice(0, 2)))
     assert not strided and torch.equal(got, torch.stack([t[1:3, 0:2] for t in tensors.values()]))
+
+
+def test_gather_of_a_run_of_experts_lying_out_of_order_with_gaps(tmp_path, monkeypatch):
+    """Experts 0..4 of 12 in a file whose writer sorted the names (0, 1, 10, 11, 2, 3, 4, ...): their offsets
+    are neither evenly spaced nor a permutation of evenly spaced ones, but lie on the grid of one expert's
+    bytes: one strided view over the grid, each expert's row picked (no view per expert)."""
+    tensors = {f"experts.{e}.w": torch.arange(12, dtype=torch.int32).reshape(3, 4) + 100 * e for e in range(12)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    mapped = MappedFile(tmp_path / "model.safetensors", ITEMSIZES)
+    names = [f"experts.{e}.w" for e in range(5)]
+    begins = [mapped.entries[name].begin for name in names]
+    view, rows = grid_view(mapped, begins, (3, 4), torch.int32, (slice(1, 3),))
+    assert rows.tolist() == [0, 1, 4, 5, 6] and view.shape == (7, 2, 4)
+    assert view.untyped_storage().data_ptr() == mapped.flat(torch.uint8, 0).data_ptr()  # file memory
+    strided = []
+    monkeypatch.setattr("wna16_loader.storage.filemap._same_views", lambda *a: strided.append(a) or [])
+    got = gather(mapped, begins, (3, 4), torch.int32, (slice(1, 3), slice(0, 2)))
+    assert not strided and torch.equal(got, torch.stack([tensors[name][1:3, 0:2] for name in names]))
+
+
+def test_grid_view_refuses_offsets_between_elements(tmp_path):
+    """Offsets 2 bytes apart put int32 tensors on two element phases: no grid of whole elements holds both."""
+    tensors = _mixed_file(tmp_path / "model.safetensors")
+    mapped = MappedFile(tmp_path / "model.safetensors", ITEMSIZES)
+    begin = mapped.entries["c.i32"].begin
+    assert grid_view(mapped, [begin, begin + 6], (4,), torch.int32) is None
+    assert torch.equal(gather(mapped, [begin, begin + 8, begin + 24], (2,), torch.int32),
+                       tensors["c.i32"].flatten()[[0, 1, 2, 3, 6, 7]].reshape(3, 2))

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from wna16_loader.errors import WNA16Error
 from wna16_loader.storage import readahead
-from wna16_loader.storage.filemap import MappedFile
+from wna16_loader.storage.filemap import MappedFile, gather, grid_view
 from wna16_loader.storage.index import ITEMSIZES
 from wna16_loader.storage.readahead import (
     ALIGN,
@@ -129,6 +129,36 @@ def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
         both = mapped.rebased(first.as_strided((2, ROWS, COLS), (step, COLS, 1), first.storage_offset()))
         assert torch.equal(both, torch.stack([tensors["t00"], tensors["t02"]]))
         assert both.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
+@pytest.mark.parametrize("read", ((("t00", "t03"),), (("t00", "t00"), ("t03", "t03"))))
+def test_a_gather_on_a_grid_reads_the_overlay(checkpoint, read) -> None:
+    """Tensors 0, 2 and 3 lie on the grid of one tensor's bytes (not evenly spaced): read ahead in one region
+    (tensors 0 to 3), their rows come from that region's buffer; in two regions that each hold part of the grid
+    (tensor 0, tensor 3), view by view (tensor 2 from the mapping). The elements are the file's either way."""
+    path, tensors = checkpoint
+    mapped = MappedFile(path, ITEMSIZES)
+    nbytes, names = ROWS * COLS * 4, ("t00", "t02", "t03")
+    planned = [PlannedRange(path, mapped.entries.begin(a), mapped.entries.begin(b) + nbytes, False) for a, b in read]
+    ahead = ReadAhead([planned], ReadOptions(min_bytes=0, gap_bytes=0))
+    mapped.overlay = ahead
+    try:
+        if not evict(path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
+        ahead.start(0)
+        picked = (slice(1, 5), slice(7, 20))
+        begins = [mapped.entries.begin(n) for n in names]
+        got = gather(mapped, begins, (ROWS, COLS), torch.int32, picked)
+        assert torch.equal(got, torch.stack([tensors[n][picked] for n in names]))
+        if len(read) == 1:
+            view, rows = grid_view(mapped, begins, (ROWS, COLS), torch.int32, picked)
+            assert rows.tolist() == [0, 2, 3]
+            assert view.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+        else:
+            assert grid_view(mapped, begins, (ROWS, COLS), torch.int32, picked) is None
     finally:
         mapped.overlay = None
         ahead.close()

@@ -8,6 +8,8 @@ a file: no per-tensor call into safetensors.
 | gather(file, begins, shape, dtype, index)   | [E, *index shape]: `index` of E tensors, one COPY into |
 |                                             | ordinary memory (or the caller's pinned `out`)         |
 | stacked_view(file, begins, shape, dtype, i) | the same as one strided VIEW, when evenly spaced       |
+| grid_view(file, begins, shape, dtype, i)    | one strided VIEW over the grid the offsets lie on, and |
+|                                             | the row of each                                        |
 
 A view keeps the mapping alive (it holds a reference) but is file memory: copy it into ordinary
 (pinned) memory before keeping it or handing it to a device copy. While a `readahead.ReadAhead` is the
@@ -18,6 +20,7 @@ instead (`rebased`: the same elements, read ahead with large requests; valid unt
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import warnings
@@ -77,6 +80,11 @@ class MappedFile:
         whole = self.flat(dtype, phase).as_strided(shape, _row_major(shape), element)
         return whole[index] if index else whole
 
+    def span(self, view: torch.Tensor) -> tuple[int, int]:
+        """The file bytes [low, high) that `view` (of this file's mapping, not empty) reaches."""
+        low = view.data_ptr() - self.flat(torch.uint8, 0).data_ptr()
+        return low, low + view.element_size() * (1 + sum((n - 1) * step for n, step in zip(view.shape, view.stride())))
+
     def rebased(self, view: torch.Tensor) -> torch.Tensor:
         """`view` (of this file's mapping) as the same elements of the overlay's region that holds all its
         bytes, once read; where no region holds it whole but one holds each `view[i]`, those stacked (a copy);
@@ -84,8 +92,7 @@ class MappedFile:
         if self.overlay is None or not view.numel():
             return view
         size = view.element_size()
-        low = view.data_ptr() - self.flat(torch.uint8, 0).data_ptr()
-        high = low + size * (1 + sum((n - 1) * step for n, step in zip(view.shape, view.stride())))
+        low, high = self.span(view)
         region = self.overlay.covering(self.path, low, high)
         if region is not None and (low - region.begin) % size == 0:
             flat = region.flat(view.dtype)
@@ -112,19 +119,40 @@ def gather(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtyp
            index: Index = (), out: torch.Tensor | None = None) -> torch.Tensor:
     """`[t[index] for t in tensors]` stacked into `out` (ordinary memory; fresh when None), for tensors of
     one `shape`/`dtype` at byte offsets `begins` of `file`. Evenly spaced offsets (rows of a stacked
-    tensor, or a writer's regular layout), in the order given or in file order (a writer that sorts
-    names puts expert 10 before expert 2), are one strided view and one copy; others one view each."""
+    tensor, or a writer's regular layout) are one strided view and one copy; offsets on one grid (a writer
+    that sorts names puts expert 10 before expert 2, so experts 0..20 lie on the grid of one expert's bytes,
+    out of order and with gaps) one strided view over the grid and one `index_select`; others one view each."""
     stacked = stacked_view(file, begins, shape, dtype, index)
     if stacked is not None:
         return stacked.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(stacked)
-    order = sorted(range(len(begins)), key=begins.__getitem__)
-    in_file_order = stacked_view(file, [begins[i] for i in order], shape, dtype, index)
-    if in_file_order is not None:
-        rank = sorted(range(len(order)), key=order.__getitem__)  # position in file order of each tensor
-        out = torch.empty(in_file_order.shape, dtype=dtype) if out is None else out
-        return torch.index_select(in_file_order, 0, torch.tensor(rank), out=out)
+    grid = grid_view(file, begins, shape, dtype, index)
+    if grid is not None:
+        view, rows = grid
+        out = torch.empty((len(begins), *view.shape[1:]), dtype=dtype) if out is None else out
+        return torch.index_select(view, 0, rows, out=out)
     views = _same_views(file, begins, shape, dtype, index)
     return torch.stack(views) if out is None else torch.stack(views, out=out)
+
+
+def grid_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
+              index: Index = ()) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Tensors of one `shape`/`dtype` whose byte offsets `begins` lie on one grid (`low + i * step`, `step` the
+    greatest common divisor of their distances, a whole number of elements) as ONE strided view [R, *index
+    shape] over the grid's R rows, and the row of each tensor (int64 [len(begins)]). None where the offsets
+    are not on one element phase, or where regions of the file's overlay hold part of the grid but none all
+    of it (its views must come from the overlay). File memory, as `view`."""
+    low = min(begins)
+    step = math.gcd(*(begin - low for begin in begins))
+    if not step or step % dtype.itemsize:
+        return None
+    rows = [(begin - low) // step for begin in begins]
+    view = _strided(file, low, step, max(rows) + 1, shape, dtype, index)
+    if file.overlay is not None and view.numel():
+        low, high = file.span(view)
+        if file.overlay.covering(file.path, low, high) is None and file.overlay.overlaps(file.path, low, high):
+            return None
+        view = file.rebased(view)
+    return view, torch.tensor(rows, dtype=torch.int64)
 
 
 def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
@@ -148,10 +176,16 @@ def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...]
     if step <= 0 or step % dtype.itemsize or \
             list(begins) != list(range(begins[0], begins[0] + step * len(begins), step)):  # evenly spaced, in C
         return None
-    first = file.mapped(begins[0], shape, dtype)
-    stacked = first.as_strided((len(begins), *shape), (step // dtype.itemsize, *first.stride()),
-                               first.storage_offset())
-    return file.rebased(stacked[(slice(None), *index)] if index else stacked)
+    return file.rebased(_strided(file, begins[0], step, len(begins), shape, dtype, index))
+
+
+def _strided(file: MappedFile, low: int, step: int, count: int, shape: tuple[int, ...], dtype: torch.dtype,
+             index: Index) -> torch.Tensor:
+    """`[t[index] for t in tensors]` of `count` tensors of one `shape`/`dtype`, the first at byte `low` and each
+    `step` bytes (whole elements) after the last, as one strided view [count, *index shape] of the mapping."""
+    first = file.mapped(low, shape, dtype)
+    stacked = first.as_strided((count, *shape), (step // dtype.itemsize, *first.stride()), first.storage_offset())
+    return stacked[(slice(None), *index)] if index else stacked
 
 
 def read_into(path: Path, begin: int, out: torch.Tensor) -> None:
