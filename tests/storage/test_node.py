@@ -230,6 +230,43 @@ def test_a_rank_killed_mid_load_makes_the_others_raise_naming_it(tmp_path: Path)
         assert result["seconds"] < 30
 
 
+def test_a_node_read_that_finds_a_few_pages_dropped_is_still_warm(tmp_path: Path) -> None:
+    """NodeRead judges warm as `node_warm` does: one dropped page of a checkpoint read in is still warm (the
+    ranks read their mappings, no window), a dropped file is cold (the window holds the node's bytes)."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=256, intermediate=512,
+                            num_layers=2, files=2, references=False)
+    with load_plans(ckpt.folder) as (index, groups):
+        ranges = [r for group in groups for r in group]
+        assert sum(-(-r.end // ALIGN) - r.begin // ALIGN for r in ranges) * (1 - WARM_AT) > 1  # one page is < 1 %
+        first = min(ranges, key=lambda r: (r.file, r.begin))
+        for dropped, warm in (((first.file, first.begin // ALIGN * ALIGN, ALIGN)), True), ((first.file, 0, 0), False):
+            files = sorted(ckpt.folder.glob("*.safetensors"))
+            evicted(files)  # then read back: pages the writer left in large folios would not drop one by one
+            for file in files:
+                file.read_bytes()
+            kept = not _dropped(*dropped)  # (a file system that keeps its pages: warm whatever was dropped)
+            node = Node((0,), 0, f"test-{uuid.uuid4().hex}")
+            read = NodeRead(groups, _options(node), node)
+            try:
+                assert read.shared.warm == (warm or kept) and read.active == (not warm and not kept)
+            finally:
+                read.close()
+
+
+def _dropped(file: Path, begin: int, length: int) -> bool:
+    """Drop bytes [begin, begin + length) of `file` (0: to its end) from the page cache; whether they are gone."""
+    os.sync()
+    fd = os.open(file, os.O_RDONLY)
+    os.posix_fadvise(fd, begin, length, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    pages = PageCache()
+    try:
+        held, _ = pages.resident(file, begin, begin + (length or file.stat().st_size - begin))
+    finally:
+        pages.close()
+    return held == 0
+
+
 def test_a_warm_node_reads_through_its_mappings(tmp_path: Path) -> None:
     ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
                             references=False)

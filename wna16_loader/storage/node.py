@@ -8,8 +8,8 @@ file in /dev/shm while the ranks convert the previous window from the other half
 
 | window file   | [0, HEADER): int64 words: magic, size, ranks, warm; then per rank: pid, windows read,   |
 | (/dev/shm,    | windows used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows 1, 3, ...),  |
-| unlinked once | each `half_bytes` long (none when warm: local rank 0 found every planned byte cached,  |
-| all have it)  | and every rank reads through its own mapping)                                            |
+| unlinked once | each `half_bytes` long (none when warm: local rank 0 found WARM_AT of the planned pages |
+| all have it)  | cached, and every rank reads through its own mapping)                                    |
 
 | NodeRead.start(i)      | group i is about to be read: once its window is read by every rank, its regions are |
 |                        | the ones `covering` finds (views valid until the next window starts)                |
@@ -86,9 +86,9 @@ class SharedWindow:
     its header words are how the ranks wait for each other."""
 
     def __init__(self, node: Node, half_bytes: int, *, warm: bool = False, suffix: str = "") -> None:
-        """`warm` (local rank 0's word, the others learn it): the page cache holds every planned byte, so the
-        ranks read through their mappings and the window holds no data. `suffix`: of the file's name (a node's
-        other rendezvous)."""
+        """`warm` (local rank 0's word, the others learn it): the page cache holds the planned bytes (WARM_AT of
+        their pages), so the ranks read through their mappings and the window holds no data. `suffix`: of the
+        file's name (a node's other rendezvous)."""
         self.node, self.warm = node, warm and node.local_rank == 0
         self.half_bytes = 0 if self.warm else half_bytes
         self.path = SHM / f"wna16-node-{node.key}{suffix}"
@@ -269,8 +269,10 @@ class NodeRead:
         return bool(self.windows)
 
     def _cached(self) -> bool:
-        """Whether the page cache holds every span of every window (a warm node)."""
-        return all(self._reader.pages.holds(s.path, s.begin, s.end) for w in self.windows for s in w.spans)
+        """Whether the page cache holds at least WARM_AT of the pages of every window's spans (a warm node, as
+        `node_warm` judges one: a page cache under pressure drops a few)."""
+        counts = [self._reader.pages.resident(s.path, s.begin, s.end) for w in self.windows for s in w.spans]
+        return sum(held for held, _ in counts) >= WARM_AT * sum(pages for _, pages in counts)
 
     def start(self, group: int) -> None:
         """Group `group` is about to be read: once every rank has read its window, that window's regions
