@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -213,6 +213,13 @@ class SharedWindow:
         self.data = torch.empty(0, dtype=torch.uint8)
 
 
+def mostly_cached(counts: Iterable[tuple[int, int]]) -> bool:
+    """Whether `PageCache.resident` counts (pages cached, pages) add up to at least WARM_AT cached: warm, for a
+    node (a page cache under pressure drops a few pages)."""
+    counts = list(counts)
+    return sum(held for held, _ in counts) >= WARM_AT * sum(pages for _, pages in counts)
+
+
 def node_warm(node: Node, files: Sequence[Path]) -> bool:
     """Whether local rank 0 finds at least WARM_AT of the pages of `files` in the page cache; every rank of
     `node` gets its answer (through a header-only window). A warm node has nothing to share: each rank reads
@@ -220,8 +227,7 @@ def node_warm(node: Node, files: Sequence[Path]) -> bool:
     nothing is planned together."""
     pages = PageCache()
     try:
-        counts = [pages.resident(f, 0, f.stat().st_size) for f in files] if node.local_rank == 0 else []
-        warm = node.local_rank == 0 and sum(held for held, _ in counts) >= WARM_AT * sum(n for _, n in counts)
+        warm = node.local_rank == 0 and mostly_cached(pages.resident(f, 0, f.stat().st_size) for f in files)
     finally:
         pages.close()
     shared = SharedWindow(node, 0, warm=warm, suffix=".warm")
@@ -271,8 +277,7 @@ class NodeRead:
     def _cached(self) -> bool:
         """Whether the page cache holds at least WARM_AT of the pages of every window's spans (a warm node, as
         `node_warm` judges one: a page cache under pressure drops a few)."""
-        counts = [self._reader.pages.resident(s.path, s.begin, s.end) for w in self.windows for s in w.spans]
-        return sum(held for held, _ in counts) >= WARM_AT * sum(pages for _, pages in counts)
+        return mostly_cached(self._reader.pages.resident(s.path, s.begin, s.end) for w in self.windows for s in w.spans)
 
     def start(self, group: int) -> None:
         """Group `group` is about to be read: once every rank has read its window, that window's regions
