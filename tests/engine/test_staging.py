@@ -75,6 +75,18 @@ def test_stage_reads_equal_the_whole_tensors_and_keep_no_tensor_per_slot() -> No
     assert torch.equal(stage.gather([ref(3), ref(1)], [PART] * 2), torch.stack([tensor(3)[PART], tensor(1)[PART]]))
 
 
+def test_a_scratch_gather_reuses_the_stores_buffer() -> None:
+    """`gather(scratch=True)` stacks into the held store's `Scratch`: equal values, one buffer for every chunk."""
+    stage, store = staged(4)
+    first = stage.gather([ref(3), ref(1)], [PART] * 2, scratch=True)  # not consecutive: stacked
+    assert torch.equal(first, torch.stack([tensor(3)[PART], tensor(1)[PART]]))
+    second = stage.gather([ref(1), ref(2)], [PART] * 2, scratch=True)  # consecutive: one view, copied
+    assert torch.equal(second, torch.stack([tensor(1)[PART], tensor(2)[PART]]))
+    assert first.data_ptr() == second.data_ptr() == store.scratch.buffer.data_ptr()
+    fresh = stage.gather([ref(1), ref(2)], [PART] * 2)
+    assert fresh.data_ptr() != second.data_ptr() and torch.equal(fresh, second)
+
+
 def test_stage_copies_so_the_engine_tensor_can_go() -> None:
     stage, _ = staged(1)
     original = tensor(7)

@@ -244,3 +244,21 @@ def test_fused_words_batching(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, e
         chunks = list(read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]))
         assert [c.experts for c in chunks] == pieces
         assert torch.equal(as_bytes(chunks), expected_qweight(tmp_path, spec, plan, Proj.GATE))
+
+
+def test_gathered_chunks_reuse_the_index_scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Words gathered a chunk at a time (a writer that sorts names stores expert 10 before expert 2) land in the
+    index's `Scratch`: every gathered chunk in the same memory (its pages fault once), each placed before the next
+    is asked for, and the bytes do not change. Closing the index frees it."""
+    write(tmp_path, "gptq", hidden=64, inter=64, num_experts=12)
+    monkeypatch.setattr(qweights, "QWEIGHT_CHUNK_BYTES", 3 * 8 * 32 * 4)  # K 64 rows: 8 words x N_l 32, 3 experts
+    with planned(tmp_path, 2, 1) as (index, spec, plan):
+        sources = batch(plan, Proj.GATE)
+        placed, gathered = [], 0
+        for piece in read_qweights(index, spec, sources, rank_spans(sources[0], plan.geometry.slice(Proj.GATE))[0]):
+            gathered += piece.tensor.data_ptr() == index.scratch.buffer.data_ptr()
+            placed.append(QweightPiece(piece.experts, piece.n, piece.tensor.clone()))  # placed before the next
+        assert [p.experts for p in placed] == [slice(e, e + 3) for e in range(0, 12, 3)]
+        assert gathered >= 2 and index.scratch.nbytes == 3 * 8 * 32 * 4
+        assert torch.equal(as_bytes(placed), expected_qweight(tmp_path, spec, plan, Proj.GATE))
+    assert index.scratch.nbytes == 0

@@ -33,7 +33,7 @@ class SafetensorsReader:
         view = self.handles[ref.file].get_slice(ref.name)
         return view[index] if index else view[:]
 
-    def gather(self, refs, indices, *, pin=False):
+    def gather(self, refs, indices, *, pin=False, scratch=False):
         return torch.stack([self.view(r, i) for r, i in zip(refs, indices)])
 
 
@@ -140,7 +140,8 @@ def read_through_safetensors(patch: pytest.MonkeyPatch) -> None:
         return readers.setdefault(id(index), SafetensorsReader(index))
 
     patch.setattr(CheckpointIndex, "view", lambda self, ref, index=(): reader(self).view(ref, index))
-    patch.setattr(CheckpointIndex, "gather", lambda self, refs, indices, pin=False: reader(self).gather(refs, indices))
+    patch.setattr(CheckpointIndex, "gather",
+                  lambda self, refs, indices, pin=False, scratch=False: reader(self).gather(refs, indices))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

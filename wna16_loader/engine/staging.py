@@ -21,6 +21,7 @@ import torch
 
 from ..models.names import Source
 from ..storage.index import TensorRef
+from ..storage.scratch import Scratch
 
 Index = tuple[slice | int, ...]
 MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
@@ -41,6 +42,7 @@ class TensorStore:
         self._tensors: dict[str, torch.Tensor] = {}
         self._holds: dict[str, int] = {}
         self.nbytes = 0
+        self.scratch = Scratch()  # `gather(scratch=True)`: chunks placed at once reuse one buffer
 
     def __len__(self) -> int:
         return len(self._tensors)
@@ -73,9 +75,12 @@ class TensorStore:
 
     view = read  # the TensorReader name: the held tensor is the caller's, so a view is as safe as it
 
-    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False) -> torch.Tensor:
-        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`)."""
-        return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin)
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False,
+               scratch: bool = False) -> torch.Tensor:
+        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`), or with `scratch` into this
+        store's `Scratch` (valid until the thread's next scratch gather)."""
+        return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin,
+                            self.scratch if scratch else None)
 
     def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> None:
         """Held tensors are separate objects, never one strided view: None (the reader then gathers)."""
@@ -89,10 +94,15 @@ class TensorStore:
         return store
 
 
-def stacked_copy(views: list[torch.Tensor], pin: bool) -> torch.Tensor:
-    """`views` stacked into fresh CPU memory (pinned with `pin`)."""
-    out = torch.empty((len(views), *views[0].shape), dtype=views[0].dtype, device="cpu", pin_memory=pin)
-    return torch.stack(views, out=out)
+def stacked_copy(views: list[torch.Tensor], pin: bool, scratch: Scratch | None = None) -> torch.Tensor:
+    """`views` stacked into fresh CPU memory (pinned with `pin`), or into `scratch`."""
+    return torch.stack(views, out=destination((len(views), *views[0].shape), views[0].dtype, pin, scratch))
+
+
+def destination(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, scratch: Scratch | None) -> torch.Tensor:
+    """A gather's CPU destination: taken from `scratch` (when given and not `pin`), else fresh memory."""
+    return scratch.take(shape, dtype) if scratch is not None and not pin else \
+        torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 def within(staged: Index, index: Index) -> Index:
@@ -207,12 +217,16 @@ class Stage:
             return None
         return self.buffers[role][start:start + len(where)][(slice(None), *within(self.index[role], indices[0]))]
 
-    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False) -> torch.Tensor:
-        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`)."""
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False,
+               scratch: bool = False) -> torch.Tensor:
+        """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`), or with `scratch` into the
+        held store's `Scratch` (valid until the thread's next scratch gather)."""
         stacked = self.view_stacked(refs, indices)
         if stacked is None:
-            return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin)
-        return torch.empty(stacked.shape, dtype=stacked.dtype, device="cpu", pin_memory=pin).copy_(stacked)
+            return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin,
+                                self.held.scratch if scratch else None)
+        return destination(tuple(stacked.shape), stacked.dtype, pin, self.held.scratch if scratch else None
+                           ).copy_(stacked)
 
     def release(self, i: int) -> None:
         """Slot `i` is written: let go of the tensors it holds whole (its buffer rows go with the stage)."""

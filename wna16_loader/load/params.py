@@ -37,12 +37,13 @@ CANONICAL: dict[Role, tuple[Dim, ...]] = {
 class TensorReader(Protocol):
     """What the readers here need (a CheckpointIndex, or the hook's store of tensors handed over by an
     engine): `view(ref, index)` -> `tensor[index]` on the CPU, possibly file pages (copied before it is
-    kept or sent to a device); `gather(refs, indices, pin=)` -> those slices stacked into fresh memory."""
+    kept or sent to a device); `gather(refs, indices, pin=)` -> those slices stacked into fresh memory, or with
+    `scratch=True` into the reader's reused buffer (valid until the thread's next scratch gather)."""
 
     def view(self, ref: TensorRef, index: tuple[slice | int, ...] = ()) -> torch.Tensor: ...
 
     def gather(self, refs: Sequence[TensorRef], indices: Sequence[tuple[slice | int, ...]], *,
-               pin: bool = False) -> torch.Tensor: ...
+               pin: bool = False, scratch: bool = False) -> torch.Tensor: ...
 
     def view_stacked(self, refs: Sequence[TensorRef],
                      indices: Sequence[tuple[slice | int, ...]]) -> torch.Tensor | None: ...

@@ -37,7 +37,8 @@ UPLOAD_CHUNK_BYTES = 64 << 20  # words staged and sent to a device at once
 class QweightPiece:
     """Weights of `sources[experts]` for the rows `n` of the rank's N slice (0-based inside it), in the
     fused byte packing [E_c, len(n), K_l/P8] uint8, or the same bytes as int32 words (as a tensor, or as
-    `NibbleWords` whose conversion runs when the writer places them: valid while the reader is open)."""
+    `NibbleWords` whose conversion runs when the writer places them). Valid until the next piece is asked
+    for: gathered words live in the reader's scratch, which the next chunk reuses (place each piece first)."""
 
     experts: slice
     n: Span
@@ -82,7 +83,7 @@ def read_qweights(reader: TensorReader, spec: QuantSpec, sources: Sequence[Sourc
         chunk = slice(start, min(start + step, len(sources)))
         refs = [src.tensors[Role.QWEIGHT] for src in sources[chunk]]
         indices = storage_indices(layout, spans, spec.pack_factor, sources[chunk])
-        raw = reader.gather(refs, indices) if upload is None else \
+        raw = reader.gather(refs, indices, scratch=True) if upload is None else \
             _uploaded([reader.view(ref, index) for ref, index in zip(refs, indices)], upload)
         yield QweightPiece(chunk, whole, _as_fused(raw, layout) if fused else
                            _converted_qweight(raw, spec, layout, spans))
@@ -94,7 +95,8 @@ def _viewed_chunks(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, 
     """Words the writer takes as they are (`convert`: a view, or `NibbleWords`), about `budget` bytes of
     experts at a time: one strided view of the chunk when its slices are evenly spaced in one file (no
     copy here); else one view per expert when a slice fills a third of the budget, and smaller slices
-    gathered into one buffer (one copy, in cache: per-expert Python work would cost more than the bytes)."""
+    gathered into the reader's scratch (one copy, in cache: per-expert Python work would cost more than the
+    bytes; one buffer reused, whose pages fault once)."""
     whole = Span(0, len(spans[Dim.N]))
     step = max(1, budget // (4 * _words_per_expert(layout, spec, spans)))
     for start in range(0, len(sources), step):
@@ -103,7 +105,7 @@ def _viewed_chunks(reader: TensorReader, spec: QuantSpec, layout: TensorLayout, 
         indices = storage_indices(layout, spans, spec.pack_factor, sources[chunk])
         words = reader.view_stacked(refs, indices) if len(refs) > 1 else None
         if words is not None or step > 2:
-            words = reader.gather(refs, indices) if words is None else words
+            words = reader.gather(refs, indices, scratch=True) if words is None else words
             yield QweightPiece(chunk, whole, convert(words))
             continue
         for i, (ref, index) in enumerate(zip(refs, indices)):

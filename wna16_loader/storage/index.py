@@ -8,7 +8,8 @@ mappings (`view`, `gather`); whole files are never loaded, nothing is copied unt
 
 | read(ref, index)          | ordinary memory, safe to keep                                     |
 | view(ref, index)          | file pages: valid while kept, never for a device copy or to keep  |
-| gather(refs, indices)     | [E, ...] stacked into ordinary memory (or the caller's `out`)     |
+| gather(refs, indices)     | [E, ...] stacked into ordinary memory (`scratch=True`: the index's |
+|                           | `Scratch`, reused by the thread's next scratch gather)            |
 | view_stacked(refs, ...)   | [E, ...] as one strided view of file pages, when evenly spaced    |
 | reading_ahead(groups, ..) | planned byte ranges read ahead in parallel; views come from those |
 |                           | buffers while it runs (`readahead.py`)                            |
@@ -32,6 +33,7 @@ from .bulk import gc_paused
 from .filemap import Index, MappedFile, gather, stacked_view
 from .node import NodeRead
 from .readahead import PlannedRange, ReadAhead, ReadOptions
+from .scratch import Scratch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -129,6 +131,7 @@ class CheckpointIndex:
         self.refs = TensorRefs(self._maps)
         self.metadata: dict[str, dict[str, str]] = {}
         self.bytes_read = 0
+        self.scratch = Scratch()  # gathers placed at once (`gather(scratch=True)`): pages that fault once
         with gc_paused():  # header entries of every tensor: see bulk.py
             for file in self.files:
                 self._index_file(file)
@@ -163,8 +166,9 @@ class CheckpointIndex:
         self.close()
 
     def close(self) -> None:
-        """Drop the mappings (each is unmapped once no view of it is left)."""
+        """Drop the mappings (each is unmapped once no view of it is left) and this thread's scratch."""
         self._maps.clear()
+        self.scratch.release()
 
     @contextmanager
     def reading_ahead(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, *,
@@ -201,17 +205,19 @@ class CheckpointIndex:
         """`ref[index]` (basic slices and ints) as an ordinary in-memory tensor (a copy, safe to keep)."""
         return self.view(ref, index).clone(memory_format=torch.contiguous_format)
 
-    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False) -> torch.Tensor:
-        """`[ref[index] for ...]` stacked into fresh ordinary memory (pinned with `pin`), safe to keep:
-        tensors of one file, dtype and shape under one index (leading ints, e.g. rows of a stacked
-        tensor, may differ) are located by offset and copied in one strided pass; others one at a time."""
-        together = self._gather_one_file(refs, indices, pin)
+    def gather(self, refs: Sequence[TensorRef], indices: Sequence[Index], *, pin: bool = False,
+               scratch: bool = False) -> torch.Tensor:
+        """`[ref[index] for ...]` stacked into fresh ordinary memory (pinned with `pin`), safe to keep; with
+        `scratch`, into this index's `Scratch` instead (valid until this thread's next scratch gather: for a
+        chunk placed at once). Tensors of one file, dtype and shape under one index (leading ints, e.g. rows of
+        a stacked tensor, may differ) are located by offset and copied in one strided pass; others one at a time."""
+        together = self._gather_one_file(refs, indices, pin, scratch)
         if together is not None:
             return together
         located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
         begin, file, shape, dtype, index = located[0]
         one = self._maps[file].mapped(begin, shape, dtype, index)
-        out = torch.empty((len(located), *one.shape), dtype=dtype, pin_memory=pin)
+        out = self._out((len(located), *one.shape), dtype, pin, scratch)
         if all(loc[1:] == located[0][1:] for loc in located):
             gather(self._maps[file], [loc[0] for loc in located], shape, dtype, index, out)
         else:
@@ -219,7 +225,8 @@ class CheckpointIndex:
         self.bytes_read += out.numel() * out.element_size()
         return out
 
-    def _gather_one_file(self, refs: Sequence[TensorRef], indices: Sequence[Index], pin: bool) -> torch.Tensor | None:
+    def _gather_one_file(self, refs: Sequence[TensorRef], indices: Sequence[Index], pin: bool,
+                         scratch: bool) -> torch.Tensor | None:
         """`gather` of tensors of one file, shape and dtype under one index without leading ints (the
         tensors of one role of a run of experts): their offsets looked up in one pass; None for others."""
         begins = self.locate_run(refs, indices)
@@ -228,10 +235,15 @@ class CheckpointIndex:
         first, index = refs[0], indices[0]
         mapped = self._maps[first.file]
         one = mapped.mapped(begins[0], first.shape, first.dtype, index)
-        out = torch.empty((len(refs), *one.shape), dtype=first.dtype, pin_memory=pin)
+        out = self._out((len(refs), *one.shape), first.dtype, pin, scratch)
         gather(mapped, begins, first.shape, first.dtype, index, out)
         self.bytes_read += out.numel() * out.element_size()
         return out
+
+    def _out(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool, scratch: bool) -> torch.Tensor:
+        """A gather's destination: this index's scratch, or fresh memory (pinned with `pin`)."""
+        return self.scratch.take(shape, dtype) if scratch and not pin else \
+            torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> torch.Tensor | None:
         """`[ref[index] for ...]` as ONE strided view [E, ...] of a file mapping (no copy; file memory, as
