@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from wna16_loader.errors import WNA16Error
+from wna16_loader.parallel import Node
 from wna16_loader.storage import readahead
+from wna16_loader.storage.advice import PageCache
 from wna16_loader.storage.filemap import MappedFile, gather, grid_view
 from wna16_loader.storage.index import ITEMSIZES
 from wna16_loader.storage.readahead import (
@@ -93,21 +95,27 @@ def test_views_hold_the_mapping_bytes_in_any_chunking(checkpoint, plan) -> None:
         planned.append(ranges)
     ahead = ReadAhead(planned, options)
     mapped.overlay = ahead
+    pages = PageCache()
     try:
-        cold = evict(path) if options.direct else False  # else warm: the mapping's own reads are checked
+        if options.direct:  # else warm: the mapping's own reads are checked
+            evict(path)
+        # the first group's own ranges the page cache does not hold whole come from a buffer of the read-ahead's
+        # own, not the file's pages (pages still mapped somewhere survive the eviction: those the mapping reads;
+        # later groups may find pages that earlier reads cached)
+        cold = [options.direct and not pages.holds(path, r.begin, r.end) for r in planned[0]] if planned else []
         for number, reads in enumerate(groups):
             ahead.start(number)
             own_only = not any(shared for *_, shared in reads)
-            for name, rows, cols, _ in reads:
+            for i, (name, rows, cols, _) in enumerate(reads):
                 begin = mapped.entries.begin(name)
                 got = mapped.view(begin, (ROWS, COLS), torch.int32, (rows, cols))
                 assert torch.equal(got, tensors[name][rows, cols])
-                if own_only and cold and number == 0:  # from a buffer of its own, not the file's pages (later
-                    #                                    groups may find pages that earlier reads cached)
+                if own_only and number == 0 and cold[i]:
                     assert got.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
     finally:
         mapped.overlay = None
         ahead.close()
+        pages.close()
 
 
 def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
@@ -195,6 +203,29 @@ def test_direct_io_refused_falls_back_to_buffered(checkpoint, monkeypatch) -> No
         ahead.close()
 
 
+@pytest.mark.parametrize("node,beyond", [(None, 2), (Node((0, 1), 0, "readahead-depth"), 1)], ids=["alone", "node"])
+def test_a_rank_of_a_node_keeps_fewer_layers_in_flight(checkpoint, node, beyond) -> None:
+    """Alone, a rank keeps `ahead` groups (2) in flight beyond the one it is on; a rank of a node of several ranks
+    reading its own ranges keeps `node_ahead` (1): the ranks keep the storage busy together, and every group more
+    is fresh buffer memory in every rank."""
+    path, _ = checkpoint
+    mapped = MappedFile(path, ITEMSIZES)
+    nbytes = ROWS * COLS * 4
+    begins = [mapped.entries.begin(f"t{t:02d}") for t in (0, 10, 20, 30)]
+    options = ReadOptions(min_bytes=0, gap_bytes=0, node=node)
+    ahead = ReadAhead([[PlannedRange(path, b, b + nbytes, False)] for b in begins], options)
+    try:
+        if not evict(path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
+        ahead.start(0)
+        assert options.depth == beyond
+        assert [ahead.overlaps(path, b, b + nbytes) for b in begins] == [i <= beyond for i in range(4)]
+        ahead.start(1)
+        assert [ahead.overlaps(path, b, b + nbytes) for b in begins] == [0 < i <= 1 + beyond for i in range(4)]
+    finally:
+        ahead.close()
+
+
 def test_small_or_disabled_loads_read_through_the_mapping(checkpoint) -> None:
     path, _ = checkpoint
     ranges = [[PlannedRange(path, 0, 1000, False)]]
@@ -268,3 +299,6 @@ def test_options_refuse_sizes_that_cannot_work() -> None:
     with pytest.raises(WNA16Error, match=r"ReadOptions: request_bytes=100 but at least 4096 is needed \(a request "
                                          r"is whole 4096-byte pages\); pass request_bytes>=4096\."):
         ReadOptions(request_bytes=100)
+    with pytest.raises(WNA16Error, match=r"^ReadOptions: node_ahead=0 but at least 1 is needed \(the next layer "
+                                         r"read ahead\); pass node_ahead>=1\.$"):
+        ReadOptions(node_ahead=0)

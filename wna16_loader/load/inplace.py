@@ -183,7 +183,7 @@ def fill_layers(path: str | Path, parallel: ParallelConfig, targets: Mapping[str
     cache only (`load_groups(cached=True)`), so the parameters stay the load's only memory; with `reads.node` of
     several ranks (each filling the same layers) the node reads the target layers together through its window, or,
     where its ranks share no pages (EP ranks), each rank reads its own ranges direct into buffers of
-    `reads.ahead` + 1 layers of its share (the memory a node's load is given, as a window is)."""
+    `reads.node_ahead` + 1 layers of its share (the memory a node's load is given, as a window is)."""
     if is_presharded(path):
         return _fill_presharded(Path(path), parallel, targets, include_mtp)
     return _fill_checkpoint(path, parallel, targets, include_mtp, copy_words, reads)

@@ -1,7 +1,8 @@
 """Reading a load's planned byte ranges ahead of their use: large requests, several in flight.
 
 A load knows which bytes of which files it will read before it reads any (`load/plan.py`). `ReadAhead`
-takes them as groups in use order (a layer each) and keeps the next `ahead` groups in flight on
+takes them as groups in use order (a layer each) and keeps the next `ahead` groups (`node_ahead` for a rank of a
+node of several ranks) in flight on
 `threads` workers (`os.preadv` and `os.posix_fadvise` release the GIL) while the caller converts the
 group it is on. Each group's ranges are coalesced file by file (ranges less than `gap_bytes` apart read as
 one) and cut into requests of at most `request_bytes`:
@@ -23,7 +24,7 @@ the ranks of one machine that pass `ReadOptions(node=...)` read together instead
 in-place fill of an engine's parameters (`load/inplace.py`) marks everything shared: its memory stays the
 parameters.
 
-| ReadAhead.start(i)       | group i is about to be read: groups i..i+ahead submitted, groups before i released     |
+| ReadAhead.start(i)       | group i is about to be read: groups i..i+depth submitted, groups before i released     |
 | ReadAhead.covering(...)  | the `Region` holding file bytes [lo, hi), once read (waits for it), or None            |
 
 A region's buffer is reused for later groups once its group is released: views of it are valid until the
@@ -75,7 +76,9 @@ class ReadOptions:
     """How a load reads its planned bytes ahead (the knobs of `load_experts(..., reads=)`).
 
     `threads` requests in flight, each at most `request_bytes`; ranges closer than `gap_bytes` are read as
-    one; `ahead` groups (layers) submitted beyond the one being read; `direct`: O_DIRECT for the rank's own
+    one; `ahead` groups (layers) submitted beyond the one being read (`node_ahead` by each rank of a `node` of
+    several ranks that reads its own ranges: the ranks together keep the storage busy, and every layer more is
+    fresh buffer memory in every rank); `direct`: O_DIRECT for the rank's own
     bytes (buffered where the file system refuses it, or with False); `min_bytes`: loads planning fewer
     bytes than this read through the mapping alone (threads would cost more than they save), and so do
     layers whose expert tensors are all under `min_tensor_bytes` (a range per tiny tensor costs more);
@@ -89,6 +92,7 @@ class ReadOptions:
     request_bytes: int = 16 << 20
     gap_bytes: int = 256 << 10
     ahead: int = 2
+    node_ahead: int = 1
     direct: bool = True
     min_bytes: int = 64 << 20
     min_tensor_bytes: int = 64 << 10
@@ -98,11 +102,17 @@ class ReadOptions:
 
     def __post_init__(self) -> None:
         for name, least, why in (("threads", 1, "one request in flight"), ("ahead", 1, "the next layer read ahead"),
+                                 ("node_ahead", 1, "the next layer read ahead"),
                                  ("request_bytes", ALIGN, f"a request is whole {ALIGN}-byte pages"),
                                  ("gap_bytes", 0, "a distance in bytes")):
             if getattr(self, name) < least:
                 raise WNA16Error(f"ReadOptions: {name}={getattr(self, name)} but at least {least} is needed "
                                  f"({why}); pass {name}>={least}.")
+
+    @property
+    def depth(self) -> int:
+        """Groups submitted beyond the one being read: `node_ahead` in a node of several ranks, else `ahead`."""
+        return self.node_ahead if self.node is not None and self.node.size > 1 else self.ahead
 
 
 def coalesced(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
@@ -247,11 +257,11 @@ class ReadAhead:
         return bool(self.groups)
 
     def start(self, group: int) -> None:
-        """Group `group` is about to be read: it and the `ahead` groups after it are submitted, and the
+        """Group `group` is about to be read: it and the `options.depth` groups after it are submitted, and the
         buffers of the groups before it go back to the pool (their views must no longer be used)."""
         if not self.groups:
             return
-        while self._submitted < min(group + 1 + self.options.ahead, len(self.groups)):
+        while self._submitted < min(group + 1 + self.options.depth, len(self.groups)):
             self._submit(self._submitted)
             self._submitted += 1
         for done in [g for g in self._regions if g < group]:
