@@ -199,7 +199,7 @@ def _fill_checkpoint(path: str | Path, parallel: ParallelConfig, targets: Mappin
         alone = reads.node is None or reads.node.size == 1
         own, together = (_targeted(plans, targets, groups)
                          for groups in load_groups(index, moe, parallel, scan, plans, reads, cached=alone))
-        with index.reading_ahead(own, reads, node_groups=together) as ahead:
+        with index.reading_ahead(own, reads, node_groups=together, node_cold=True) as ahead:
             for number, plan in enumerate(plans):
                 ahead.start(number)
                 if plan.prefix in targets:

@@ -80,7 +80,8 @@ def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_byte
 
 
 class LoadGroups(NamedTuple):
-    """What a load reads: `own`, this rank's groups; `together`, the node's (None: each rank reads alone)."""
+    """What a load reads: `own`, this rank's groups; `together`, the node's (None: each rank reads alone), planned
+    only once `node_warm` found the page cache cold (so `reading_ahead(node_cold=True)`: not looked at again)."""
 
     own: Groups
     together: Groups | None = None

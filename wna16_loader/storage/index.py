@@ -172,15 +172,17 @@ class CheckpointIndex:
 
     @contextmanager
     def reading_ahead(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, *,
-                      pin: bool = False, node_groups: Sequence[Sequence[PlannedRange]] | None = None
-                      ) -> Iterator[ReadAhead | NodeRead]:
+                      pin: bool = False, node_groups: Sequence[Sequence[PlannedRange]] | None = None,
+                      node_cold: bool = False) -> Iterator[ReadAhead | NodeRead]:
         """A `ReadAhead` of `groups` (in use order; call its `start(i)` before reading group i) whose regions
         this index's views come from while the block runs (`MappedFile.rebased`); closed after it. With
         `options.node` of several ranks and `node_groups` (the same groups for every rank of the node, each
-        the union of the ranks' `groups`), a `NodeRead` of those instead: the node reads them together."""
+        the union of the ranks' `groups`), a `NodeRead` of those instead: the node reads them together
+        (`node_cold`: the caller found the page cache cold with `node_warm`, not to be looked at again)."""
         node = options.node
         together = node is not None and node.size > 1 and node_groups is not None and options.enabled
-        ahead = NodeRead(node_groups, options, node) if together else ReadAhead(groups, options, pin=pin)
+        ahead = NodeRead(node_groups, options, node, cold=node_cold) if together else \
+            ReadAhead(groups, options, pin=pin)
         for mapped in self._maps.values() if ahead.active else ():
             mapped.overlay = ahead
         try:

@@ -242,13 +242,16 @@ def node_warm(node: Node, files: Sequence[Path]) -> bool:
 
 class NodeRead:
     """The overlay of a load that reads together with its node (module table): `groups` are the node's
-    planned ranges (every rank's), the same on every rank."""
+    planned ranges (every rank's), the same on every rank. `cold`: the caller has just found the page cache
+    cold (`node_warm`, on every rank alike), so local rank 0 does not look again (a look walks every planned page:
+    seconds at hundreds of GB, while the other ranks wait for its window)."""
 
-    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node) -> None:
+    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node, *,
+                 cold: bool = False) -> None:
         self.node, self.options = node, options
         self.windows, half = windows_of(groups, node.window_bytes, options.gap_bytes)
         self._reader = FileReader(options.direct)
-        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and self._cached())
+        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and not cold and self._cached())
         if self.shared.warm:  # every rank reads through its mapping: nothing to share
             self.windows = []
         self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
