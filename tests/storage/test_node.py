@@ -267,31 +267,30 @@ def _dropped(file: Path, begin: int, length: int) -> bool:
     return held == 0
 
 
-def test_a_warm_node_reads_through_its_mappings(tmp_path: Path) -> None:
+def _warm_node_read(tmp_path: Path, **options: bool) -> Iterator[NodeRead]:
+    """A NodeRead (`options`) of a node of one rank over a small checkpoint read in first (warm); every group is
+    started and the read closed after the caller's checks."""
     ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
                             references=False)
     for file in ckpt.folder.glob("*.safetensors"):
         file.read_bytes()
     node = Node((0,), 0, f"test-{uuid.uuid4().hex}")
-    with load_plans(ckpt.folder) as (index, groups):
-        read = NodeRead(groups, _options(node), node)
-        assert read.shared.warm and not read.active and read.window_bytes == 0
-        read.start(0)
+    with load_plans(ckpt.folder) as (_, groups):
+        read = NodeRead(groups, _options(node), node, **options)
+        yield read
+        for number in range(len(groups)):
+            read.start(number)
         read.close()
+
+
+def test_a_warm_node_reads_through_its_mappings(tmp_path: Path) -> None:
+    for read in _warm_node_read(tmp_path):
+        assert read.shared.warm and not read.active and read.window_bytes == 0
 
 
 def test_a_node_read_told_the_page_cache_is_cold_does_not_look_again(tmp_path: Path) -> None:
     """`cold=True` (the caller's `node_warm` found it cold): local rank 0 reads through the window without its own
     look at the page cache, even where that look would have found it warm."""
-    ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
-                            references=False)
-    for file in ckpt.folder.glob("*.safetensors"):
-        file.read_bytes()
-    node = Node((0,), 0, f"test-{uuid.uuid4().hex}")
-    with load_plans(ckpt.folder) as (index, groups):
-        read = NodeRead(groups, _options(node), node, cold=True)
+    for read in _warm_node_read(tmp_path, cold=True):
         assert not read.shared.warm and read.active and read.window_bytes > 0
         assert not read._reader.pages._maps  # its PageCache maps a file at the first look: none was taken
-        for number in range(len(groups)):
-            read.start(number)
-        read.close()
