@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from wna16_loader.formats.awq import AWQ_ORDER
 from wna16_loader.formats.packing import NibbleWords, transpose_nibble_words
-from wna16_loader.load.copies import copy_transposing, place
+from wna16_loader.load.copies import CACHED_MATRIX_BYTES, copy_transposing, place
 
 # --- copy_transposing ----------------------------------------------------------------------------------------
 
@@ -101,6 +101,27 @@ def test_copy_transposing_matches_copy(lead: tuple[int, ...], n: int, w: int, co
                              lambda t: t[..., row:row + n, :], value)
 
 
+
+@pytest.mark.parametrize("rows,cols,dtype,copies", [(64, 96, torch.float16, 1), (256, 96, torch.int32, 3)],
+                         ids=["12-KiB-scales-one-copy", "96-KiB-words-one-each"])
+def test_whole_transposed_matrices_in_cache_go_in_one_copy(monkeypatch: pytest.MonkeyPatch, rows: int, cols: int,
+                                                           dtype: torch.dtype, copies: int) -> None:
+    """On one thread, experts' whole transposed matrices (each [K, N] read as [N, K]) that fit a core's L1
+    (CACHED_MATRIX_BYTES) go in one copy for all experts; larger ones through torch's blocked transpose, one
+    each. The values are Tensor.copy_'s either way."""
+    value = random_tensor((3, rows, cols), dtype, seed=rows).transpose(1, 2)
+    target, calls, original = torch.zeros(3, cols, rows, dtype=dtype), [], torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(tuple(src.shape))
+        return original(self, src, *args)
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    copy_transposing(target, value)
+    monkeypatch.undo()
+    assert len(calls) == copies and (rows * cols * dtype.itemsize <= CACHED_MATRIX_BYTES) == (copies == 1)
+    assert torch.equal(target, value.contiguous())
 
 
 # --- place ----------------------------------------------------------------------------------------------------
