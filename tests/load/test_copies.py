@@ -6,6 +6,8 @@ the function under test.
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable
 
 import pytest
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 
 from wna16_loader.formats.awq import AWQ_ORDER
 from wna16_loader.formats.packing import NibbleWords, transpose_nibble_words
-from wna16_loader.load.copies import CACHED_MATRIX_BYTES, copy_transposing, place
+from wna16_loader.load.copies import BATCHED_MATRIX_BYTES, CACHED_BLOCK_BYTES, copy_transposing, place
 
 # --- copy_transposing ----------------------------------------------------------------------------------------
 
@@ -102,25 +104,31 @@ def test_copy_transposing_matches_copy(lead: tuple[int, ...], n: int, w: int, co
 
 
 
-@pytest.mark.parametrize("rows,cols,dtype,copies", [(64, 96, torch.float16, 1), (256, 96, torch.int32, 3)],
-                         ids=["12-KiB-scales-one-copy", "96-KiB-words-one-each"])
-def test_whole_transposed_matrices_in_cache_go_in_one_copy(monkeypatch: pytest.MonkeyPatch, rows: int, cols: int,
-                                                           dtype: torch.dtype, copies: int) -> None:
-    """On one thread, experts' whole transposed matrices (each [K, N] read as [N, K]) that fit a core's L1
-    (CACHED_MATRIX_BYTES) go in one copy for all experts; larger ones through torch's blocked transpose, one
-    each. The values are Tensor.copy_'s either way."""
-    value = random_tensor((3, rows, cols), dtype, seed=rows).transpose(1, 2)
-    target, calls, original = torch.zeros(3, cols, rows, dtype=dtype), [], torch.Tensor.copy_
+@pytest.mark.parametrize("rows,cols,dtype,calls", [
+    (64, 96, torch.float16, [(4, 96, 64)]),  # 12 KiB: one block, every expert in one copy
+    (256, 96, torch.int32, [(4, 96, 64)] * 4),  # 96 KiB: four blocks of 64 source rows (24 KiB each)
+    (256, 768, torch.int32, [(768, 256)] * 4),  # 768 KiB: torch's blocked transpose, one matrix each
+], ids=["12-KiB-one-block", "96-KiB-four-blocks", "768-KiB-one-each"])
+def test_whole_transposed_matrices_go_in_blocks_that_stay_in_cache(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                                   cols: int, dtype: torch.dtype,
+                                                                   calls: list[tuple[int, ...]]) -> None:
+    """On one thread, 4 experts' whole transposed matrices (each a stored [K, N] read as [N, K]) of up to
+    BATCHED_MATRIX_BYTES go in even blocks of source rows of at most CACHED_BLOCK_BYTES, one copy per block for
+    every expert; larger ones through torch's blocked transpose, one each. The values are Tensor.copy_'s."""
+    value = random_tensor((4, rows, cols), dtype, seed=rows).transpose(1, 2)
+    target, made, original = torch.zeros(4, cols, rows, dtype=dtype), [], torch.Tensor.copy_
 
     def spy(self: torch.Tensor, src: torch.Tensor, *args: object) -> torch.Tensor:
-        calls.append(tuple(src.shape))
+        made.append(tuple(src.shape))
         return original(self, src, *args)
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     monkeypatch.setattr(torch.Tensor, "copy_", spy)
     copy_transposing(target, value)
     monkeypatch.undo()
-    assert len(calls) == copies and (rows * cols * dtype.itemsize <= CACHED_MATRIX_BYTES) == (copies == 1)
+    assert made == calls
+    assert (rows * cols * dtype.itemsize <= BATCHED_MATRIX_BYTES) == (made[0][0] == 4)
+    assert all(math.prod(shape[1:]) * dtype.itemsize <= CACHED_BLOCK_BYTES for shape in made if shape[0] == 4)
     assert torch.equal(target, value.contiguous())
 
 
