@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 
 import torch
@@ -40,3 +42,13 @@ def test_each_thread_takes_from_its_own_buffer_and_release_frees_only_the_caller
     assert scratch.nbytes == 128  # this thread's buffer is kept
     scratch.release()
     assert scratch.nbytes == 0 and scratch.take((0,), torch.int32).numel() == 0
+
+
+def test_a_copy_or_pickle_is_a_new_empty_scratch() -> None:
+    """An engine module holding a Scratch can be deep-copied or pickled: the copy starts empty and works."""
+    scratch = Scratch()
+    scratch.take((8,), torch.int32).fill_(3)
+    for other in (copy.deepcopy(scratch), pickle.loads(pickle.dumps(scratch))):
+        assert isinstance(other, Scratch) and other.nbytes == 0
+        assert other.take((2, 2), torch.int32).shape == (2, 2) and other.nbytes == 16
+    assert scratch.nbytes == 32

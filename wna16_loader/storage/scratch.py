@@ -18,20 +18,32 @@ import threading
 
 import torch
 
+EMPTY = torch.empty(0, dtype=torch.uint8)
 
-class Scratch(threading.local):
-    """One growing uint8 buffer per thread; `take` hands out its start (module table)."""
+
+class Scratch:
+    """One growing uint8 buffer per thread; `take` hands out its start (module table). A copy or a pickle of it
+    (of an engine module holding one, say) is a new, empty Scratch: what it holds is only reused memory."""
 
     def __init__(self) -> None:
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._local = threading.local()
+
+    def __reduce__(self) -> tuple[type["Scratch"], tuple[()]]:
+        return Scratch, ()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """This thread's buffer (empty until its first `take`)."""
+        return getattr(self._local, "buffer", EMPTY)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous `shape`/`dtype` tensor over this thread's buffer (grown when too small: the old buffer
         goes once no tensor holds it). Whatever the previous `take` returned is overwritten by the next use."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self.buffer[:nbytes].view(dtype).view(shape)
+        buffer = self.buffer
+        if buffer.numel() < nbytes:
+            buffer = self._local.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype).view(shape)
 
     @property
     def nbytes(self) -> int:
@@ -40,4 +52,4 @@ class Scratch(threading.local):
 
     def release(self) -> None:
         """Free this thread's buffer (tensors already taken keep it alive until they go)."""
-        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self._local.buffer = EMPTY
