@@ -21,7 +21,7 @@ import torch
 
 from ..models.names import Source
 from ..storage.index import TensorRef
-from ..storage.scratch import Scratch
+from ..storage.scratch import Scratch, destination
 
 Index = tuple[slice | int, ...]
 MEMORY_FILE = "<memory>"  # TensorRef.file of a tensor handed over by an engine
@@ -97,12 +97,6 @@ class TensorStore:
 def stacked_copy(views: list[torch.Tensor], pin: bool, scratch: Scratch | None = None) -> torch.Tensor:
     """`views` stacked into fresh CPU memory (pinned with `pin`), or into `scratch`."""
     return torch.stack(views, out=destination((len(views), *views[0].shape), views[0].dtype, pin, scratch))
-
-
-def destination(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, scratch: Scratch | None) -> torch.Tensor:
-    """A gather's CPU destination: taken from `scratch` (when given and not `pin`), else fresh memory."""
-    return scratch.take(shape, dtype) if scratch is not None and not pin else \
-        torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
 
 
 def within(staged: Index, index: Index) -> Index:
@@ -221,12 +215,10 @@ class Stage:
                scratch: bool = False) -> torch.Tensor:
         """`[view(ref, index) ...]` stacked into fresh CPU memory (pinned with `pin`), or with `scratch` into the
         held store's `Scratch` (valid until the thread's next scratch gather)."""
-        stacked = self.view_stacked(refs, indices)
+        stacked, into = self.view_stacked(refs, indices), self.held.scratch if scratch else None
         if stacked is None:
-            return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin,
-                                self.held.scratch if scratch else None)
-        return destination(tuple(stacked.shape), stacked.dtype, pin, self.held.scratch if scratch else None
-                           ).copy_(stacked)
+            return stacked_copy([self.view(ref, index) for ref, index in zip(refs, indices)], pin, into)
+        return destination(tuple(stacked.shape), stacked.dtype, pin, into).copy_(stacked)
 
     def release(self, i: int) -> None:
         """Slot `i` is written: let go of the tensors it holds whole (its buffer rows go with the stage)."""

@@ -33,7 +33,7 @@ from .bulk import gc_paused
 from .filemap import Index, MappedFile, gather, stacked_view
 from .node import NodeRead
 from .readahead import PlannedRange, ReadAhead, ReadOptions
-from .scratch import Scratch
+from .scratch import Scratch, destination
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -219,7 +219,7 @@ class CheckpointIndex:
         located = [self.locate(ref, index) for ref, index in zip(refs, indices)]
         begin, file, shape, dtype, index = located[0]
         one = self._maps[file].mapped(begin, shape, dtype, index)
-        out = self._out((len(located), *one.shape), dtype, pin, scratch)
+        out = destination((len(located), *one.shape), dtype, pin, self.scratch if scratch else None)
         if all(loc[1:] == located[0][1:] for loc in located):
             gather(self._maps[file], [loc[0] for loc in located], shape, dtype, index, out)
         else:
@@ -237,15 +237,10 @@ class CheckpointIndex:
         first, index = refs[0], indices[0]
         mapped = self._maps[first.file]
         one = mapped.mapped(begins[0], first.shape, first.dtype, index)
-        out = self._out((len(refs), *one.shape), first.dtype, pin, scratch)
+        out = destination((len(refs), *one.shape), first.dtype, pin, self.scratch if scratch else None)
         gather(mapped, begins, first.shape, first.dtype, index, out)
         self.bytes_read += out.numel() * out.element_size()
         return out
-
-    def _out(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool, scratch: bool) -> torch.Tensor:
-        """A gather's destination: this index's scratch, or fresh memory (pinned with `pin`)."""
-        return self.scratch.take(shape, dtype) if scratch and not pin else \
-            torch.empty(shape, dtype=dtype, pin_memory=pin)
 
     def view_stacked(self, refs: Sequence[TensorRef], indices: Sequence[Index]) -> torch.Tensor | None:
         """`[ref[index] for ...]` as ONE strided view [E, ...] of a file mapping (no copy; file memory, as

@@ -6,9 +6,10 @@ again: one page fault per 4 KiB, every chunk (a TP 8 rank of a 16-layer Qwen3-30
 faults, a tenth of the rank's time). A `Scratch` keeps one buffer per thread, grown to the largest chunk,
 so its pages fault once.
 
-| Scratch().take(shape, dtype) | a tensor carved from the start of this thread's buffer: valid until the |
-|                              | thread's next `take` (or `release`) on the same Scratch                |
-| Scratch().release()          | this thread's buffer freed (a later `take` makes a new one)             |
+| Scratch().take(shape, dtype)      | a tensor carved from the start of this thread's buffer: valid until |
+|                                   | the thread's next `take` (or `release`) on the same Scratch         |
+| Scratch().release()               | this thread's buffer freed (a later `take` makes a new one)         |
+| destination(shape, dtype, pin, s) | a gather's CPU destination: from Scratch `s`, or fresh (pinned)     |
 """
 
 from __future__ import annotations
@@ -53,3 +54,10 @@ class Scratch:
     def release(self) -> None:
         """Free this thread's buffer (tensors already taken keep it alive until they go)."""
         self._local.buffer = EMPTY
+
+
+def destination(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, scratch: Scratch | None) -> torch.Tensor:
+    """A gather's CPU destination: taken from `scratch` when given (and not `pin`: pinned memory is never scratch),
+    else fresh memory (pinned with `pin`)."""
+    return scratch.take(shape, dtype) if scratch is not None and not pin else \
+        torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
