@@ -19,7 +19,7 @@ from wna16_loader.errors import WNA16Error
 from wna16_loader.parallel import Node
 from wna16_loader.storage import readahead
 from wna16_loader.storage.advice import PageCache
-from wna16_loader.storage.filemap import MappedFile, gather, grid_view
+from wna16_loader.storage.filemap import MappedFile, gather, grid_view, stacked_view
 from wna16_loader.storage.index import ITEMSIZES
 from wna16_loader.storage.readahead import (
     ALIGN,
@@ -137,6 +137,36 @@ def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
         both = mapped.rebased(first.as_strided((2, ROWS, COLS), (step, COLS, 1), first.storage_offset()))
         assert torch.equal(both, torch.stack([tensors["t00"], tensors["t02"]]))
         assert both.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
+def test_a_stacked_view_over_two_regions_is_none_and_never_a_copy(checkpoint) -> None:
+    """Tensors 0 and 2 read ahead alone (two regions: an EP rank's experts 2 and 3 lie 11 experts apart in a file
+    whose writer sorts names): no one strided view holds both, so `stacked_view` says None (its callers then view
+    or gather each expert) rather than stacking a copy into fresh memory; tensors 0 and 1 in one region are one
+    view of it."""
+    path, tensors = checkpoint
+    mapped = MappedFile(path, ITEMSIZES)
+    nbytes = ROWS * COLS * 4
+    ranges = [(name, mapped.entries.begin(name)) for name in ("t00", "t01", "t02")]
+    ahead = ReadAhead([[PlannedRange(path, ranges[0][1], ranges[1][1] + nbytes, False),
+                        PlannedRange(path, ranges[2][1], ranges[2][1] + nbytes, False)]],
+                      ReadOptions(min_bytes=0, gap_bytes=0))
+    mapped.overlay = ahead
+    try:
+        if not evict(path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
+        ahead.start(0)
+        picked = (slice(3, 9), slice(10, 40))
+        assert stacked_view(mapped, [ranges[0][1], ranges[2][1]], (ROWS, COLS), torch.int32, picked) is None
+        near = stacked_view(mapped, [ranges[0][1], ranges[1][1]], (ROWS, COLS), torch.int32, picked)
+        assert torch.equal(near, torch.stack([tensors["t00"][picked], tensors["t01"][picked]]))
+        region = ahead.covering(path, ranges[0][1], ranges[1][1] + nbytes)
+        assert near.untyped_storage().data_ptr() == region.buffer.untyped_storage().data_ptr()
+        got = gather(mapped, [ranges[0][1], ranges[2][1]], (ROWS, COLS), torch.int32, picked)
+        assert torch.equal(got, torch.stack([tensors["t00"][picked], tensors["t02"][picked]]))
     finally:
         mapped.overlay = None
         ahead.close()

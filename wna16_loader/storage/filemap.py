@@ -89,6 +89,20 @@ class MappedFile:
         """`view` (of this file's mapping) as the same elements of the overlay's region that holds all its
         bytes, once read; where no region holds it whole but one holds each `view[i]`, those stacked (a copy);
         `view` itself without an overlay, or where neither holds."""
+        held = self.held(view)
+        if held is not None:
+            return held
+        parts = []  # e.g. experts in two regions: each from its own
+        for part in view.unbind(0):
+            if (found := self.rebased(part)) is part:
+                return view
+            parts.append(found)
+        return torch.stack(parts)
+
+    def held(self, view: torch.Tensor) -> torch.Tensor | None:
+        """`view` (of this file's mapping) as a VIEW of the overlay's region that holds all its bytes, once read;
+        `view` itself without an overlay or where no region holds any of its bytes; None where regions hold
+        some of its rows but none all of them (only a copy, `rebased`, brings those together)."""
         if self.overlay is None or not view.numel():
             return view
         size = view.element_size()
@@ -98,12 +112,7 @@ class MappedFile:
             flat = region.flat(view.dtype)
             return flat.as_strided(view.shape, view.stride(), flat.storage_offset() + (low - region.begin) // size)
         if region is None and view.dim() > 1 and len(view) > 1 and self.overlay.overlaps(self.path, low, high):
-            parts = []  # e.g. experts in two regions: each from its own
-            for part in view.unbind(0):
-                if (found := self.rebased(part)) is part:
-                    return view
-                parts.append(found)
-            return torch.stack(parts)
+            return None
         return view
 
 
@@ -146,13 +155,8 @@ def grid_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], d
     if not step or step % dtype.itemsize:
         return None
     rows = [(begin - low) // step for begin in begins]
-    view = _strided(file, low, step, max(rows) + 1, shape, dtype, index)
-    if file.overlay is not None and view.numel():
-        low, high = file.span(view)
-        if file.overlay.covering(file.path, low, high) is None and file.overlay.overlaps(file.path, low, high):
-            return None
-        view = file.rebased(view)
-    return view, torch.tensor(rows, dtype=torch.int64)
+    view = file.held(_strided(file, low, step, max(rows) + 1, shape, dtype, index))
+    return None if view is None else (view, torch.tensor(rows, dtype=torch.int64))
 
 
 def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
@@ -170,13 +174,16 @@ def _same_views(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...],
 
 def stacked_view(file: MappedFile, begins: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
                  index: Index = ()) -> torch.Tensor | None:
-    """`[t[index] for t in tensors]` as ONE strided view [E, *index shape] of the mapping when the tensors
-    (one `shape`/`dtype`, at byte offsets `begins`) are evenly spaced; None otherwise. File memory, as `view`."""
+    """`[t[index] for t in tensors]` as ONE strided view [E, *index shape] of the mapping (or of the overlay
+    region that holds it: `MappedFile.held`) when the tensors (one `shape`/`dtype`, at byte offsets `begins`) are
+    evenly spaced; None otherwise, and where the overlay holds them in several regions (never a copy: e.g. an EP
+    rank's experts 2 and 3, which a writer that sorts names puts 11 experts apart, each read ahead alone).
+    File memory, as `view`."""
     step = begins[1] - begins[0] if len(begins) > 1 else dtype.itemsize
     if step <= 0 or step % dtype.itemsize or \
             list(begins) != list(range(begins[0], begins[0] + step * len(begins), step)):  # evenly spaced, in C
         return None
-    return file.rebased(_strided(file, begins[0], step, len(begins), shape, dtype, index))
+    return file.held(_strided(file, begins[0], step, len(begins), shape, dtype, index))
 
 
 def _strided(file: MappedFile, low: int, step: int, count: int, shape: tuple[int, ...], dtype: torch.dtype,
