@@ -300,7 +300,7 @@ def test_a_rank_alone_fills_through_the_page_cache_and_an_ep_node_reads_direct(s
     seen, reading_ahead = [], CheckpointIndex.reading_ahead
 
     def spy(index, groups, reads, **kwargs):
-        seen.append((groups, kwargs.get("node_groups")))
+        seen.append((groups, kwargs.get("node_windows")))
         return reading_ahead(index, groups, reads, **kwargs)
     monkeypatch.setattr(CheckpointIndex, "reading_ahead", spy)
     fill_layers(folder, config, got, reads=ReadOptions(min_bytes=0, min_tensor_bytes=0, node=node))

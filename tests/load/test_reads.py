@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ from wna16_loader.load.experts import planned
 from wna16_loader.load.ledger import Ledger
 from wna16_loader.load.plan import plan_layers
 from wna16_loader.storage.readahead import coalesced
-from wna16_loader.load.reads import load_groups, node_members, planned_ranges, shares_pages
+from wna16_loader.load.reads import Together, load_groups, node_members, planned_ranges, shares_pages
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
+from wna16_loader.storage.windows import WindowPlan, windows_of
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 EVERY_READ_AHEAD = ReadOptions(min_bytes=0, min_tensor_bytes=0)  # whatever the size (the default skips small loads)
@@ -104,8 +106,18 @@ def test_other_formats_read_ahead_byte_identical(tmp_path, fmt) -> None:
 
 
 
-COLD = lambda node, files: False  # noqa: E731 - the node's rank 0 found nothing cached (no other process here)
-WARM = lambda node, files: True  # noqa: E731 - it found every file cached
+def cold(seen: list[list[list[PlannedRange]] | None] | None = None) -> Together:
+    """`node_windows` where the node's rank 0 found nothing cached (no other process here: it plans), each plan
+    kept in `seen`."""
+    def together(node: Node, files: list[Path], plan: Callable[[], list | None], gap: int) -> WindowPlan | None:
+        groups = plan()
+        (seen if seen is not None else []).append(groups)
+        return None if groups is None else windows_of(groups, node.window_bytes, gap)
+    return together
+
+
+def WARM(node: Node, files: list[Path], plan: Callable[[], list | None], gap: int) -> None:
+    """`node_windows` where it found every file cached (nothing planned)."""
 
 
 def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
@@ -120,10 +132,11 @@ def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
         cached, _ = load_groups(index, moe, parallel, scan, plans, EVERY_READ_AHEAD, cached=True)
         assert [[r._replace(shared=False) for r in g] for g in cached] == own
         assert all(r.shared for g in cached for r in g)
+        seen: list = []
         again, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node),
-                                      warm=COLD)
-        assert again == own
-        for number, group in enumerate(together):
+                                      together=cold(seen))
+        assert again == own and together == windows_of(seen[0], node.window_bytes, EVERY_READ_AHEAD.gap_bytes)
+        for number, group in enumerate(seen[0]):
             every = [r for rank in node.ranks for r in planned_ranges(
                 index, plan_layers(index, moe, ParallelConfig.from_rank(rank, tp_size=2, ep_size=2), Ledger(),
                                    scan)[number])]
@@ -131,6 +144,19 @@ def test_load_groups_of_a_lone_rank_and_of_a_node(tmp_path) -> None:
                                       for path in {r.file for r in ranges}}
             assert covered(group) == covered(every)  # the bytes of every rank, each tensor once (2 TP ranks cut each)
             assert len(group) == len(every) // 2 and len({r[:2] for r in group}) == len(group)
+
+
+def test_load_groups_only_of_the_layers_asked_for(tmp_path) -> None:
+    """`only` (an in-place fill's targets): the other layers' groups are empty, this rank's and the node's alike."""
+    folder = write_checkpoint(tmp_path, quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
+                              num_layers=2, references=False).folder
+    parallel, node = ParallelConfig(2, 1), Node((0, 1), 1, "k")
+    with planned(folder, parallel) as (moe, index, scan, plans):
+        seen: list = []
+        own, together = load_groups(index, moe, parallel, scan, plans, replace(EVERY_READ_AHEAD, node=node),
+                                    together=cold(seen), only={plans[1].prefix})
+    assert own[0] == [] and own[1] and seen[0][0] == [] and seen[0][1]
+    assert [(w.first, w.stop) for w in together.windows] == [(0, 2)]
 
 
 def test_a_node_that_does_not_hold_the_rank_is_refused() -> None:
@@ -147,8 +173,8 @@ def test_ranks_of_disjoint_bytes_read_alone_and_tp_ranks_together(tmp_path) -> N
     for parallel, shared in ((ParallelConfig(1, 0, 4, 2), False), (ParallelConfig(4, 2), True)):
         with planned(folder, parallel) as (moe, index, scan, plans):
             node = Node((0, 1, 2, 3), 2, "k")
-            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=node), warm=COLD)
-            _, warm = load_groups(index, moe, parallel, scan, plans, replace(reads, node=node), warm=WARM)
+            _, together = load_groups(index, moe, parallel, scan, plans, replace(reads, node=node), together=cold())
+            _, warm = load_groups(index, moe, parallel, scan, plans, replace(reads, node=node), together=WARM)
         assert (together is not None) == shared and warm is None, parallel  # warm: each reads its mappings
 
 

@@ -32,15 +32,16 @@ from wna16_loader.load.reads import load_groups
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage.advice import PageCache
-from wna16_loader.storage.node import ALIGN, WARM_AT, NodeRead, SharedWindow, Word, node_warm
+from wna16_loader.storage.node import ALIGN, WARM_AT, NodeRead, SharedWindow, Word, node_windows
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
+from wna16_loader.storage.windows import windows_of
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 def test_a_rank_that_never_comes_times_out_naming_it() -> None:
     node = Node((4, 5), 0, f"test-{uuid.uuid4().hex}", window_bytes=2 * ALIGN, timeout_s=0.3)
     start = time.monotonic()
     with pytest.raises(NodeError) as caught:
-        NodeRead([[PlannedRange(Path(__file__), 0, 100, False)]], ReadOptions(), node)
+        NodeRead(windows_of([[PlannedRange(Path(__file__), 0, 100, False)]], node.window_bytes, 0), ReadOptions(), node)
     assert time.monotonic() - start < 5
     assert str(caught.value).startswith(f"node {node.key}: rank(s) 5 (pid not started) did not finish attaching the "
                                         f"shared window within timeout_s=0.3")
@@ -82,17 +83,54 @@ def test_a_failed_rank_is_named_by_the_others() -> None:
     follower.close()
 
 
-def _answers(files: list[Path]) -> dict[int, bool]:
-    """`node_warm` of a node of two ranks (threads here, the follower started first: it waits for rank 0)."""
+def _windows(files: list[Path], plan) -> dict[int, object]:
+    """`node_windows` of a node of two ranks (threads here, the follower started first: it waits for rank 0), each
+    rank's answer, or the error it raised."""
     key, answers = f"test-{uuid.uuid4().hex}", {}
-    threads = [threading.Thread(target=lambda local=local: answers.__setitem__(
-        local, node_warm(Node((0, 1), local, key, timeout_s=30), files))) for local in (1, 0)]
+
+    def rank(local: int) -> None:
+        try:
+            answers[local] = node_windows(Node((0, 1), local, key, timeout_s=30), files, lambda: plan(local), ALIGN)
+        except Exception as error:  # noqa: BLE001 - the test looks at it
+            answers[local] = error
+    threads = [threading.Thread(target=rank, args=(local,)) for local in (1, 0)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert not (Path("/dev/shm") / f"wna16-node-{key}.warm").exists()
+    assert not (Path("/dev/shm") / f"wna16-node-{key}.plan").exists()
     return answers
+
+
+def _answers(files: list[Path]) -> dict[int, bool]:
+    """Whether each rank of a node of two was told the node is warm (no windows: each reads its mappings)."""
+    return {local: found is None for local, found in _windows(
+        files, lambda local: [[PlannedRange(files[0], 0, 2 * ALIGN, True)]]).items()}
+
+
+def test_local_rank_0_plans_the_node_read_and_hands_every_rank_its_windows(tmp_path: Path) -> None:
+    """Cold: the node's groups are planned on local rank 0 only, and every rank gets their windows (the same);
+    None from the plan (ranks that share too few pages) reaches every rank as None; a plan that raises on local
+    rank 0 raises there and makes the other rank raise NodeError at once, naming it."""
+    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
+    for file in files:
+        file.write_bytes(os.urandom(64 * ALIGN))
+    if evicted(files):
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: a node here is always warm")
+    groups = [[PlannedRange(files[0], 0, 3 * ALIGN, True), PlannedRange(files[1], ALIGN, 2 * ALIGN, True)],
+              [PlannedRange(files[1], 8 * ALIGN, 9 * ALIGN, False)]]
+    planned_on = []
+    answers = _windows(files, lambda local: planned_on.append(local) or groups)
+    assert planned_on == [0] and answers[0] == answers[1] == windows_of(groups, Node((0, 1), 0, "k").window_bytes,
+                                                                          ALIGN)
+    assert _windows(files, lambda local: None) == {0: None, 1: None}
+
+    def failing(local: int) -> None:
+        raise ValueError("no plan")
+    failed = _windows(files, failing)
+    assert isinstance(failed[0], ValueError) and isinstance(failed[1], NodeError)
+    assert "rank(s) 0 (pid" in str(failed[1]) and "failed while the node was agreeing what it reads together" in \
+        str(failed[1])
 
 
 def test_every_rank_gets_local_rank_0s_answer_on_a_warm_page_cache(tmp_path: Path) -> None:
@@ -231,7 +269,7 @@ def test_a_rank_killed_mid_load_makes_the_others_raise_naming_it(tmp_path: Path)
 
 
 def test_a_node_read_that_finds_a_few_pages_dropped_is_still_warm(tmp_path: Path) -> None:
-    """NodeRead judges warm as `node_warm` does: one dropped page of a checkpoint read in is still warm (the
+    """NodeRead judges warm as `node_windows` does: one dropped page of a checkpoint read in is still warm (the
     ranks read their mappings, no window), a dropped file is cold (the window holds the node's bytes)."""
     ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=256, intermediate=512,
                             num_layers=2, files=2, references=False)
@@ -246,7 +284,7 @@ def test_a_node_read_that_finds_a_few_pages_dropped_is_still_warm(tmp_path: Path
                 file.read_bytes()
             kept = not _dropped(*dropped)  # (a file system that keeps its pages: warm whatever was dropped)
             node = Node((0,), 0, f"test-{uuid.uuid4().hex}")
-            read = NodeRead(groups, _options(node), node)
+            read = NodeRead(windows_of(groups, node.window_bytes, _options(node).gap_bytes), _options(node), node)
             try:
                 assert read.shared.warm == (warm or kept) and read.active == (not warm and not kept)
             finally:
@@ -276,7 +314,7 @@ def _warm_node_read(tmp_path: Path, **options: bool) -> Iterator[NodeRead]:
         file.read_bytes()
     node = Node((0,), 0, f"test-{uuid.uuid4().hex}")
     with load_plans(ckpt.folder) as (_, groups):
-        read = NodeRead(groups, _options(node), node, **options)
+        read = NodeRead(windows_of(groups, node.window_bytes, _options(node).gap_bytes), _options(node), node, **options)
         yield read
         for number in range(len(groups)):
             read.start(number)
@@ -289,7 +327,7 @@ def test_a_warm_node_reads_through_its_mappings(tmp_path: Path) -> None:
 
 
 def test_a_node_read_told_the_page_cache_is_cold_does_not_look_again(tmp_path: Path) -> None:
-    """`cold=True` (the caller's `node_warm` found it cold): local rank 0 reads through the window without its own
+    """`cold=True` (the caller's `node_windows` found it cold): local rank 0 reads through the window without its own
     look at the page cache, even where that look would have found it warm."""
     for read in _warm_node_read(tmp_path, cold=True):
         assert not read.shared.warm and read.active and read.window_bytes > 0

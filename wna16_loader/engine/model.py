@@ -106,7 +106,7 @@ def _load_checkpoint_into(modules: dict[str, FusedMoEExperts], folder: Path, par
         _check_coverage(modules, plans)
         before = {prefix: (m.hook.tensors, m.hook.bytes_written) for prefix, m in modules.items()}
         own, together = load_groups(index, moe, parallel, scan, plans, reads)
-        with index.reading_ahead(own, reads, node_groups=together, node_cold=True) as ahead:
+        with index.reading_ahead(own, reads, node_windows=together, node_cold=True) as ahead:
             for number, plan in enumerate(plans):
                 ahead.start(number)
                 modules[plan.prefix].load_plan(index, plan)

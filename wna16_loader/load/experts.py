@@ -90,7 +90,8 @@ def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy,
     start = time.perf_counter()
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         own, together = load_groups(index, moe, parallel, scan, plans, reads)
-        with index.reading_ahead(own, reads, pin=policy.gpu, node_groups=together, node_cold=True) as ahead:
+        with index.reading_ahead(own, reads, pin=policy.gpu, node_windows=together,
+                                 node_cold=True) as ahead:
             result = LoadedExperts()
             written = tensors = 0
             for number, plan in enumerate(plans):

@@ -32,7 +32,7 @@ from ..parallel.config import ParallelConfig
 from ..storage.bulk import paused_gc_call
 from ..storage.filemap import read_into
 from ..storage.index import CheckpointIndex
-from ..storage.readahead import PlannedRange, ReadOptions
+from ..storage.readahead import ReadOptions
 from .direct import copy_direct, direct_copies, made_from_sizes
 from .experts import load_layer, planned
 from .fused import FusedSpec
@@ -197,20 +197,13 @@ def _fill_checkpoint(path: str | Path, parallel: ParallelConfig, targets: Mappin
     with planned(path, parallel, include_mtp=include_mtp) as (moe, index, scan, plans):
         _same_layers(path, [plan.prefix for plan in plans], targets)
         alone = reads.node is None or reads.node.size == 1
-        own, together = (_targeted(plans, targets, groups)
-                         for groups in load_groups(index, moe, parallel, scan, plans, reads, cached=alone))
-        with index.reading_ahead(own, reads, node_groups=together, node_cold=True) as ahead:
+        own, together = load_groups(index, moe, parallel, scan, plans, reads, cached=alone, only=targets.keys())
+        with index.reading_ahead(own, reads, node_windows=together, node_cold=True) as ahead:
             for number, plan in enumerate(plans):
                 ahead.start(number)
                 if plan.prefix in targets:
                     done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
         return replace(_report(done, targets, scan.others), window_bytes=ahead.window_bytes)
-
-
-def _targeted(plans: list[LayerPlan], targets: Mapping[str, LayerTarget],
-              groups: list[list[PlannedRange]] | None) -> list[list[PlannedRange]] | None:
-    """`groups` (a layer each, or None) with the layers no target asks for emptied."""
-    return None if groups is None else [group if plan.prefix in targets else [] for plan, group in zip(plans, groups)]
 
 
 @dataclass(frozen=True)

@@ -5,22 +5,23 @@
 |                             | holds more bytes than the slice (a column cut: other ranks' columns share  |
 |                             | its pages), else the rank's own bytes                                      |
 | load_groups(...)            | what a load from a checkpoint folder reads ahead: its own groups, and with |
-|                             | a node of several ranks the node's (each tensor any rank cuts, once: the   |
-|                             | hull of the ranks' cuts, layer by layer)                                   |
+|                             | a node of several ranks the windows of the node's (each tensor any rank    |
+|                             | cuts, once: the hull of the ranks' cuts, layer by layer), planned by local |
+|                             | rank 0 and handed to the others                                            |
 | node_groups(...)            | the node's groups from every rank's plans (a pre-shard run's too)          |
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Collection, NamedTuple
 
 from ..errors import ShardingError
 from ..models.config import MoEConfig
 from ..parallel.config import Node, ParallelConfig
 from ..storage.index import CheckpointIndex
-from ..storage.node import node_warm
-from ..storage.windows import placed
+from ..storage.node import node_windows
+from ..storage.windows import WindowPlan, placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger
 from .params import rank_spans, storage_index
@@ -80,36 +81,51 @@ def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_byte
 
 
 class LoadGroups(NamedTuple):
-    """What a load reads: `own`, this rank's groups; `together`, the node's (None: each rank reads alone), planned
-    only once `node_warm` found the page cache cold (so `reading_ahead(node_cold=True)`: not looked at again)."""
+    """What a load reads: `own`, this rank's groups; `together`, the windows of the node's (None: each rank reads
+    alone), planned by local rank 0 only once it found the page cache cold (`node_windows`; so
+    `reading_ahead(node_cold=True)`: not looked at again)."""
 
     own: Groups
-    together: Groups | None = None
+    together: WindowPlan | None = None
+
+Together = Callable[[Node, list[Path], Callable[[], Groups | None], int], WindowPlan | None]
 
 
 def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig, scan: CheckpointScan,
                 plans: list[LayerPlan], reads: ReadOptions, *, cached: bool = False,
-                warm: Callable[[Node, list[Path]], bool] = node_warm) -> LoadGroups:
-    """This rank's groups, and the node's (see `LoadGroups`): a layer each. A rank reads its groups itself, every
-    byte as its own (direct: no other rank shares its pages; `cached`: every byte marked shared instead, read
-    into the page cache for the mapping's views); with `reads.node` of several ranks, each group of
-    the node's is that layer's `node_ranges`, the same on every rank of the node. None where the node's ranks
-    share no pages: ranks of different EP ranks each (disjoint experts: known from the configs, nothing
-    planned), a warm page cache (`warm(node, files)`, every rank's answer the same: `node_warm` asks local rank
-    0 whether it finds this rank's files cached), or ranges that overlap too little (`node_groups`)."""
+                together: Together = node_windows, only: Collection[str] | None = None) -> LoadGroups:
+    """This rank's groups, and the node's windows (see `LoadGroups`): a layer each. A rank reads its groups
+    itself, every byte as its own (direct: no other rank shares its pages; `cached`: every byte marked shared
+    instead, read into the page cache for the mapping's views); with `reads.node` of several ranks, each group
+    of the node's is that layer's `node_ranges`, planned on local rank 0 only (`together(node, files, plan,
+    gap)`: `node_windows` hands its windows to every rank; planning every rank's layers on every rank cost
+    O(ranks²)). None where the node's ranks share no pages: ranks of different EP ranks each (disjoint experts:
+    known from the configs, nothing planned), a warm page cache (local rank 0 finds this rank's files cached),
+    or ranges that overlap too little (`node_groups`). `only`: the experts prefixes whose layers are read (the
+    others' groups empty, on every rank alike; None: all)."""
     paths: dict[str, Path] = {}
-    own = [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes, paths=paths, shared=cached)
-           for plan in plans]
+    own = _kept(plans, only, [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes, paths=paths,
+                                             shared=cached) for plan in plans])
     node = reads.node
     if node is None or node.size == 1:
         return LoadGroups(own)
     members = node_members(node, parallel)
-    if disjoint_experts(members) or warm(node, sorted(set(paths.values()))):
-        return LoadGroups(own)  # (warm: each rank reads its mappings, nothing planned together)
-    tables = LayerTables(index, moe)
-    member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
-                    for member in members]
-    return LoadGroups(own, node_groups(index, member_plans, reads, paths))
+    if disjoint_experts(members):
+        return LoadGroups(own)
+
+    def plan() -> Groups | None:
+        tables = LayerTables(index, moe)
+        member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
+                        for member in members]
+        return _kept(plans, only, node_groups(index, member_plans, reads, paths))
+    return LoadGroups(own, together(node, sorted(set(paths.values())), plan, reads.gap_bytes))
+
+
+def _kept(plans: list[LayerPlan], only: Collection[str] | None, groups: Groups | None) -> Groups | None:
+    """`groups` (a layer each, or None) with the layers of prefixes not in `only` emptied (None: all kept)."""
+    if groups is None or only is None:
+        return groups
+    return [group if plan.prefix in only else [] for plan, group in zip(plans, groups)]
 
 
 def node_groups(index: CheckpointIndex, members: list[list[LayerPlan]], reads: ReadOptions,

@@ -30,6 +30,7 @@ from ..load.reads import node_groups, planned_ranges
 from ..parallel.config import Node, ShardJob
 from ..storage.index import CheckpointIndex
 from ..storage.readahead import ReadOptions
+from ..storage.windows import windows_of
 from .journal import JOURNAL_NAME, check_existing, recheck, start
 from .manifest import build_manifest
 from .plan import ShardPlan, make_plan
@@ -117,7 +118,8 @@ def _read_with_node(index: CheckpointIndex, plan: ShardPlan, group: int, node: N
     own = [planned_ranges(index, rank.plans[p], min_tensor_bytes=options.min_tensor_bytes, paths=paths) for p in order]
     together = node_groups(index, [[plan.ranks[r].plans[p] for p in order] for r in node.ranks], options, paths)
     position = {prefix: i for i, prefix in enumerate(order)}
-    with index.reading_ahead(own, options, node_groups=together) as ahead:
+    windows = None if together is None else windows_of(together, node.window_bytes, options.gap_bytes)
+    with index.reading_ahead(own, options, node_windows=windows) as ahead:
         last = [-1]
 
         def start(prefix: str) -> None:

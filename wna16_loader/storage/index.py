@@ -34,6 +34,7 @@ from .filemap import Index, MappedFile, gather, stacked_view
 from .node import NodeRead
 from .readahead import PlannedRange, ReadAhead, ReadOptions
 from .scratch import Scratch, destination
+from .windows import WindowPlan
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -172,16 +173,16 @@ class CheckpointIndex:
 
     @contextmanager
     def reading_ahead(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, *,
-                      pin: bool = False, node_groups: Sequence[Sequence[PlannedRange]] | None = None,
+                      pin: bool = False, node_windows: WindowPlan | None = None,
                       node_cold: bool = False) -> Iterator[ReadAhead | NodeRead]:
         """A `ReadAhead` of `groups` (in use order; call its `start(i)` before reading group i) whose regions
         this index's views come from while the block runs (`MappedFile.rebased`); closed after it. With
-        `options.node` of several ranks and `node_groups` (the same groups for every rank of the node, each
-        the union of the ranks' `groups`), a `NodeRead` of those instead: the node reads them together
-        (`node_cold`: the caller found the page cache cold with `node_warm`, not to be looked at again)."""
+        `options.node` of several ranks and `node_windows` (the same on every rank of the node: `windows_of` the
+        groups whose each is the union of the ranks' `groups`), a `NodeRead` of those instead: the node reads them
+        together (`node_cold`: local rank 0 found the page cache cold (`node.node_windows`), not to look again)."""
         node = options.node
-        together = node is not None and node.size > 1 and node_groups is not None and options.enabled
-        ahead = NodeRead(node_groups, options, node, cold=node_cold) if together else \
+        together = node is not None and node.size > 1 and node_windows is not None and options.enabled
+        ahead = NodeRead(node_windows, options, node, cold=node_cold) if together else \
             ReadAhead(groups, options, pin=pin)
         for mapped in self._maps.values() if ahead.active else ():
             mapped.overlay = ahead

@@ -6,10 +6,11 @@ windows of whole layers; each window is cut into requests dealt round-robin to t
 each rank reads its requests (O_DIRECT where the file system takes it) into the window's half of a shared
 file in /dev/shm while the ranks convert the previous window from the other half:
 
-| window file   | [0, HEADER): int64 words: magic, size, ranks, warm; then per rank: pid, windows read,   |
-| (/dev/shm,    | windows used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows 1, 3, ...),  |
-| unlinked once | each `half_bytes` long (none when warm: local rank 0 found WARM_AT of the planned pages |
-| all have it)  | cached, and every rank reads through its own mapping)                                    |
+| window file   | [0, HEADER): int64 words: magic, size, ranks, warm, bytes carried; then per rank: pid,  |
+| (/dev/shm,    | windows read, windows used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows |
+| unlinked once | 1, 3, ...), each `half_bytes` long (none when warm: local rank 0 found WARM_AT of the   |
+| all have it)  | planned pages cached, and every rank reads through its own mapping); then the bytes     |
+|               | local rank 0 carries to the others (`node_windows`: the node's `WindowPlan`)             |
 
 | NodeRead.start(i)      | group i is about to be read: once its window is read by every rank, its regions are |
 |                        | the ones `covering` finds (views valid until the next window starts)                |
@@ -38,11 +39,11 @@ from ..errors import NodeError
 from ..parallel.config import Node
 from .advice import PageCache
 from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, overlapping
-from .windows import Placed, stripe, windows_of
+from .windows import Placed, WindowPlan, decoded, encoded, stripe, windows_of
 
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
-FILE_WORDS = 4  # magic, size, ranks, warm; then each rank's `Word`s
+FILE_WORDS = 5  # magic, size, ranks, warm, bytes carried; then each rank's `Word`s
 WARM_AT = 0.99  # of a checkpoint's pages cached: a warm node (a page cache under pressure drops a few pages)
 LIVENESS_S = 0.2  # how often a waiting rank looks whether the ranks it waits for still run
 SHM = Path("/dev/shm")
@@ -85,12 +86,15 @@ class SharedWindow:
     """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
     its header words are how the ranks wait for each other."""
 
-    def __init__(self, node: Node, half_bytes: int, *, warm: bool = False, suffix: str = "") -> None:
+    def __init__(self, node: Node, half_bytes: int | None, *, warm: bool = False, suffix: str = "",
+                 carry: bytes = b"") -> None:
         """`warm` (local rank 0's word, the others learn it): the page cache holds the planned bytes (WARM_AT of
         their pages), so the ranks read through their mappings and the window holds no data. `suffix`: of the
-        file's name (a node's other rendezvous)."""
-        self.node, self.warm = node, warm and node.local_rank == 0
-        self.half_bytes = 0 if self.warm else half_bytes
+        file's name (a node's other rendezvous). `carry`: bytes local rank 0 hands to the others (`carried`);
+        they pass `half_bytes=None` and take the file as local rank 0 made it."""
+        self.node, self.warm, self.carried = node, warm and node.local_rank == 0, carry
+        self.half_bytes = 0 if self.warm or half_bytes is None else half_bytes
+        self._sized = half_bytes is not None
         self.path = SHM / f"wna16-node-{node.key}{suffix}"
         self._map = self._create() if node.local_rank == 0 else self._attach()
         self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
@@ -100,7 +104,7 @@ class SharedWindow:
 
     @property
     def size(self) -> int:
-        return HEADER + 2 * self.half_bytes
+        return HEADER + 2 * self.half_bytes + len(self.carried)
 
     def _create(self) -> mmap.mmap:
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -110,8 +114,10 @@ class SharedWindow:
             mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)  # (pages come as the ranks write them)
         finally:
             os.close(fd)
+        mapped[self.size - len(self.carried):self.size] = self.carried
         words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
-        words[1], words[2], words[3], words[0] = self.size, self.node.size, int(self.warm), MAGIC
+        words[1], words[2], words[3], words[4], words[0] = self.size, self.node.size, int(self.warm), \
+            len(self.carried), MAGIC
         del words
         os.replace(temporary, self.path)
         return mapped
@@ -139,9 +145,11 @@ class SharedWindow:
 
     def _checked(self, mapped: mmap.mmap) -> mmap.mmap:
         words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
-        magic, size, ranks, self.warm = words[0], words[1], words[2], bool(words[3])
+        magic, size, ranks, self.warm, carried = words[0], words[1], words[2], bool(words[3]), words[4]
         del words
         self.half_bytes = 0 if self.warm else self.half_bytes
+        if not self._sized and magic == MAGIC and len(mapped) == size >= HEADER + carried:
+            self.carried = bytes(mapped[size - carried:size])
         if magic != MAGIC or size != self.size or ranks != self.node.size or len(mapped) != size:
             mapped.close()
             raise NodeError(f"node {self.node.key}: the shared window {self.path} holds {size} bytes for {ranks} "
@@ -220,36 +228,61 @@ def mostly_cached(counts: Iterable[tuple[int, int]]) -> bool:
     return sum(held for held, _ in counts) >= WARM_AT * sum(pages for _, pages in counts)
 
 
-def node_warm(node: Node, files: Sequence[Path]) -> bool:
-    """Whether local rank 0 finds at least WARM_AT of the pages of `files` in the page cache; every rank of
-    `node` gets its answer (through a header-only window). A warm node has nothing to share: each rank reads
-    its mappings alone (the few pages missing come through the page cache, read once for the node) and
-    nothing is planned together."""
-    pages = PageCache()
+def node_windows(node: Node, files: Sequence[Path], plan: Callable[[], Sequence[Sequence[PlannedRange]] | None],
+                 gap: int) -> WindowPlan | None:
+    """What the ranks of `node` read together, worked out once by local rank 0 and handed to every rank (the
+    others wait for it up to the node's timeout): None where local rank 0 finds at least WARM_AT of the pages of
+    `files` in the page cache (a warm node has nothing to share: each rank reads its mappings alone, the few pages
+    missing read once for the node through the page cache), or where `plan()` (the node's groups, called on local
+    rank 0 only) is None; else those groups' `windows_of` (the node's `window_bytes`; ranges `gap` apart read as
+    one). Where local rank 0 fails to plan, every rank raises (the others a NodeError)."""
+    carry, error = b"", None
+    if node.local_rank == 0:
+        try:
+            groups = None if _cached(files) else plan()
+            carry = encoded(None if groups is None else windows_of(groups, node.window_bytes, gap))
+        except BaseException as exc:  # the others learn it now, not at their timeout
+            error = exc
+    shared = SharedWindow(node, 0 if node.local_rank == 0 else None, suffix=".plan", carry=carry)
     try:
-        warm = node.local_rank == 0 and mostly_cached(pages.resident(f, 0, f.stat().st_size) for f in files)
-    finally:
-        pages.close()
-    shared = SharedWindow(node, 0, warm=warm, suffix=".warm")
-    try:
-        shared.wait(Word.PID, 1, "agreeing whether the page cache holds the checkpoint", lambda: None)
-        return shared.warm
+        if error is not None:
+            shared.set(Word.FAILED, Failure.OWN)
+            _until_attached(shared)
+            raise error
+        shared.wait(Word.PID, 1, "agreeing what it reads together", lambda: None)
+        return decoded(shared.carried)
     finally:
         if node.local_rank == 0:
             shared.unlink()
         shared.close()
 
 
-class NodeRead:
-    """The overlay of a load that reads together with its node (module table): `groups` are the node's
-    planned ranges (every rank's), the same on every rank. `cold`: the caller has just found the page cache
-    cold (`node_warm`, on every rank alike), so local rank 0 does not look again (a look walks every planned page:
-    seconds at hundreds of GB, while the other ranks wait for its window)."""
+def _cached(files: Sequence[Path]) -> bool:
+    """Whether the page cache holds at least WARM_AT of the pages of `files`."""
+    pages = PageCache()
+    try:
+        return mostly_cached(pages.resident(f, 0, f.stat().st_size) for f in files)
+    finally:
+        pages.close()
 
-    def __init__(self, groups: Sequence[Sequence[PlannedRange]], options: ReadOptions, node: Node, *,
-                 cold: bool = False) -> None:
+
+def _until_attached(shared: SharedWindow) -> None:
+    """Wait until every rank has attached `shared` (each then reads local rank 0's words), or the node's timeout."""
+    deadline = time.monotonic() + shared.node.timeout_s
+    while not all(shared.word(i, Word.PID) for i in range(shared.node.size)) and time.monotonic() < deadline:
+        time.sleep(LIVENESS_S / 20)
+
+
+class NodeRead:
+    """The overlay of a load that reads together with its node (module table): `plan` is the windows of the
+    node's planned ranges (every rank's: `windows_of` their groups), the same on every rank. `cold`: the caller
+    has just found the page cache cold (`node_windows`, local rank 0's answer to every rank), so local rank 0 does
+    not look again (a look walks every planned page: seconds at hundreds of GB, while the other ranks wait for
+    its window)."""
+
+    def __init__(self, plan: WindowPlan, options: ReadOptions, node: Node, *, cold: bool = False) -> None:
         self.node, self.options = node, options
-        self.windows, half = windows_of(groups, node.window_bytes, options.gap_bytes)
+        self.windows, half = list(plan.windows), plan.half
         self._reader = FileReader(options.direct)
         self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and not cold and self._cached())
         if self.shared.warm:  # every rank reads through its mapping: nothing to share
@@ -279,7 +312,7 @@ class NodeRead:
 
     def _cached(self) -> bool:
         """Whether the page cache holds at least WARM_AT of the pages of every window's spans (a warm node, as
-        `node_warm` judges one: a page cache under pressure drops a few)."""
+        `node_windows` judges one: a page cache under pressure drops a few)."""
         return mostly_cached(self._reader.pages.resident(s.path, s.begin, s.end) for w in self.windows for s in w.spans)
 
     def start(self, group: int) -> None:

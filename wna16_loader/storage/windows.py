@@ -2,11 +2,14 @@
 
 | placed(ranges, gap)        | ranges coalesced file by file and laid back to back: (spans, bytes)          |
 | windows_of(groups, ...)    | consecutive groups (layers) packed into windows of at most one half each     |
+|                            | (`WindowPlan`: what every rank of a node reads by, local rank 0's to share)   |
 | stripe(window, rank, ...)  | a rank's requests of a window: its spans cut into requests, dealt round-robin |
+| encoded(plan) / decoded(b) | a `WindowPlan` (or None) as JSON bytes, and back (what local rank 0 hands on)  |
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
@@ -31,6 +34,13 @@ class Window(NamedTuple):
     nbytes: int
 
 
+class WindowPlan(NamedTuple):
+    """A node's read: its `windows` in use order, each read into a half of `half` bytes."""
+
+    windows: tuple[Window, ...]
+    half: int
+
+
 def placed(ranges: Sequence[PlannedRange | Placed], gap: int) -> tuple[tuple[Placed, ...], int]:
     """`ranges` (or spans placed before) coalesced file by file (begins aligned down, ends up) and laid one
     after another: the spans and the bytes they take."""
@@ -47,7 +57,7 @@ def placed(ranges: Sequence[PlannedRange | Placed], gap: int) -> tuple[tuple[Pla
     return tuple(spans), at
 
 
-def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> tuple[list[Window], int]:
+def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> WindowPlan:
     """Consecutive groups packed into windows of at most one half each (`window_bytes` // 2, grown to the
     largest group where one does not fit): the windows and the half's size. (Each group is coalesced once;
     a window coalesces its groups' spans.)"""
@@ -62,7 +72,7 @@ def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap:
             first = stop - 1
         if stop == len(groups):
             out.append(Window(first, stop, *together(first, stop)))
-    return out, half
+    return WindowPlan(tuple(out), half)
 
 
 def stripe(window: Window, local_rank: int, ranks: int, request_bytes: int) -> list[Placed]:
@@ -71,3 +81,25 @@ def stripe(window: Window, local_rank: int, ranks: int, request_bytes: int) -> l
     requests = [Placed(s.path, begin, end, s.offset + begin - s.begin)
                 for s in window.spans for begin, end in pieces(s.begin, s.end, request_bytes)]
     return requests[local_rank::ranks]
+
+
+def encoded(plan: WindowPlan | None) -> bytes:
+    """`plan` (None: nothing read together) as JSON bytes, each file's path written once."""
+    if plan is None:
+        return b"null"
+    paths = sorted({str(span.path) for window in plan.windows for span in window.spans})
+    number = {path: i for i, path in enumerate(paths)}
+    windows = [[w.first, w.stop, w.nbytes, [[number[str(s.path)], s.begin, s.end, s.offset] for s in w.spans]]
+               for w in plan.windows]
+    return json.dumps({"half": plan.half, "paths": paths, "windows": windows}).encode()
+
+
+def decoded(data: bytes) -> WindowPlan | None:
+    """The `WindowPlan` (or None) `encoded` wrote (one `Path` per file)."""
+    found = json.loads(data)
+    if found is None:
+        return None
+    paths = [Path(path) for path in found["paths"]]
+    return WindowPlan(tuple(Window(first, stop, tuple(Placed(paths[at], begin, end, offset)
+                                                      for at, begin, end, offset in spans), nbytes)
+                            for first, stop, nbytes, spans in found["windows"]), found["half"])
