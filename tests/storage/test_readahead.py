@@ -32,6 +32,7 @@ from wna16_loader.storage.readahead import (
     overlapping,
     pieces,
     span_of,
+    workers,
 )
 
 ROWS, COLS = 40, 300  # 40 int32 tensors of [ROWS, COLS]: 48,000 bytes each, at offsets that are not page-aligned
@@ -332,3 +333,20 @@ def test_options_refuse_sizes_that_cannot_work() -> None:
     with pytest.raises(WNA16Error, match=r"^ReadOptions: node_ahead=0 but at least 1 is needed \(the next layer "
                                          r"read ahead\); pass node_ahead>=1\.$"):
         ReadOptions(node_ahead=0)
+
+
+def test_short_requests_get_more_workers_to_keep_the_bytes_in_flight() -> None:
+    """`threads` requests in flight for full-size requests; where the rank's own runs are short on average (an EP
+    rank's scattered experts), enough more to keep `threads` full requests' bytes in flight, at most MORE_WORKERS
+    times as many; shared ranges (advice calls) and groups after the first with own ranges are not counted."""
+    file, mib = Path("/f/model.safetensors"), 1 << 20
+    options = ReadOptions(threads=8, request_bytes=16 * mib, gap_bytes=0)
+    whole = [PlannedRange(file, 0, 64 * mib, False)]  # four full requests
+    runs = lambda size, count: [PlannedRange(file, 2 * i * size, (2 * i + 1) * size, False)  # noqa: E731
+                                for i in range(count)]
+    assert workers([whole], options) == 8
+    assert workers([[], runs(4 * mib, 6)], options) == 32  # 4 MiB each: 8 * 16 / 4
+    assert workers([runs(8 * mib, 6), runs(mib, 6)], options) == 16  # the first group with own ranges
+    assert workers([runs(mib, 6)], options) == 32  # at most 4 x 8
+    assert workers([[r._replace(shared=True) for r in runs(mib, 6)] + whole], options) == 8
+    assert workers([], options) == 8

@@ -50,6 +50,7 @@ from .advice import PageCache, advice_bytes, will_need
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
+MORE_WORKERS = 4  # at most this many times `threads` requests in flight, where requests are short (`workers`)
 
 
 class CacheFill(Enum):
@@ -75,7 +76,8 @@ class PlannedRange(NamedTuple):
 class ReadOptions:
     """How a load reads its planned bytes ahead (the knobs of `load_experts(..., reads=)`).
 
-    `threads` requests in flight, each at most `request_bytes`; ranges closer than `gap_bytes` are read as
+    `threads` requests in flight (up to MORE_WORKERS times more where the requests are short: `workers`), each
+    at most `request_bytes`; ranges closer than `gap_bytes` are read as
     one; `ahead` groups (layers) submitted beyond the one being read (`node_ahead` by each rank of a `node` of
     several ranks that reads its own ranges: the ranks together keep the storage busy, and every layer more is
     fresh buffer memory in every rank); `direct`: O_DIRECT for the rank's own
@@ -130,6 +132,24 @@ def coalesced(ranges: Iterable[tuple[int, int]], gap: int) -> list[tuple[int, in
 def pieces(begin: int, end: int, size: int) -> list[tuple[int, int]]:
     """[begin, end) cut into consecutive pieces of at most `size` bytes."""
     return [(at, min(at + size, end)) for at in range(begin, end, size)]
+
+
+def workers(groups: Sequence[Sequence[PlannedRange]], options: ReadOptions) -> int:
+    """Requests in flight for `groups`: `options.threads`, more (up to MORE_WORKERS times) where the rank's own
+    requests are shorter than `request_bytes` on average, so that about `threads` full requests' bytes stay in
+    flight. The storage a node's ranks share serves each by the bytes it asks for: an EP rank whose experts a
+    name-sorting writer scatters (experts 0, 1, 10, then 100..109 of others, 11, ...) reads short runs and fell
+    behind the others. Judged on the first group with own ranges (the layers of one checkpoint are cut alike)."""
+    first = next((g for g in groups if any(not r.shared for r in g)), [])
+    files: dict[Path, list[tuple[int, int]]] = {}
+    for planned in first:
+        if not planned.shared:
+            files.setdefault(planned.file, []).append((planned.begin, planned.end))
+    cuts = [cut for spans in files.values() for begin, end in coalesced(spans, options.gap_bytes)
+            for cut in pieces(begin, end, options.request_bytes)]
+    total = sum(end - begin for begin, end in cuts)
+    wanted = -(-options.threads * options.request_bytes * len(cuts) // total) if total else 0
+    return min(MORE_WORKERS * options.threads, max(options.threads, wanted))
 
 
 class Region:
@@ -239,7 +259,8 @@ class ReadAhead:
         self.options = options
         planned = sum(r.end - r.begin for group in groups for r in group)
         self.groups = list(groups) if options.enabled and planned >= options.min_bytes else []
-        self._workers = ThreadPoolExecutor(options.threads, thread_name_prefix="wna16-read") if self.groups else None
+        self._workers = ThreadPoolExecutor(workers(self.groups, options), thread_name_prefix="wna16-read") \
+            if self.groups else None
         self._buffers = BufferPool(pin)
         self._regions: dict[int, list[Region]] = {}  # group -> its regions, while submitted and not released
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
