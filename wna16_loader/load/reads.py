@@ -101,24 +101,30 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     gap)`: `node_windows` hands its windows to every rank; planning every rank's layers on every rank cost
     O(ranks²)). None where the node's ranks share no pages: ranks of different EP ranks each (disjoint experts:
     known from the configs, nothing planned), a warm page cache (local rank 0 finds this rank's files cached),
-    or ranges that overlap too little (`node_groups`). `only`: the experts prefixes whose layers are read (the
-    others' groups empty, on every rank alike; None: all)."""
+    or ranges that overlap too little (`node_groups`); where the node reads together, this rank's own groups are
+    not planned (empty). `only`: the experts prefixes whose layers are read (the others' groups empty, on every
+    rank alike; None: all)."""
     paths: dict[str, Path] = {}
-    own = _kept(plans, only, [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes, paths=paths,
-                                             shared=cached) for plan in plans])
+
+    def own() -> Groups:
+        return _kept(plans, only, [planned_ranges(index, plan, min_tensor_bytes=reads.min_tensor_bytes, paths=paths,
+                                                  shared=cached) for plan in plans])
     node = reads.node
     if node is None or node.size == 1:
-        return LoadGroups(own)
+        return LoadGroups(own())
     members = node_members(node, parallel)
     if disjoint_experts(members):
-        return LoadGroups(own)
+        return LoadGroups(own())
 
     def plan() -> Groups | None:
         tables = LayerTables(index, moe)
         member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
                         for member in members]
         return _kept(plans, only, node_groups(index, member_plans, reads, paths))
-    return LoadGroups(own, together(node, sorted(set(paths.values())), plan, reads.gap_bytes))
+    files = sorted({index.folder / ref.file for layer in plans for src in layer.sources.values()
+                    for ref in src.tensors.values()})
+    windows = together(node, files, plan, reads.gap_bytes)
+    return LoadGroups(own() if windows is None else [], windows)
 
 
 def _kept(plans: list[LayerPlan], only: Collection[str] | None, groups: Groups | None) -> Groups | None:
