@@ -60,8 +60,8 @@ def test_ranks_that_planned_different_windows_are_told_so() -> None:
     key = f"test-{uuid.uuid4().hex}"
     leader = SharedWindow(Node((0, 1), 0, key, timeout_s=1), 2 * ALIGN)
     try:
-        with pytest.raises(NodeError, match=f"the shared window /dev/shm/wna16-node-{key} holds {4096 + 4 * ALIGN} "
-                                            f"bytes for 2 ranks, this rank planned {4096 + 2 * ALIGN} bytes for 2: "
+        with pytest.raises(NodeError, match=f"the shared window /dev/shm/wna16-node-{key} holds {4096 + 6 * ALIGN} "
+                                            f"bytes for 2 ranks, this rank planned {4096 + 3 * ALIGN} bytes for 2: "
                                             f"the ranks planned different loads"):
             SharedWindow(Node((0, 1), 1, key, timeout_s=1), ALIGN)
     finally:
@@ -332,3 +332,27 @@ def test_a_node_read_told_the_page_cache_is_cold_does_not_look_again(tmp_path: P
     for read in _warm_node_read(tmp_path, cold=True):
         assert not read.shared.warm and read.active and read.window_bytes > 0
         assert not read._reader.pages._maps  # its PageCache maps a file at the first look: none was taken
+
+
+def test_the_reads_run_up_to_two_windows_ahead_of_the_ranks(tmp_path: Path) -> None:
+    """Three parts: while the rank converts window 0, windows 1 and 2 are read, and window 3 (whose part is window
+    0's) only once the rank has moved on; every window is read in the end."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
+                            num_layers=5, references=False)
+    node = Node((0,), 0, f"test-{uuid.uuid4().hex}", window_bytes=ALIGN)  # (each part grows to one layer)
+    with load_plans(ckpt.folder) as (_, groups):
+        read = NodeRead(windows_of(groups, node.window_bytes, _options(node).gap_bytes), _options(node), node,
+                        cold=True)
+        try:
+            assert len(read.windows) == len(groups) == 5
+            read.start(0)
+            deadline = time.monotonic() + 10
+            while read.shared.word(0, Word.READ) < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            assert read.shared.word(0, Word.READ) == 3
+            for number in range(1, len(groups)):
+                read.start(number)
+        finally:
+            read.close()
+        assert read.shared.words is None and not read.failed

@@ -36,11 +36,11 @@ def covered(spans: list[tuple[Path, int, int]]) -> set[tuple[Path, int]]:
 @given(layer_groups(), st.integers(1, 1 << 20), st.integers(1, 8), st.sampled_from([ALIGN, 4 * ALIGN, 64 * ALIGN]))
 def test_windows_and_stripes_cover_every_planned_byte_once(groups: list[list[PlannedRange]], window_bytes: int,
                                                            ranks: int, request: int) -> None:
-    windows, half = windows_of(groups, window_bytes, gap=ALIGN)
+    windows, part = windows_of(groups, window_bytes, gap=ALIGN)
     assert [(w.first, w.stop) for w in windows][0][0] == 0 and windows[-1].stop == len(groups)
     assert all(a.stop == b.first for a, b in zip(windows, windows[1:]))
     for window in windows:
-        assert window.nbytes <= half and half % ALIGN == 0
+        assert window.nbytes <= part and part % ALIGN == 0
         assert window.spans == placed([r for g in groups[window.first:window.stop] for r in g], ALIGN)[0]
         planned = covered([(r.file, r.begin, r.end) for g in groups[window.first:window.stop] for r in g])
         assert covered([(s.path, s.begin, s.end) for s in window.spans]) >= planned
@@ -61,7 +61,7 @@ def test_placed_lays_coalesced_spans_back_to_back() -> None:
     assert nbytes == 3 * ALIGN
 
 
-def test_a_layer_larger_than_half_the_window_grows_the_half() -> None:
+def test_a_layer_larger_than_a_part_of_the_window_grows_the_part() -> None:
     group = [PlannedRange(FILES[0], 0, 10 * ALIGN, False)]
-    windows, half = windows_of([group, [PlannedRange(FILES[1], 0, ALIGN, True)]], window_bytes=4 * ALIGN, gap=0)
-    assert half == 10 * ALIGN and [(w.first, w.stop) for w in windows] == [(0, 1), (1, 2)]
+    windows, part = windows_of([group, [PlannedRange(FILES[1], 0, ALIGN, True)]], window_bytes=4 * ALIGN, gap=0)
+    assert part == 10 * ALIGN and [(w.first, w.stop) for w in windows] == [(0, 1), (1, 2)]

@@ -223,7 +223,7 @@ class Node:
 
     `ranks`: the global ranks (`ParallelConfig.rank`) of the node's processes, in local-rank order, this
     process at `local_rank`; `key`: the same text on every rank of the node and a different one for every
-    job (it names the shared window); `window_bytes`: the shared memory the node reads into (two halves,
+    job (it names the shared window); `window_bytes`: the shared memory the node reads into (three parts,
     each grown to the largest layer where one does not fit: the load reports what it used); `timeout_s`: how
     long a rank waits for the others at one step before raising `NodeError`."""
 

@@ -3,13 +3,13 @@ need once, into one shared window, and each rank takes its own slices from there
 
 The node's planned byte ranges (the union over its ranks, a group a layer, in use order) are packed into
 windows of whole layers; each window is cut into requests dealt round-robin to the ranks (`stripes`), and
-each rank reads its requests (O_DIRECT where the file system takes it) into the window's half of a shared
-file in /dev/shm while the ranks convert the previous window from the other half:
+each rank reads its requests (O_DIRECT where the file system takes it) into the window's part of a shared
+file in /dev/shm while the ranks convert an earlier window from another part (PARTS of them):
 
 | window file   | [0, HEADER): int64 words: magic, size, ranks, warm, bytes carried; then per rank: pid,  |
-| (/dev/shm,    | windows read, windows used, failed. Then half 0 (windows 0, 2, ...) and half 1 (windows |
-| unlinked once | 1, 3, ...), each `half_bytes` long (none when warm: local rank 0 found WARM_AT of the   |
-| all have it)  | planned pages cached, and every rank reads through its own mapping); then the bytes     |
+| (/dev/shm,    | windows read, windows used, failed. Then part 0 (windows 0, 3, ...), part 1 (windows 1, |
+| unlinked once | 4, ...) and part 2, each `part_bytes` long (none when warm: local rank 0 found WARM_AT  |
+| all have it)  | of the planned pages cached, and every rank reads through its own mapping); then bytes  |
 |               | local rank 0 carries to the others (`node_windows`: the node's `WindowPlan`)             |
 
 | NodeRead.start(i)      | group i is about to be read: once its window is read by every rank, its regions are |
@@ -39,7 +39,7 @@ from ..errors import NodeError
 from ..parallel.config import Node
 from .advice import PageCache
 from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, overlapping
-from .windows import Placed, WindowPlan, decoded, encoded, stripe, windows_of
+from .windows import PARTS, Placed, WindowPlan, decoded, encoded, stripe, windows_of
 
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
@@ -86,25 +86,25 @@ class SharedWindow:
     """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
     its header words are how the ranks wait for each other."""
 
-    def __init__(self, node: Node, half_bytes: int | None, *, warm: bool = False, suffix: str = "",
+    def __init__(self, node: Node, part_bytes: int | None, *, warm: bool = False, suffix: str = "",
                  carry: bytes = b"") -> None:
         """`warm` (local rank 0's word, the others learn it): the page cache holds the planned bytes (WARM_AT of
         their pages), so the ranks read through their mappings and the window holds no data. `suffix`: of the
         file's name (a node's other rendezvous). `carry`: bytes local rank 0 hands to the others (`carried`);
-        they pass `half_bytes=None` and take the file as local rank 0 made it."""
+        they pass `part_bytes=None` and take the file as local rank 0 made it."""
         self.node, self.warm, self.carried = node, warm and node.local_rank == 0, carry
-        self.half_bytes = 0 if self.warm or half_bytes is None else half_bytes
-        self._sized = half_bytes is not None
+        self.part_bytes = 0 if self.warm or part_bytes is None else part_bytes
+        self._sized = part_bytes is not None
         self.path = SHM / f"wna16-node-{node.key}{suffix}"
         self._map = self._create() if node.local_rank == 0 else self._attach()
         self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=2 * self.half_bytes, offset=HEADER) \
-            if self.half_bytes else torch.empty(0, dtype=torch.uint8)
+        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=PARTS * self.part_bytes, offset=HEADER) \
+            if self.part_bytes else torch.empty(0, dtype=torch.uint8)
         self.set(Word.PID, os.getpid())
 
     @property
     def size(self) -> int:
-        return HEADER + 2 * self.half_bytes + len(self.carried)
+        return HEADER + PARTS * self.part_bytes + len(self.carried)
 
     def _create(self) -> mmap.mmap:
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
@@ -147,7 +147,7 @@ class SharedWindow:
         words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
         magic, size, ranks, self.warm, carried = words[0], words[1], words[2], bool(words[3]), words[4]
         del words
-        self.half_bytes = 0 if self.warm else self.half_bytes
+        self.part_bytes = 0 if self.warm else self.part_bytes
         if not self._sized and magic == MAGIC and len(mapped) == size >= HEADER + carried:
             self.carried = bytes(mapped[size - carried:size])
         if magic != MAGIC or size != self.size or ranks != self.node.size or len(mapped) != size:
@@ -166,10 +166,10 @@ class SharedWindow:
     def set(self, word: Word, value: int) -> None:
         self.words[FILE_WORDS + len(Word) * self.node.local_rank + word] = value
 
-    def half(self, window: int) -> torch.Tensor:
-        """The bytes of the half window `window` is read into."""
-        start = window % 2 * self.half_bytes
-        return self.data[start:start + self.half_bytes]
+    def part(self, window: int) -> torch.Tensor:
+        """The bytes of the part window `window` is read into."""
+        start = window % PARTS * self.part_bytes
+        return self.data[start:start + self.part_bytes]
 
     def wait(self, word: Word, target: int, doing: str, own: Callable[[], None]) -> None:
         """Until every rank's `word` is at least `target` (`own()` raises this rank's own failure). Raises
@@ -282,13 +282,13 @@ class NodeRead:
 
     def __init__(self, plan: WindowPlan, options: ReadOptions, node: Node, *, cold: bool = False) -> None:
         self.node, self.options = node, options
-        self.windows, half = list(plan.windows), plan.half
+        self.windows = list(plan.windows)
         self._reader = FileReader(options.direct)
-        self.shared = SharedWindow(node, half, warm=node.local_rank == 0 and not cold and self._cached())
+        self.shared = SharedWindow(node, plan.part, warm=node.local_rank == 0 and not cold and self._cached())
         if self.shared.warm:  # every rank reads through its mapping: nothing to share
             self.windows = []
         self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
-        self.window_bytes = 2 * self.shared.half_bytes
+        self.window_bytes = PARTS * self.shared.part_bytes
         self.current = -1
         self.failed = False
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}
@@ -324,9 +324,9 @@ class NodeRead:
         self.shared.set(Word.USED, window)
         self.shared.wait(Word.READ, window + 1, f"reading window {window} of {len(self.windows)}", self._own)
         self.current = window
-        half, files = self.shared.half(window), {}
+        part, files = self.shared.part(window), {}
         for span in self.windows[window].spans:
-            region = Region(span.path, span.begin, span.end, half[span.offset:span.offset + span.end - span.begin])
+            region = Region(span.path, span.begin, span.end, part[span.offset:span.offset + span.end - span.begin])
             files.setdefault(span.path, []).append(region)
         self._files = {path: ([r.begin for r in regions], regions) for path, regions in files.items()}
 
@@ -347,14 +347,14 @@ class NodeRead:
             raise self._error
 
     def _read_all(self) -> None:
-        """This rank's stripe of every window, each once every rank is done with the window before the one
-        before it (whose half it reuses)."""
+        """This rank's stripe of every window, each once every rank is done with the window PARTS before it
+        (whose part it reuses)."""
         try:
             for number, window in enumerate(self.windows):
-                self.shared.wait(Word.USED, number - 1, f"converting window {number - 2}", lambda: None)
-                half = self.shared.half(number)
+                self.shared.wait(Word.USED, number - PARTS + 1, f"converting window {number - PARTS}", lambda: None)
+                part = self.shared.part(number)
                 requests = stripe(window, self.node.local_rank, self.node.size, self.options.request_bytes)
-                for done in [self._workers.submit(self._read, r, half) for r in requests]:
+                for done in [self._workers.submit(self._read, r, part) for r in requests]:
                     done.result()
                 self.shared.set(Word.READ, number + 1)
         except BaseException as exc:  # the main thread raises it at its next wait; the others see FAILED
@@ -362,10 +362,10 @@ class NodeRead:
             if self.shared.words is not None:
                 self.shared.set(Word.FAILED, Failure.PEER if isinstance(exc, NodeError) else Failure.OWN)
 
-    def _read(self, request: Placed, half: torch.Tensor) -> None:
-        """One request into its place in `half` (`FileReader`: direct unless the page cache holds it)."""
+    def _read(self, request: Placed, part: torch.Tensor) -> None:
+        """One request into its place in `part` (`FileReader`: direct unless the page cache holds it)."""
         self._reader.read(request.path, request.begin,
-                          memoryview(half[request.offset:request.offset + request.end - request.begin].numpy()))
+                          memoryview(part[request.offset:request.offset + request.end - request.begin].numpy()))
 
     def fail(self, error: BaseException) -> None:
         """This rank's load stopped on `error`: the other ranks are told at once (they raise NodeError), and

@@ -1,7 +1,7 @@
 """A node's planned byte ranges packed into windows (pure arithmetic, for `storage.node`).
 
 | placed(ranges, gap)        | ranges coalesced file by file and laid back to back: (spans, bytes)          |
-| windows_of(groups, ...)    | consecutive groups (layers) packed into windows of at most one half each     |
+| windows_of(groups, ...)    | consecutive groups (layers) packed into windows of at most one part each     |
 |                            | (`WindowPlan`: what every rank of a node reads by, local rank 0's to share)   |
 | stripe(window, rank, ...)  | a rank's requests of a window: its spans cut into requests, dealt round-robin |
 | encoded(plan) / decoded(b) | a `WindowPlan` (or None) as JSON bytes, and back (what local rank 0 hands on)  |
@@ -15,9 +15,12 @@ from typing import NamedTuple, Sequence
 
 from .readahead import ALIGN, PlannedRange, coalesced, pieces
 
+PARTS = 3  # a node's window file holds this many windows: one read while the ranks convert another, and a third
+#            read ahead, so that a read that runs late (a slower rank, a slower request) does not stall the node
+
 
 class Placed(NamedTuple):
-    """File bytes [begin, end) of `path` (begin aligned) at byte `offset` of a window's half."""
+    """File bytes [begin, end) of `path` (begin aligned) at byte `offset` of a window's part."""
 
     path: Path
     begin: int
@@ -26,7 +29,7 @@ class Placed(NamedTuple):
 
 
 class Window(NamedTuple):
-    """Groups [first, stop) read together into one half: `spans` in half order, `nbytes` long."""
+    """Groups [first, stop) read together into one part: `spans` in part order, `nbytes` long."""
 
     first: int
     stop: int
@@ -35,10 +38,10 @@ class Window(NamedTuple):
 
 
 class WindowPlan(NamedTuple):
-    """A node's read: its `windows` in use order, each read into a half of `half` bytes."""
+    """A node's read: its `windows` in use order, each read into a part of `part` bytes (of PARTS)."""
 
     windows: tuple[Window, ...]
-    half: int
+    part: int
 
 
 def placed(ranges: Sequence[PlannedRange | Placed], gap: int) -> tuple[tuple[Placed, ...], int]:
@@ -58,21 +61,21 @@ def placed(ranges: Sequence[PlannedRange | Placed], gap: int) -> tuple[tuple[Pla
 
 
 def windows_of(groups: Sequence[Sequence[PlannedRange]], window_bytes: int, gap: int) -> WindowPlan:
-    """Consecutive groups packed into windows of at most one half each (`window_bytes` // 2, grown to the
-    largest group where one does not fit): the windows and the half's size. (Each group is coalesced once;
+    """Consecutive groups packed into windows of at most one part each (`window_bytes` // PARTS, grown to the
+    largest group where one does not fit): the windows and the part's size. (Each group is coalesced once;
     a window coalesces its groups' spans.)"""
     each = [placed(g, gap) for g in groups]
-    half = max(window_bytes // 2 // ALIGN * ALIGN, max((nbytes for _, nbytes in each), default=0), ALIGN)
+    part = max(window_bytes // PARTS // ALIGN * ALIGN, max((nbytes for _, nbytes in each), default=0), ALIGN)
     out: list[Window] = []
     first = 0
     together = lambda first, stop: placed([s for spans, _ in each[first:stop] for s in spans], gap)  # noqa: E731
     for stop in range(1, len(groups) + 1):
-        if together(first, stop)[1] > half:
+        if together(first, stop)[1] > part:
             out.append(Window(first, stop - 1, *together(first, stop - 1)))
             first = stop - 1
         if stop == len(groups):
             out.append(Window(first, stop, *together(first, stop)))
-    return WindowPlan(tuple(out), half)
+    return WindowPlan(tuple(out), part)
 
 
 def stripe(window: Window, local_rank: int, ranks: int, request_bytes: int) -> list[Placed]:
@@ -91,7 +94,7 @@ def encoded(plan: WindowPlan | None) -> bytes:
     number = {path: i for i, path in enumerate(paths)}
     windows = [[w.first, w.stop, w.nbytes, [[number[str(s.path)], s.begin, s.end, s.offset] for s in w.spans]]
                for w in plan.windows]
-    return json.dumps({"half": plan.half, "paths": paths, "windows": windows}).encode()
+    return json.dumps({"part": plan.part, "paths": paths, "windows": windows}).encode()
 
 
 def decoded(data: bytes) -> WindowPlan | None:
@@ -102,4 +105,4 @@ def decoded(data: bytes) -> WindowPlan | None:
     paths = [Path(path) for path in found["paths"]]
     return WindowPlan(tuple(Window(first, stop, tuple(Placed(paths[at], begin, end, offset)
                                                       for at, begin, end, offset in spans), nbytes)
-                            for first, stop, nbytes, spans in found["windows"]), found["half"])
+                            for first, stop, nbytes, spans in found["windows"]), found["part"])
