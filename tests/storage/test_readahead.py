@@ -7,7 +7,9 @@ buffers of its own (not the mapping), and O_DIRECT refused by the file system fa
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -119,6 +121,21 @@ def test_views_hold_the_mapping_bytes_in_any_chunking(checkpoint, plan) -> None:
         pages.close()
 
 
+@contextmanager
+def overlaid(mapped: MappedFile, planned: list[PlannedRange]) -> Iterator[ReadAhead]:
+    """`mapped`'s file evicted and `planned` (one group, no gaps bridged) read ahead as its overlay, started."""
+    ahead = ReadAhead([planned], ReadOptions(min_bytes=0, gap_bytes=0))
+    mapped.overlay = ahead
+    try:
+        if not evict(mapped.path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
+        ahead.start(0)
+        yield ahead
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
 def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
     """A stacked view over tensors 0 and 2 (evenly spaced) when only those two are read ahead, in two
     regions: each row comes from its region, none from the mapping, the elements those of the file."""
@@ -126,21 +143,12 @@ def test_experts_in_two_regions_are_stacked_from_each(checkpoint) -> None:
     mapped = MappedFile(path, ITEMSIZES)
     begins = [mapped.entries.begin(name) for name in ("t00", "t02")]
     nbytes = ROWS * COLS * 4
-    ahead = ReadAhead([[PlannedRange(path, b, b + nbytes, False) for b in begins]],
-                      ReadOptions(min_bytes=0, gap_bytes=0))
-    mapped.overlay = ahead
-    try:
-        if not evict(path):
-            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
-        ahead.start(0)
+    with overlaid(mapped, [PlannedRange(path, b, b + nbytes, False) for b in begins]):
         step = (begins[1] - begins[0]) // 4
         first = mapped.mapped(begins[0], (ROWS, COLS), torch.int32)
         both = mapped.rebased(first.as_strided((2, ROWS, COLS), (step, COLS, 1), first.storage_offset()))
         assert torch.equal(both, torch.stack([tensors["t00"], tensors["t02"]]))
         assert both.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
-    finally:
-        mapped.overlay = None
-        ahead.close()
 
 
 def test_a_stacked_view_over_two_regions_is_none_and_never_a_copy(checkpoint) -> None:
@@ -152,14 +160,8 @@ def test_a_stacked_view_over_two_regions_is_none_and_never_a_copy(checkpoint) ->
     mapped = MappedFile(path, ITEMSIZES)
     nbytes = ROWS * COLS * 4
     ranges = [(name, mapped.entries.begin(name)) for name in ("t00", "t01", "t02")]
-    ahead = ReadAhead([[PlannedRange(path, ranges[0][1], ranges[1][1] + nbytes, False),
-                        PlannedRange(path, ranges[2][1], ranges[2][1] + nbytes, False)]],
-                      ReadOptions(min_bytes=0, gap_bytes=0))
-    mapped.overlay = ahead
-    try:
-        if not evict(path):
-            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
-        ahead.start(0)
+    with overlaid(mapped, [PlannedRange(path, ranges[0][1], ranges[1][1] + nbytes, False),
+                           PlannedRange(path, ranges[2][1], ranges[2][1] + nbytes, False)]) as ahead:
         picked = (slice(3, 9), slice(10, 40))
         assert stacked_view(mapped, [ranges[0][1], ranges[2][1]], (ROWS, COLS), torch.int32, picked) is None
         near = stacked_view(mapped, [ranges[0][1], ranges[1][1]], (ROWS, COLS), torch.int32, picked)
@@ -168,9 +170,6 @@ def test_a_stacked_view_over_two_regions_is_none_and_never_a_copy(checkpoint) ->
         assert near.untyped_storage().data_ptr() == region.buffer.untyped_storage().data_ptr()
         got = gather(mapped, [ranges[0][1], ranges[2][1]], (ROWS, COLS), torch.int32, picked)
         assert torch.equal(got, torch.stack([tensors["t00"][picked], tensors["t02"][picked]]))
-    finally:
-        mapped.overlay = None
-        ahead.close()
 
 
 @pytest.mark.parametrize("read", ((("t00", "t03"),), (("t00", "t00"), ("t03", "t03"))))
@@ -182,12 +181,7 @@ def test_a_gather_on_a_grid_reads_the_overlay(checkpoint, read) -> None:
     mapped = MappedFile(path, ITEMSIZES)
     nbytes, names = ROWS * COLS * 4, ("t00", "t02", "t03")
     planned = [PlannedRange(path, mapped.entries.begin(a), mapped.entries.begin(b) + nbytes, False) for a, b in read]
-    ahead = ReadAhead([planned], ReadOptions(min_bytes=0, gap_bytes=0))
-    mapped.overlay = ahead
-    try:
-        if not evict(path):
-            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
-        ahead.start(0)
+    with overlaid(mapped, planned):
         picked = (slice(1, 5), slice(7, 20))
         begins = [mapped.entries.begin(n) for n in names]
         got = gather(mapped, begins, (ROWS, COLS), torch.int32, picked)
@@ -198,9 +192,6 @@ def test_a_gather_on_a_grid_reads_the_overlay(checkpoint, read) -> None:
             assert view.untyped_storage().data_ptr() != mapped.flat(torch.uint8, 0).data_ptr()
         else:
             assert grid_view(mapped, begins, (ROWS, COLS), torch.int32, picked) is None
-    finally:
-        mapped.overlay = None
-        ahead.close()
 
 
 def test_direct_io_refused_falls_back_to_buffered(checkpoint, monkeypatch) -> None:
