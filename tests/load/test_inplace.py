@@ -5,12 +5,16 @@ maths tests/layouts/test_relayout.py checks against the checkpoint's own tensors
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from processes import evicted
 from safetensors.torch import load_file, save_file
 
 from wna16_loader import ConfigError, LayoutMismatchError, ParallelConfig, load_experts
@@ -336,3 +340,31 @@ def test_copies_equal_the_fused_route_for_any_sizes(tmp_path_factory, fmt, bits,
     want, got, report = both_routes(folder, config, ROWS[fmt], group_size)
     assert report.copied == ("model.layers.0.mlp.experts",) and report.scratch_bytes == 0
     assert_same(want, got)
+
+
+def test_tp_ranks_filling_together_as_a_node_fill_what_each_fills_alone(source):
+    """Two TP ranks of one node (threads here) fill the parameters of one layer together, cold: through the node's
+    shared window (reported), every value what the rank fills alone."""
+    folder, _ = source
+    files = sorted(folder.glob("*.safetensors"))
+    key, got, reports = f"fill-{os.getpid()}-{time.monotonic_ns()}", {}, {}
+    configs = [ParallelConfig(tp_size=2, tp_rank=r) for r in (0, 1)]
+    fused = [load_experts(folder, config) for config in configs]
+    wanted, alone = ([{PREFIXES[1]: targets(f, MOE_WNA16)[PREFIXES[1]]} for f in fused] for _ in range(2))
+    for config, target in zip(configs, alone):
+        fill_layers(folder, config, target, reads=ReadOptions(enabled=False))
+    if evicted(files):
+        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: a node here is always warm")
+
+    def rank(local: int) -> None:
+        reads = ReadOptions(min_bytes=0, min_tensor_bytes=0, node=Node((0, 1), local, key, timeout_s=60))
+        reports[local] = fill_layers(folder, configs[local], wanted[local], reads=reads)
+    threads = [threading.Thread(target=rank, args=(local,)) for local in (1, 0)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(reports) == [0, 1] and all(report.window_bytes > 0 for report in reports.values())
+    assert all(report.layers == {PREFIXES[1]: "moe_wna16"} for report in reports.values())
+    for mine, theirs in zip(wanted, alone):
+        assert_same(theirs, mine)
