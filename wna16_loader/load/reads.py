@@ -88,6 +88,7 @@ class LoadGroups(NamedTuple):
     own: Groups
     together: WindowPlan | None = None
 
+
 Together = Callable[[Node, list[Path], Callable[[], Groups | None], int], WindowPlan | None]
 
 
@@ -121,9 +122,8 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
         member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
                         for member in members]
         return _kept(plans, only, node_groups(index, member_plans, reads, paths))
-    files = sorted({index.folder / ref.file for layer in plans for src in layer.sources.values()
-                    for ref in src.tensors.values()})
-    windows = together(node, files, plan, reads.gap_bytes)
+    names = {ref.file for layer in plans for src in layer.sources.values() for ref in src.tensors.values()}
+    windows = together(node, [index.folder / name for name in sorted(names)], plan, reads.gap_bytes)
     return LoadGroups(own() if windows is None else [], windows)
 
 

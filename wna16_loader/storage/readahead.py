@@ -50,6 +50,7 @@ from .advice import PageCache, advice_bytes, will_need
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
+FileSpans = dict[Path, list[tuple[int, int]]]  # [begin, end) byte ranges, file by file
 MORE_WORKERS = 4  # at most this many times `threads` requests in flight, where requests are short (`workers`)
 
 
@@ -134,18 +135,27 @@ def pieces(begin: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(at, min(at + size, end)) for at in range(begin, end, size)]
 
 
+def _by_kind(group: Sequence[PlannedRange]) -> tuple[FileSpans, FileSpans]:
+    """A group's ranges file by file: (the rank's own, shared). Own ranges in a file where the group has shared
+    ones too count as shared: the mapping reads them between those (views of several experts span both)."""
+    own: FileSpans = {}
+    shared: FileSpans = {}
+    for planned in group:
+        (shared if planned.shared else own).setdefault(planned.file, []).append((planned.begin, planned.end))
+    for path in own.keys() & shared.keys():
+        shared[path] += own.pop(path)
+    return own, shared
+
+
 def workers(groups: Sequence[Sequence[PlannedRange]], options: ReadOptions) -> int:
     """Requests in flight for `groups`: `options.threads`, more (up to MORE_WORKERS times) where the rank's own
     requests are shorter than `request_bytes` on average, so that about `threads` full requests' bytes stay in
     flight. The storage a node's ranks share serves each by the bytes it asks for: an EP rank whose experts a
     name-sorting writer scatters (experts 0, 1, 10, then 100..109 of others, 11, ...) reads short runs and fell
-    behind the others. Judged on the first group with own ranges (the layers of one checkpoint are cut alike)."""
-    first = next((g for g in groups if any(not r.shared for r in g)), [])
-    files: dict[Path, list[tuple[int, int]]] = {}
-    for planned in first:
-        if not planned.shared:
-            files.setdefault(planned.file, []).append((planned.begin, planned.end))
-    cuts = [cut for spans in files.values() for begin, end in coalesced(spans, options.gap_bytes)
+    behind the others. Judged on the first group with own ranges (`_by_kind`; the layers of one checkpoint are cut
+    alike)."""
+    own = next((own for own, _ in map(_by_kind, groups) if own), {})
+    cuts = [cut for spans in own.values() for begin, end in coalesced(spans, options.gap_bytes)
             for cut in pieces(begin, end, options.request_bytes)]
     total = sum(end - begin for begin, end in cuts)
     wanted = -(-options.threads * options.request_bytes * len(cuts) // total) if total else 0
@@ -308,12 +318,7 @@ class ReadAhead:
         return overlapping(self._files, path, low, high)
 
     def _submit(self, group: int) -> None:
-        own: dict[Path, list[tuple[int, int]]] = {}
-        shared: dict[Path, list[tuple[int, int]]] = {}
-        for planned in self.groups[group]:
-            (shared if planned.shared else own).setdefault(planned.file, []).append((planned.begin, planned.end))
-        for path in own.keys() & shared.keys():  # between shared ranges: the mapping reads them (views span both)
-            shared[path] += own.pop(path)
+        own, shared = _by_kind(self.groups[group])
         regions = self._regions.setdefault(group, [])
         for path, spans in own.items():  # spans the page cache holds whole the mapping reads (no copy)
             regions += [self._region(path, begin // ALIGN * ALIGN, end)
