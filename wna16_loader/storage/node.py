@@ -197,6 +197,8 @@ class SharedWindow:
         states = [(i, Failure(self.word(i, Word.FAILED)), self.word(i, Word.PID)) for i in range(self.node.size)]
         liveness = liveness or any(state in (Failure.OWN, Failure.PEER) for _, state, _ in states)  # (the cause?)
         gone = [i for i, state, pid in states if liveness and pid and state is Failure.NONE and not alive(pid)]
+        # (read again: a rank that stops sets its word before it exits, which may have been after `states`)
+        gone = [i for i in gone if self.word(i, Word.FAILED) == Failure.NONE]
         if gone:
             raise NodeError(self._about(gone, f"exited while the node was {doing}"))
         for failure, what in ((Failure.OWN, "failed"), (Failure.PEER, "stopped because of another rank")):
