@@ -21,11 +21,11 @@ from wna16_loader.errors import WNA16Error
 from wna16_loader.parallel import Node
 from wna16_loader.storage import readahead
 from wna16_loader.storage.advice import PageCache
+from wna16_loader.storage.buffers import size_class
 from wna16_loader.storage.filemap import MappedFile, gather, grid_view, stacked_view
 from wna16_loader.storage.index import ITEMSIZES
 from wna16_loader.storage.readahead import (
     ALIGN,
-    BufferPool,
     CacheFill,
     PlannedRange,
     ReadAhead,
@@ -248,6 +248,35 @@ def test_a_rank_of_a_node_keeps_fewer_layers_in_flight(checkpoint, node, beyond)
         ahead.close()
 
 
+def test_a_group_reads_into_one_buffer_and_three_groups_hold_all_the_memory(checkpoint) -> None:
+    """Each group's regions are carved out of one buffer of its own; reading ahead by `ahead` (2), the buffers of
+    the groups done go back before the next are taken, so the load makes buffers for 3 groups once, and later
+    groups of about the same size (`size_class`) reuse them."""
+    path, tensors = checkpoint
+    mapped = MappedFile(path, ITEMSIZES)
+    nbytes = ROWS * COLS * 4
+    groups = [[PlannedRange(path, mapped.entries.begin(f"t{t:02d}"), mapped.entries.begin(f"t{t:02d}") + nbytes,
+                            False) for t in (g, g + 20)] for g in range(8)]  # (two tensors far apart: 2 regions)
+    ahead = ReadAhead(groups, ReadOptions(min_bytes=0, gap_bytes=0, request_bytes=ALIGN))
+    mapped.overlay = ahead
+    try:
+        if not evict(path):
+            pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: no read ahead of cached bytes")
+        largest = 0
+        for g in range(8):
+            ahead.start(g)
+            first, second = (ahead.covering(path, r.begin, r.end) for r in groups[g])
+            assert second.buffer.data_ptr() == first.buffer.data_ptr() + len(first.buffer)  # one buffer
+            view = mapped.view(groups[g][1].begin, (ROWS, COLS), torch.int32)
+            assert view.data_ptr() == second.buffer.data_ptr() + groups[g][1].begin - second.begin
+            assert torch.equal(view, tensors[f"t{g + 20:02d}"])
+            largest = max(largest, sum(-(-(r.end - r.begin // ALIGN * ALIGN) // ALIGN) * ALIGN for r in groups[g]))
+        assert ahead.buffer_bytes == 3 * size_class(largest)
+    finally:
+        mapped.overlay = None
+        ahead.close()
+
+
 def test_small_or_disabled_loads_read_through_the_mapping(checkpoint) -> None:
     path, _ = checkpoint
     ranges = [[PlannedRange(path, 0, 1000, False)]]
@@ -303,15 +332,6 @@ def test_span_of_is_the_extent_of_the_selected_elements(shape, data) -> None:
         assert (low, high, nbytes) == (100, 100, 0)
         return
     assert (low, high, nbytes) == (100 + 4 * int(picked.min()), 100 + 4 * int(picked.max()) + 4, 4 * picked.numel())
-
-
-def test_buffers_are_aligned_and_reused() -> None:
-    pool = BufferPool(pin=False)
-    first = pool.take(3 * ALIGN)
-    assert first.data_ptr() % ALIGN == 0 and len(first) == 3 * ALIGN
-    pool.release(first)
-    assert pool.take(2 * ALIGN).data_ptr() == first.data_ptr()  # the smallest free one that fits
-    assert pool.take(ALIGN).data_ptr() != first.data_ptr()
 
 
 def test_options_refuse_sizes_that_cannot_work() -> None:

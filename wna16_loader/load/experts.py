@@ -103,7 +103,8 @@ def _load_checkpoint(path: Path, parallel: ParallelConfig, policy: DevicePolicy,
                 written += nbytes
             policy.synchronize()
         result.report = LoadReport.of(plans, scan, tensors=tensors, bytes_read=index.bytes_read,
-                                      bytes_written=written, start=start, window_bytes=ahead.window_bytes)
+                                      bytes_written=written, start=start, window_bytes=ahead.window_bytes,
+                                      buffer_bytes=ahead.buffer_bytes)
         result.ignored = scan.others
     rank_logger(parallel).info("loaded: %s", result.report)
     return result

@@ -71,13 +71,14 @@ class FillReport:
     """What `fill_layers` did: the layers filled (prefix -> method row name), the non-expert tensors it
     left for the engine (checkpoint folders only), the most scratch one layer held (bytes), and the layers
     whose checkpoint words were copied as they are (`load.direct`); `window_bytes`: the shared memory a node's
-    read used (0: the rank read alone)."""
+    read used (0: the rank read alone); `buffer_bytes`: the memory of the rank's own read-ahead buffers."""
 
     layers: dict[str, str]
     ignored: tuple[str, ...]
     scratch_bytes: int
     copied: tuple[str, ...] = ()
     window_bytes: int = 0
+    buffer_bytes: int = 0
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
@@ -203,7 +204,8 @@ def _fill_checkpoint(path: str | Path, parallel: ParallelConfig, targets: Mappin
                 ahead.start(number)
                 if plan.prefix in targets:
                     done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
-        return replace(_report(done, targets, scan.others), window_bytes=ahead.window_bytes)
+        return replace(_report(done, targets, scan.others), window_bytes=ahead.window_bytes,
+                       buffer_bytes=ahead.buffer_bytes)
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ import torch
 from ..errors import NodeError
 from ..parallel.config import Node
 from .advice import PageCache
-from .readahead import ALIGN, FileReader, PlannedRange, ReadOptions, Region, overlapping
+from .buffers import ALIGN, Region
+from .readahead import FileReader, PlannedRange, ReadOptions, overlapping
 from .windows import PARTS, Placed, WindowPlan, decoded, encoded, stripe, windows_of
 
 HEADER = 4096
@@ -291,6 +292,7 @@ class NodeRead:
             self.windows = []
         self.window_of = [w for w, window in enumerate(self.windows) for _ in range(window.first, window.stop)]
         self.window_bytes = PARTS * self.shared.part_bytes
+        self.buffer_bytes = 0  # (the window is the memory reads land in)
         self.current = -1
         self.failed = False
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}

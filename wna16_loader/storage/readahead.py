@@ -47,8 +47,8 @@ import torch
 from ..errors import WNA16Error
 from ..parallel.config import Node
 from .advice import PageCache, advice_bytes, will_need
+from .buffers import ALIGN, BufferPool, Region
 
-ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and memory on every Linux file system in use
 DIRECT = getattr(os, "O_DIRECT", 0)
 FileSpans = dict[Path, list[tuple[int, int]]]  # [begin, end) byte ranges, file by file
 MORE_WORKERS = 4  # at most this many times `threads` requests in flight, where requests are short (`workers`)
@@ -162,50 +162,6 @@ def workers(groups: Sequence[Sequence[PlannedRange]], options: ReadOptions) -> i
     return min(MORE_WORKERS * options.threads, max(options.threads, wanted))
 
 
-class Region:
-    """File bytes [begin, end) of `path` (begin a multiple of ALIGN) read into `buffer` (uint8, at least
-    end - begin long), request by request; `wait()` returns once every request is done (raising the first
-    error of any)."""
-
-    def __init__(self, path: Path, begin: int, end: int, buffer: torch.Tensor) -> None:
-        self.path, self.begin, self.end, self.buffer = path, begin, end, buffer
-        self.futures: list[Future[None]] = []
-        self._flat: dict[torch.dtype, torch.Tensor] = {}
-
-    def wait(self) -> None:
-        for future in self.futures:
-            future.result()
-
-    def flat(self, dtype: torch.dtype) -> torch.Tensor:
-        """The buffer as 1-D `dtype` elements, element 0 at file byte `begin`."""
-        if dtype not in self._flat:
-            self._flat[dtype] = self.buffer[:len(self.buffer) // dtype.itemsize * dtype.itemsize].view(dtype)
-        return self._flat[dtype]
-
-
-class BufferPool:
-    """uint8 buffers of ALIGN-aligned memory (pinned with `pin`), handed back by `release` and reused."""
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self._free: list[torch.Tensor] = []  # sorted by length
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least `nbytes`: the smallest free one that fits, else a new one."""
-        with self._lock:
-            at = bisect.bisect_left([len(b) for b in self._free], nbytes)
-            if at < len(self._free):
-                return self._free.pop(at)
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
-        skip = -raw.data_ptr() % ALIGN
-        return raw[skip:skip + nbytes]
-
-    def release(self, buffer: torch.Tensor) -> None:
-        with self._lock:
-            bisect.insort(self._free, buffer, key=len)
-
-
 def span_of(begin: int, shape: tuple[int, ...], itemsize: int, index: Sequence[slice | int]) -> tuple[int, int, int]:
     """(first byte, end byte, bytes) of `tensor[index]` (basic slices of step 1 and ints over the leading dims)
     for a row-major tensor of `shape` at file byte `begin`: the span covering every element it selects,
@@ -273,6 +229,7 @@ class ReadAhead:
             if self.groups else None
         self._buffers = BufferPool(pin)
         self._regions: dict[int, list[Region]] = {}  # group -> its regions, while submitted and not released
+        self._held: dict[int, torch.Tensor] = {}  # group -> the buffer its regions are carved out of
         self._files: dict[Path, tuple[list[int], list[Region]]] = {}  # path -> (begins, regions), sorted
         self._reader = FileReader(options.direct)
         self._fills: list[Future[None]] = []
@@ -281,6 +238,11 @@ class ReadAhead:
         self._step = max(ALIGN, options.request_bytes // ALIGN * ALIGN)
 
     window_bytes = 0  # (a node's read reports its shared window here)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Memory of this rank's own read-ahead buffers (made as needed, then reused: `storage/buffers.py`)."""
+        return self._buffers.allocated
 
     @property
     def active(self) -> bool:
@@ -292,13 +254,13 @@ class ReadAhead:
         buffers of the groups before it go back to the pool (their views must no longer be used)."""
         if not self.groups:
             return
+        for done in [g for g in self._regions if g < group]:  # first: their buffers serve the groups submitted now
+            for region in self._regions.pop(done):
+                region.wait()
+            self._buffers.release(self._held.pop(done))
         while self._submitted < min(group + 1 + self.options.depth, len(self.groups)):
             self._submit(self._submitted)
             self._submitted += 1
-        for done in [g for g in self._regions if g < group]:
-            for region in self._regions.pop(done):
-                region.wait()
-                self._buffers.release(region.buffer)
         self._reindex()
 
     def covering(self, path: Path, low: int, high: int) -> Region | None:
@@ -319,23 +281,28 @@ class ReadAhead:
 
     def _submit(self, group: int) -> None:
         own, shared = _by_kind(self.groups[group])
-        regions = self._regions.setdefault(group, [])
-        for path, spans in own.items():  # spans the page cache holds whole the mapping reads (no copy)
-            regions += [self._region(path, begin // ALIGN * ALIGN, end)
-                        for begin, end in coalesced(spans, self.options.gap_bytes)
-                        if not self._reader.pages.holds(path, begin, end)]
-        for path, spans in shared.items():
-            for begin, end in coalesced(spans, self.options.gap_bytes):
+        spans = [(path, begin // ALIGN * ALIGN, end) for path, ranges in own.items()
+                 for begin, end in coalesced(ranges, self.options.gap_bytes)
+                 if not self._reader.pages.holds(path, begin, end)]  # (spans cached whole: the mapping reads them)
+        self._regions[group], self._held[group] = self._regions_of(spans)
+        for path, ranges in shared.items():
+            for begin, end in coalesced(ranges, self.options.gap_bytes):
                 self._fills += [self._workers.submit(self._fill, path, *piece)
                                 for piece in pieces(begin, end, self._step)]
 
-    def _region(self, path: Path, begin: int, end: int) -> Region:
-        """A region of file bytes [begin, end) (begin aligned), its requests submitted."""
-        length = -(-(end - begin) // ALIGN) * ALIGN
-        region = Region(path, begin, end, self._buffers.take(length))
-        region.futures = [self._workers.submit(self._read, region, at, stop)
-                          for at, stop in pieces(begin, begin + length, self._step)]
-        return region
+    def _regions_of(self, spans: list[tuple[Path, int, int]]) -> tuple[list[Region], torch.Tensor]:
+        """A region of each span of file bytes [begin, end) (begin aligned), carved out of one buffer for them
+        all (`storage/buffers.py`), their requests submitted; and that buffer."""
+        lengths = [-(-(end - begin) // ALIGN) * ALIGN for _, begin, end in spans]
+        buffer = self._buffers.take(sum(lengths)) if spans else torch.empty(0, dtype=torch.uint8)
+        regions, at = [], 0
+        for (path, begin, end), length in zip(spans, lengths):
+            region = Region(path, begin, end, buffer[at:at + length])
+            region.futures = [self._workers.submit(self._read, region, piece, stop)
+                              for piece, stop in pieces(begin, begin + length, self._step)]
+            regions.append(region)
+            at += length
+        return regions, buffer
 
     def _reindex(self) -> None:
         files: dict[Path, list[Region]] = {}
@@ -370,6 +337,7 @@ class ReadAhead:
         if self._workers is not None:
             self._workers.shutdown(wait=True, cancel_futures=True)
         self._regions.clear()
+        self._held.clear()
         self._files.clear()
         self._reader.close()
 
