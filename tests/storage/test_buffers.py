@@ -11,7 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from wna16_loader.storage.buffers import ALIGN, HUGE_PAGE, BufferPool, huge_paged, size_class
+from wna16_loader.storage.buffers import ALIGN, HUGE_PAGE, BufferPool, host_tensor, huge_paged, size_class
+
+HUGE_PAGES = hasattr(mmap, "MADV_HUGEPAGE") and Path("/sys/kernel/mm/transparent_hugepage").exists()  # (the kernel's)
 
 
 @given(st.integers(1, 1 << 40))
@@ -50,9 +52,21 @@ def test_a_huge_paged_buffer_outlives_its_mapping_object_and_asks_for_huge_pages
     gc.collect()
     buffer[::4096] = 7  # (every page touched, after the mmap object's last Python name is gone)
     assert buffer.data_ptr() % ALIGN == 0 and int(buffer.sum()) == 7 * (2 * HUGE_PAGE // 4096)
-    if not hasattr(mmap, "MADV_HUGEPAGE") or not Path("/sys/kernel/mm/transparent_hugepage").exists():
+    if not HUGE_PAGES:
         pytest.skip("no transparent huge pages in this kernel: the buffer has 4 KiB pages")
     assert "hg" in _vm_flags(buffer.data_ptr())  # MADV_HUGEPAGE (whether the kernel finds huge pages is its call)
+
+
+@pytest.mark.parametrize("shape,dtype", [((3, HUGE_PAGE // 8 + 5), torch.float16), ((HUGE_PAGE // 4 - 1,), torch.int32),
+                                         ((16, 48, 1024), torch.int32)])
+def test_a_host_tensor_is_an_ordinary_tensor_in_huge_page_advised_memory_from_2_mib(shape, dtype) -> None:
+    tensor = host_tensor(shape, dtype)
+    assert tensor.shape == shape and tensor.dtype == dtype and tensor.is_contiguous() and tensor.device.type == "cpu"
+    tensor.copy_(torch.arange(tensor.numel()).reshape(shape).to(dtype))  # writable, every element its own
+    assert torch.equal(tensor.flatten()[-3:], torch.arange(tensor.numel())[-3:].to(dtype))
+    if HUGE_PAGES:
+        huge = tensor.numel() * tensor.element_size() >= HUGE_PAGE
+        assert ("hg" in _vm_flags(tensor.data_ptr())) == huge
 
 
 def _vm_flags(address: int) -> list[str]:

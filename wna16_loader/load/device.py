@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DeviceError
+from ..storage.buffers import host_tensor
 
 
 @dataclass(frozen=True)
@@ -74,11 +75,12 @@ class DevicePolicy:
         (CPU targets, host-converted weights)."""
         if self.on_device(packed):
             return torch.empty(shape, dtype=dtype, device=self.target)
-        return torch.empty(shape, dtype=dtype, pin_memory=self.gpu and not packed)
+        return torch.empty(shape, dtype=dtype, pin_memory=True) if self.gpu and not packed else \
+            host_tensor(shape, dtype)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Host memory a device copy reads from (pinned for a GPU)."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.gpu)
+        """Host memory a device copy reads from (pinned for a GPU; for the CPU, the result: `host_tensor`)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=True) if self.gpu else host_tensor(shape, dtype)
 
     def host_copy(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (e.g. a view of a file mapping) copied into a `host_buffer`: the only kind of host tensor

@@ -13,11 +13,14 @@ caller costs fresh memory for `depth + 1` layers once.
 |                       | new one of `size_class(n)` bytes (pinned with `pin`; else huge-page advised)          |
 | BufferPool.release(b) | `b` is free again                                                                     |
 | BufferPool.allocated  | bytes of every buffer made so far (the read-ahead's memory)                           |
+| host_tensor(s, d)     | an empty CPU tensor, from HUGE_PAGE up in huge-page advised memory of its own: a CPU   |
+|                       | load writes every byte of its outputs once, so their first touch is its cost too       |
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import mmap
 import threading
 from concurrent.futures import Future
@@ -99,3 +102,14 @@ def huge_paged(nbytes: int) -> torch.Tensor:
         except OSError:  # a kernel built without transparent huge pages: 4 KiB pages, as any memory
             pass
     return torch.frombuffer(memory, dtype=torch.uint8)
+
+
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty contiguous CPU tensor: from HUGE_PAGE bytes up a view of `huge_paged` memory (freed with its
+    last view), smaller ones `torch.empty`. A fresh 4 KiB page costs a fault, a zeroing and a charge at its first
+    write: on this VM, 8 layers of a TP 8 rank's outputs (317 MiB), written warm, took 0.49-0.52 s in huge-page
+    advised memory against 0.62-0.65 s, interleaved."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    return huge_paged(-(-nbytes // ALIGN) * ALIGN)[:nbytes].view(dtype).view(shape)
