@@ -44,6 +44,7 @@ from wna16_loader.models.config import read_config_files
 from wna16_loader.models.names import Proj
 from wna16_loader.parallel.partition import Span
 from wna16_loader.preshard import preshard_checkpoint
+from wna16_loader.storage.buffers import HUGE_PAGE
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.testing.standin import StandIn
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint, write_family_checkpoint
@@ -403,3 +404,16 @@ def test_policy_staging_table(convert_on_device: bool) -> None:
     assert cpu.staging((2,), torch.uint8, packed=True).device == torch.device("cpu")
     with cpu.scope():
         cpu.synchronize()  # nothing to wait for, no CUDA call
+
+
+def test_cpu_results_from_2_mib_lie_in_memory_of_their_own_unless_the_caller_drops_them() -> None:
+    """`huge_results` (the default): a CPU result of 2 MiB or more is a mapping of its own advised huge pages
+    (`storage.buffers.host_tensor`: not memory torch's allocator can resize); `huge_results=False` (wna16-shard,
+    which drops each layer once written) and small results take `torch.empty`."""
+    two_mib = (HUGE_PAGE // 4,)
+    kept = DevicePolicy.of("cpu").staging(two_mib, torch.int32, packed=True)
+    dropped = DevicePolicy.of("cpu", huge_results=False).staging(two_mib, torch.int32, packed=True)
+    small = DevicePolicy.of("cpu").host_buffer((1024,), torch.float16)
+    assert not kept.untyped_storage().resizable()
+    assert dropped.untyped_storage().resizable() and small.untyped_storage().resizable()
+    assert DevicePolicy.of("cpu", huge_results=False).host_buffer(two_mib, torch.int32).untyped_storage().resizable()

@@ -28,8 +28,8 @@ def test_streaming_materialises_one_layer_at_a_time(tmp_path: Path, monkeypatch:
     live, peak, loads = set(), [0], []
     real = writing.load_layer
 
-    def counted(index, moe, plan, device, allow):
-        layer, count, nbytes = real(index, moe, plan, device, allow)
+    def counted(index, moe, plan, device, allow, **options):
+        layer, count, nbytes = real(index, moe, plan, device, allow, **options)
         live.add(id(layer))
         peak[0] = max(peak[0], len(live))
         weakref.finalize(layer, live.discard, id(layer))

@@ -3,13 +3,17 @@
 | decision                           | CPU target     | GPU target (CUDA or ROCm: torch.cuda drives both)       |
 |------------------------------------|----------------|---------------------------------------------------------|
 | weights converted on the device    | never          | `convert_on_device` (default on)                         |
-| staging of the weights             | the result     | on the device (converted there), else ordinary host     |
-| staging of scales, zeros, g_idx    | the result     | pinned host memory, one non-blocking copy per parameter |
+| staging of the weights             | the result (*) | on the device (converted there), else ordinary host     |
+| staging of scales, zeros, g_idx    | the result (*) | pinned host memory, one non-blocking copy per parameter |
 | upload chunks, pre-sharded params  | -              | pinned host buffers, one non-blocking copy each          |
 | a host tensor for a device copy    | as it is       | copied into memory of our own first (never a file map)  |
 | current device while staging       | -              | the target (`scope`): pinned memory and kernels use its  |
 |                                    |                | context, never GPU 0's                                   |
 | synchronise                        | -              | once, at the end of every load (`synchronize`)           |
+
+(*) From 2 MiB, in memory advised huge pages (`storage.buffers.host_tensor`: a kept result's pages are all fresh,
+and a huge page faults and is charged once per 2 MiB), unless `huge_results=False`: a caller that drops each layer
+once written (`wna16-shard`) takes `torch.empty`, whose freed layers the C heap hands back without a fault.
 
 Host-converted weights stay in ordinary memory: the pinned allocator keeps what it once held, and a
 layer of weights pinned per load would stay pinned for the process's life. The package never reads the
@@ -33,13 +37,16 @@ class DevicePolicy:
 
     target: torch.device
     convert_on_device: bool = True
+    huge_results: bool = True
 
     @classmethod
-    def of(cls, device: torch.device | str, *, convert_on_device: bool = True) -> "DevicePolicy":
-        """The policy for `device` ("cpu", "cuda", "cuda:N"); a bare "cuda" means the current device."""
+    def of(cls, device: torch.device | str, *, convert_on_device: bool = True,
+           huge_results: bool = True) -> "DevicePolicy":
+        """The policy for `device` ("cpu", "cuda", "cuda:N"); a bare "cuda" means the current device.
+        `huge_results`: CPU results from 2 MiB in huge-page advised memory (module table)."""
         target = torch.device(device)
         if target.type == "cpu":
-            return cls(target, convert_on_device=False)
+            return cls(target, convert_on_device=False, huge_results=huge_results)
         if target.type != "cuda":
             raise DeviceError(f"device {str(device)!r}: this loader writes to cpu or cuda[:N] (CUDA or ROCm, both "
                               f"named cuda in PyTorch); pass one of those.")
@@ -76,11 +83,15 @@ class DevicePolicy:
         if self.on_device(packed):
             return torch.empty(shape, dtype=dtype, device=self.target)
         return torch.empty(shape, dtype=dtype, pin_memory=True) if self.gpu and not packed else \
-            host_tensor(shape, dtype)
+            self._host(shape, dtype)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy reads from (pinned for a GPU; for the CPU, the result: `host_tensor`)."""
-        return torch.empty(shape, dtype=dtype, pin_memory=True) if self.gpu else host_tensor(shape, dtype)
+        return torch.empty(shape, dtype=dtype, pin_memory=True) if self.gpu else self._host(shape, dtype)
+
+    def _host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Ordinary host memory (module table, (*))."""
+        return host_tensor(shape, dtype) if self.huge_results else torch.empty(shape, dtype=dtype)
 
     def host_copy(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (e.g. a view of a file mapping) copied into a `host_buffer`: the only kind of host tensor

@@ -257,7 +257,8 @@ class ReadAhead:
         for done in [g for g in self._regions if g < group]:  # first: their buffers serve the groups submitted now
             for region in self._regions.pop(done):
                 region.wait()
-            self._buffers.release(self._held.pop(done))
+            if len(buffer := self._held.pop(done)):  # (a group the page cache held whole had none)
+                self._buffers.release(buffer)
         while self._submitted < min(group + 1 + self.options.depth, len(self.groups)):
             self._submit(self._submitted)
             self._submitted += 1
