@@ -82,8 +82,7 @@ class DevicePolicy:
         (CPU targets, host-converted weights)."""
         if self.on_device(packed):
             return torch.empty(shape, dtype=dtype, device=self.target)
-        return torch.empty(shape, dtype=dtype, pin_memory=True) if self.gpu and not packed else \
-            self._host(shape, dtype)
+        return self._host(shape, dtype) if packed else self.host_buffer(shape, dtype)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Host memory a device copy reads from (pinned for a GPU; for the CPU, the result: `host_tensor`)."""

@@ -114,4 +114,4 @@ def host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    return huge_paged(-(-nbytes // ALIGN) * ALIGN)[:nbytes].view(dtype).view(shape)
+    return huge_paged(nbytes).view(dtype).view(shape)
