@@ -34,7 +34,8 @@ import importlib
 from typing import Any
 
 from .errors import (CheckpointError, CompletenessError, ConfigError, DeviceError, ExpertsPrefixError, FormatError,
-                     LayoutMismatchError, NodeError, PreshardError, ShardingError, ShardInterrupted, WNA16Error)
+                     LayoutMismatchError, NodeError, PreshardError, ShardingError, SharedMemoryError, ShardInterrupted,
+                     WNA16Error)
 from .version import __version__
 
 # Every other public name -> the module that defines it, imported on first use (PEP 562): `import wna16_loader` (and so
@@ -85,4 +86,4 @@ __all__ += [
     "read_manifest", "reference_forward", "resolve_checkpoint",
 ]
 __all__ += ["OutputLayout", "ShardSummary", "shard"]
-__all__ += ["CacheFill", "Node", "NodeError", "ReadOptions"]
+__all__ += ["CacheFill", "Node", "NodeError", "ReadOptions", "SharedMemoryError"]

@@ -71,6 +71,10 @@ class NodeError(WNA16Error):
     rank of the node raises this instead of waiting for it."""
 
 
+class SharedMemoryError(WNA16Error):
+    """The machine's shared memory (/dev/shm) has no room left for a node's window."""
+
+
 class DeviceError(WNA16Error):
     """A requested device does not exist or this PyTorch build cannot drive it."""
 

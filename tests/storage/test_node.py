@@ -8,10 +8,11 @@ killed mid-load makes the others raise NodeError, naming it, well within the tim
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import signal
-import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -25,14 +26,15 @@ import torch.distributed as dist
 from processes import evicted, forkserver, start_ranks
 
 from wna16_loader import ParallelConfig, load_experts
-from wna16_loader.errors import NodeError
+from wna16_loader.errors import NodeError, SharedMemoryError
 from wna16_loader.load import experts as experts_module
 from wna16_loader.load.experts import planned
 from wna16_loader.load.reads import load_groups
 from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage.advice import PageCache
-from wna16_loader.storage.node import ALIGN, WARM_AT, NodeRead, SharedWindow, Word, node_windows
+from wna16_loader.storage import node as node_module
+from wna16_loader.storage.node import ALIGN, HEADER, WARM_AT, NodeRead, SharedWindow, Word
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
 from wna16_loader.storage.windows import windows_of
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
@@ -81,86 +83,6 @@ def test_a_failed_rank_is_named_by_the_others() -> None:
         leader.wait(Word.READ, 1, "reading window 0 of 1", lambda: None)
     leader.close()
     follower.close()
-
-
-def _windows(files: list[Path], plan) -> dict[int, object]:
-    """`node_windows` of a node of two ranks (threads here, the follower started first: it waits for rank 0), each
-    rank's answer, or the error it raised."""
-    key, answers = f"test-{uuid.uuid4().hex}", {}
-
-    def rank(local: int) -> None:
-        try:
-            answers[local] = node_windows(Node((0, 1), local, key, timeout_s=30), files, lambda: plan(local), ALIGN)
-        except Exception as error:  # noqa: BLE001 - the test looks at it
-            answers[local] = error
-    threads = [threading.Thread(target=rank, args=(local,)) for local in (1, 0)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not (Path("/dev/shm") / f"wna16-node-{key}.plan").exists()
-    return answers
-
-
-def _answers(files: list[Path]) -> dict[int, bool]:
-    """Whether each rank of a node of two was told the node is warm (no windows: each reads its mappings)."""
-    return {local: found is None for local, found in _windows(
-        files, lambda local: [[PlannedRange(files[0], 0, 2 * ALIGN, True)]]).items()}
-
-
-def test_local_rank_0_plans_the_node_read_and_hands_every_rank_its_windows(tmp_path: Path) -> None:
-    """Cold: the node's groups are planned on local rank 0 only, and every rank gets their windows (the same);
-    None from the plan (ranks that share too few pages) reaches every rank as None; a plan that raises on local
-    rank 0 raises there and makes the other rank raise NodeError at once, naming it."""
-    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
-    for file in files:
-        file.write_bytes(os.urandom(64 * ALIGN))
-    if evicted(files):
-        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: a node here is always warm")
-    groups = [[PlannedRange(files[0], 0, 3 * ALIGN, True), PlannedRange(files[1], ALIGN, 2 * ALIGN, True)],
-              [PlannedRange(files[1], 8 * ALIGN, 9 * ALIGN, False)]]
-    planned_on = []
-    answers = _windows(files, lambda local: planned_on.append(local) or groups)
-    assert planned_on == [0] and answers[0] == answers[1] == windows_of(groups, Node((0, 1), 0, "k").window_bytes,
-                                                                          ALIGN)
-    assert _windows(files, lambda local: None) == {0: None, 1: None}
-
-    def failing(local: int) -> None:
-        raise ValueError("no plan")
-    failed = _windows(files, failing)
-    assert isinstance(failed[0], ValueError) and isinstance(failed[1], NodeError)
-    assert "rank(s) 0 (pid" in str(failed[1]) and "failed while the node was agreeing what it reads together" in \
-        str(failed[1])
-
-
-def test_every_rank_gets_local_rank_0s_answer_on_a_warm_page_cache(tmp_path: Path) -> None:
-    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
-    for file in files:
-        file.write_bytes(os.urandom(64 * ALIGN))
-        file.read_bytes()
-    assert _answers(files) == {0: True, 1: True}
-    kept = evicted(files[1:]) == 64 * ALIGN  # (a file system that keeps its pages: still warm)
-    assert _answers(files) == {0: kept, 1: kept}
-
-
-def test_a_page_cache_that_dropped_a_few_pages_is_still_warm(tmp_path: Path) -> None:
-    """At least WARM_AT of the pages cached is warm (a page cache under pressure drops a few); fewer is cold."""
-    file = tmp_path / "a.bin"
-    file.write_bytes(os.urandom(256 * ALIGN))
-    file.read_bytes()
-    for dropped, warm in ((1, 255 / 256 >= WARM_AT), (16, 240 / 256 >= WARM_AT)):
-        os.sync()
-        fd = os.open(file, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, dropped * ALIGN, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        pages = PageCache()
-        held = pages.resident(file, 0, 256 * ALIGN)
-        pages.close()
-        kept = held == (256, 256)  # (a file system that keeps its pages: warm whatever was asked)
-        assert kept or held == (256 - dropped, 256), held
-        assert _answers([file]) == {0: kept or warm, 1: kept or warm}
-        file.read_bytes()
-    assert (255 / 256 >= WARM_AT, 240 / 256 >= WARM_AT) == (True, False)
 
 
 def test_node_rejects_what_cannot_name_a_window() -> None:
@@ -356,3 +278,52 @@ def test_the_reads_run_up_to_two_windows_ahead_of_the_ranks(tmp_path: Path) -> N
         finally:
             read.close()
         assert read.shared.words is None and not read.failed
+
+
+def test_a_window_whose_pages_run_out_mid_read_raises_naming_the_room_it_needs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A /dev/shm that fills up while the node reads (the pre-check of `node_plan` passed) cannot back the window's
+    pages: the read into the window fails with EFAULT, and the rank raises SharedMemoryError with the bytes needed
+    and free and the fix (the other ranks then raise NodeError naming it), not a bare OSError."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", quant_config("gptq"), num_experts=4, hidden=128, intermediate=256,
+                            references=False)
+    node = Node((0,), 0, f"test-{uuid.uuid4().hex}", window_bytes=ALIGN)
+
+    def no_page(*args: object) -> int:
+        raise OSError(errno.EFAULT, "Bad address")
+    monkeypatch.setattr(node_module.FileReader, "read", no_page)
+    with load_plans(ckpt.folder) as (_, groups):
+        plan = windows_of(groups, node.window_bytes, _options(node).gap_bytes)
+        read = NodeRead(plan, _options(node), node, cold=True)
+        with pytest.raises(SharedMemoryError) as caught:
+            read.start(0)
+        read.fail(caught.value)
+        read.close()
+    needed = HEADER + 3 * plan.part
+    assert re.fullmatch(
+        f"node {node.key}: its shared window needs {needed} bytes \\({needed / 2**20:.1f} MiB: 3 parts of {plan.part} "
+        f"bytes, Node.window_bytes=4096 / 3 grown to the largest layer the node reads\\) in /dev/shm, which has "
+        f"\\d+ bytes free\\. Give the machine's shared memory room for it and for whatever else uses it \\(Docker: "
+        f"--shm-size=1g or more, or --ipc=host; Kubernetes: a memory-backed emptyDir mounted at /dev/shm\\)\\. Or "
+        f"pass Node\\(window_bytes=\\.\\.\\.\\) smaller \\(down to 3 times the largest layer\\)\\. \\(Reading "
+        f"{re.escape(str(ckpt.folder))}/\\S+\\.safetensors into the window: \\[Errno 14\\] Bad address\\.\\)",
+        str(caught.value)), str(caught.value)
+
+
+def test_a_window_file_without_room_raises_naming_it_and_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local rank 0 writes the window file's header (not a store through its mapping, which would kill the
+    process with SIGBUS where /dev/shm is full): ENOSPC raises SharedMemoryError, and no file is left behind."""
+    key = f"test-{uuid.uuid4().hex}"
+
+    def full(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(node_module.os, "pwrite", full)
+    with pytest.raises(SharedMemoryError) as caught:
+        SharedWindow(Node((0, 1), 0, key, timeout_s=1), 2 * ALIGN)
+    monkeypatch.undo()
+    assert re.fullmatch(
+        f"node {key}: writing 40 bytes of /dev/shm/wna16-node-{key}\\.{os.getpid()}\\.tmp failed \\(\\[Errno 28\\] No "
+        f"space left on device\\): /dev/shm has \\d+ bytes free\\. Give the machine's shared memory room for it and "
+        f"for whatever else uses it \\(Docker: --shm-size=1g or more, or --ipc=host; Kubernetes: a memory-backed "
+        f"emptyDir mounted at /dev/shm\\)\\.", str(caught.value)), str(caught.value)
+    assert not list(Path("/dev/shm").glob(f"wna16-node-{key}*"))

@@ -20,7 +20,7 @@ from ..errors import ShardingError
 from ..models.config import MoEConfig
 from ..parallel.config import Node, ParallelConfig
 from ..storage.index import CheckpointIndex
-from ..storage.node import node_windows
+from ..storage.node_plan import node_windows
 from ..storage.windows import WindowPlan, placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
 import mmap
 import os
 import threading
@@ -31,23 +32,23 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import IntEnum
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import torch
 
-from ..errors import NodeError
+from ..errors import NodeError, SharedMemoryError
 from ..parallel.config import Node
 from .advice import PageCache
 from .buffers import ALIGN, Region
-from .readahead import FileReader, PlannedRange, ReadOptions, overlapping
-from .windows import PARTS, Placed, WindowPlan, decoded, encoded, stripe, windows_of
+from .readahead import FileReader, ReadOptions, overlapping
+from .shm import SHM, no_room, room_for, shared_room
+from .windows import PARTS, Placed, WindowPlan, stripe
 
 HEADER = 4096
 MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
 FILE_WORDS = 5  # magic, size, ranks, warm, bytes carried; then each rank's `Word`s
 WARM_AT = 0.99  # of a checkpoint's pages cached: a warm node (a page cache under pressure drops a few pages)
 LIVENESS_S = 0.2  # how often a waiting rank looks whether the ranks it waits for still run
-SHM = Path("/dev/shm")
 
 
 class Word(IntEnum):
@@ -108,20 +109,37 @@ class SharedWindow:
         return HEADER + PARTS * self.part_bytes + len(self.carried)
 
     def _create(self) -> mmap.mmap:
+        """The file, made under a temporary name and renamed into place once whole. Its header and carried bytes
+        are written, not stored through the mapping: a /dev/shm without room then raises SharedMemoryError here,
+        where a store would kill the process (SIGBUS). The parts' pages come as the ranks read into them."""
         temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
-            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)  # (pages come as the ranks write them)
+            header = (ctypes.c_int64 * FILE_WORDS)(MAGIC, self.size, self.node.size, int(self.warm), len(self.carried))
+            self._write(fd, bytes(header), 0, temporary)
+            self._write(fd, self.carried, self.size - len(self.carried), temporary)
+            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.unlink(temporary)
+            raise
         finally:
             os.close(fd)
-        mapped[self.size - len(self.carried):self.size] = self.carried
-        words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
-        words[1], words[2], words[3], words[4], words[0] = self.size, self.node.size, int(self.warm), \
-            len(self.carried), MAGIC
-        del words
         os.replace(temporary, self.path)
         return mapped
+
+    def _write(self, fd: int, data: bytes, at: int, path: Path) -> None:
+        """`data` into file `fd` (`path`) at byte `at`; SharedMemoryError where its file system is full."""
+        done = 0
+        try:
+            while done < len(data):
+                done += os.pwrite(fd, data[done:], at + done)
+        except OSError as error:
+            if error.errno != errno.ENOSPC:
+                raise
+            free = shared_room(path.parent)
+            raise SharedMemoryError(f"node {self.node.key}: writing {len(data)} bytes of {path} failed ({error}): "
+                                    f"{path.parent} has {free} bytes free. {room_for(self.size)}") from error
 
     def _attach(self) -> mmap.mmap:
         deadline, delay = time.monotonic() + self.node.timeout_s, 1e-3
@@ -224,56 +242,16 @@ class SharedWindow:
         self.data = torch.empty(0, dtype=torch.uint8)
 
 
+def window_file_bytes(part: int) -> int:
+    """The bytes of the window file of a node reading into parts of `part` bytes (`WindowPlan.part`)."""
+    return HEADER + PARTS * part
+
+
 def mostly_cached(counts: Iterable[tuple[int, int]]) -> bool:
     """Whether `PageCache.resident` counts (pages cached, pages) add up to at least WARM_AT cached: warm, for a
     node (a page cache under pressure drops a few pages)."""
     counts = list(counts)
     return sum(held for held, _ in counts) >= WARM_AT * sum(pages for _, pages in counts)
-
-
-def node_windows(node: Node, files: Sequence[Path], plan: Callable[[], Sequence[Sequence[PlannedRange]] | None],
-                 gap: int) -> WindowPlan | None:
-    """What the ranks of `node` read together, worked out once by local rank 0 and handed to every rank (the
-    others wait for it up to the node's timeout): None where local rank 0 finds at least WARM_AT of the pages of
-    `files` in the page cache (a warm node has nothing to share: each rank reads its mappings alone, the few pages
-    missing read once for the node through the page cache), or where `plan()` (the node's groups, called on local
-    rank 0 only) is None; else those groups' `windows_of` (the node's `window_bytes`; ranges `gap` apart read as
-    one). Where local rank 0 fails to plan, every rank raises (the others a NodeError)."""
-    carry, error = b"", None
-    if node.local_rank == 0:
-        try:
-            groups = None if _cached(files) else plan()
-            carry = encoded(None if groups is None else windows_of(groups, node.window_bytes, gap))
-        except BaseException as exc:  # the others learn it now, not at their timeout
-            error = exc
-    shared = SharedWindow(node, 0 if node.local_rank == 0 else None, suffix=".plan", carry=carry)
-    try:
-        if error is not None:
-            shared.set(Word.FAILED, Failure.OWN)
-            _until_attached(shared)
-            raise error
-        shared.wait(Word.PID, 1, "agreeing what it reads together", lambda: None)
-        return decoded(shared.carried)
-    finally:
-        if node.local_rank == 0:
-            shared.unlink()
-        shared.close()
-
-
-def _cached(files: Sequence[Path]) -> bool:
-    """Whether the page cache holds at least WARM_AT of the pages of `files`."""
-    pages = PageCache()
-    try:
-        return mostly_cached(pages.resident(f, 0, f.stat().st_size) for f in files)
-    finally:
-        pages.close()
-
-
-def _until_attached(shared: SharedWindow) -> None:
-    """Wait until every rank has attached `shared` (each then reads local rank 0's words), or the node's timeout."""
-    deadline = time.monotonic() + shared.node.timeout_s
-    while not all(shared.word(i, Word.PID) for i in range(shared.node.size)) and time.monotonic() < deadline:
-        time.sleep(LIVENESS_S / 20)
 
 
 class NodeRead:
@@ -367,9 +345,18 @@ class NodeRead:
                 self.shared.set(Word.FAILED, Failure.PEER if isinstance(exc, NodeError) else Failure.OWN)
 
     def _read(self, request: Placed, part: torch.Tensor) -> None:
-        """One request into its place in `part` (`FileReader`: direct unless the page cache holds it)."""
-        self._reader.read(request.path, request.begin,
-                          memoryview(part[request.offset:request.offset + request.end - request.begin].numpy()))
+        """One request into its place in `part` (`FileReader`: direct unless the page cache holds it). Raises
+        SharedMemoryError where the kernel cannot back the window's pages (its file system is full: EFAULT)."""
+        try:
+            self._reader.read(request.path, request.begin,
+                              memoryview(part[request.offset:request.offset + request.end - request.begin].numpy()))
+        except OSError as error:
+            if error.errno != errno.EFAULT:
+                raise
+            where = self.shared.path.parent
+            room = no_room(self.node, window_file_bytes(self.shared.part_bytes), self.shared.part_bytes,
+                           shared_room(where), directory=where)
+            raise SharedMemoryError(f"{room} (Reading {request.path} into the window: {error}.)") from error
 
     def fail(self, error: BaseException) -> None:
         """This rank's load stopped on `error`: the other ranks are told at once (they raise NodeError), and
