@@ -14,6 +14,8 @@ import torch
 from conftest import assert_exact, reassemble, rewrite
 
 from wna16_loader import CompletenessError, FormatError, ParallelConfig, ShardingError, WNA16Error, load_experts
+from wna16_loader.load.experts import planned
+from wna16_loader.load.plan import for_rank
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
 
 TP1 = ParallelConfig(tp_size=1, tp_rank=0)
@@ -377,3 +379,20 @@ def test_ep_larger_than_expert_count(tmp_path):
 def test_errors_share_a_base():
     for cls in (CompletenessError, FormatError, ShardingError):
         assert issubclass(cls, WNA16Error) and issubclass(cls, ValueError)
+
+
+@pytest.mark.parametrize("tp, ep", [(4, 1), (2, 2), (3, 1)])  # (tp 3 pads I: rank 2 holds 32 real columns of 48)
+def test_a_tp_peers_plans_made_from_this_ranks_are_the_plans_it_makes(tmp_path, tp, ep):
+    """A node's local rank 0 makes the plans of its ranks of the same EP rank from its own (`for_rank`: their
+    geometry and fused spec, the same sources) instead of planning each again: they equal the peer's own."""
+    good(tmp_path, num_experts=4)
+    mine = ParallelConfig.from_rank(0, tp_size=tp, ep_size=ep)
+    with planned(tmp_path, mine) as (_, _, _, plans):
+        own = plans
+    for rank in range(1, tp * ep):
+        peer = ParallelConfig.from_rank(rank, tp_size=tp, ep_size=ep)
+        if peer.ep_rank != mine.ep_rank:
+            continue
+        with planned(tmp_path, peer) as (_, _, _, plans):
+            assert [for_rank(plan, peer) for plan in own] == plans
+            assert [plan.fused.padding for plan in plans] == [16 if (tp, peer.tp_rank) == (3, 2) else 0] * len(plans)

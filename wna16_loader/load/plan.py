@@ -157,6 +157,17 @@ def plan_layer(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig,
                      moe=moe, spec=table.spec, records=slots.records)
 
 
+def for_rank(plan: LayerPlan, parallel: ParallelConfig) -> LayerPlan:
+    """`plan` as the rank of `parallel` plans it, where that rank holds the same experts (the same EP rank of the
+    same sizes): its geometry and fused spec made for that rank, the sources and checks shared (the same tensors,
+    already checked). What a node's local rank 0 needs of its TP peers, without planning each again."""
+    geometry = replace(plan.geometry, parallel=parallel)
+    assert geometry.experts == plan.geometry.experts, (plan.prefix, parallel, plan.geometry.parallel)
+    fused = FusedSpec.of(geometry, plan.moe.quant, plan.fused.scale_dtype, gated=plan.moe.gated,
+                         activation=plan.moe.activation)
+    return replace(plan, geometry=geometry, fused=fused)
+
+
 def layer_geometry(moe: MoEConfig, parallel: ParallelConfig, layer: int | None = None) -> LayerGeometry:
     """The validated sizes of MoE layer `layer` of `moe` on `parallel`'s rank (None: the first MoE layer's)."""
     values = moe.layer(layer) if layer is not None else moe.layer(moe.moe_layers[0] if moe.moe_layers else 0)

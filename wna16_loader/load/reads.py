@@ -25,7 +25,7 @@ from ..storage.windows import WindowPlan, placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger
 from .params import rank_spans, storage_index
-from .plan import LayerPlan, plan_layers
+from .plan import LayerPlan, for_rank, plan_layers
 from .scan import CheckpointScan
 from .tables import LayerTables
 
@@ -119,12 +119,21 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
 
     def plan() -> Groups | None:
         tables = LayerTables(index, moe)
-        member_plans = [plans if member == parallel else plan_layers(index, moe, member, Ledger(), scan, tables)
-                        for member in members]
+        member_plans = [_member_plans(plans, parallel, member, lambda m: plan_layers(index, moe, m, Ledger(), scan,
+                                                                                     tables)) for member in members]
         return _kept(plans, only, node_groups(index, member_plans, reads, paths))
     names = {ref.file for layer in plans for src in layer.sources.values() for ref in src.tensors.values()}
     windows = together(node, [index.folder / name for name in sorted(names)], plan, reads.gap_bytes)
     return LoadGroups(own() if windows is None else [], windows)
+
+
+def _member_plans(plans: list[LayerPlan], parallel: ParallelConfig, member: ParallelConfig,
+                  planned: Callable[[ParallelConfig], list[LayerPlan]]) -> list[LayerPlan]:
+    """The layer plans of the node's rank `member` (`plans`: this rank's, of `parallel`): these, made for it where
+    it holds the same experts (`for_rank`: a TP peer), else `planned(member)`."""
+    if member == parallel:
+        return plans
+    return [for_rank(plan, member) for plan in plans] if member.ep_rank == parallel.ep_rank else planned(member)
 
 
 def _kept(plans: list[LayerPlan], only: Collection[str] | None, groups: Groups | None) -> Groups | None:
