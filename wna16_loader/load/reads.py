@@ -13,18 +13,21 @@
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable, Collection, NamedTuple
 
 from ..errors import ShardingError
+from ..formats import Role
 from ..models.config import MoEConfig
+from ..models.names import Proj
 from ..parallel.config import Node, ParallelConfig
-from ..storage.index import CheckpointIndex
+from ..storage.index import CheckpointIndex, TensorRef
 from ..storage.node_plan import node_windows
 from ..storage.windows import WindowPlan, placed
 from ..storage.readahead import PlannedRange, ReadOptions, span_of
 from .ledger import Ledger
-from .params import rank_spans, storage_index
+from .params import SourceTensors, rank_spans, storage_index
 from .plan import LayerPlan, for_rank, plan_layers
 from .scan import CheckpointScan
 from .tables import LayerTables
@@ -57,27 +60,46 @@ def node_ranges(index: CheckpointIndex, plans: list[LayerPlan], *, min_tensor_by
 def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_bytes: int,
                  paths: dict[str, Path], shared: bool | None) -> list[PlannedRange]:
     """`planned_ranges` of plans of one layer whose ranks hold the same experts: per tensor, the hull of their
-    cuts (`shared` where it holds more bytes than the cut, or where several ranks cut it; or as given)."""
-    quant, out, first = plans[0].moe.quant, [], next(iter(plans[0].sources.values()), None)
+    cuts (`shared` where it holds more bytes than the cut, or where several ranks cut it; or as given). Runs once
+    per tensor of the layer (hundreds of thousands at DeepSeek scale): the hull is worked out once per kind of
+    tensor (`_hull`), found by a key of the members' ids (an enum's own hash is Python code), and each range is
+    made by the C-level tuple constructor."""
+    first = next(iter(plans[0].sources.values()), None)
     if first is None or max(ref.nbytes for ref in first.tensors.values()) < min_tensor_bytes:
         return []
-    spans: dict[tuple, tuple[int, int, bool]] = {}  # one hull per (projection, source, role, header): experts share it
+    hulls: dict[tuple, tuple[int, int, bool]] = {}  # one per (projection, source, row, role, shape, dtype)
+    out: list[PlannedRange] = []
     for (_, proj), src in plans[0].sources.items():
         for role, ref in src.tensors.items():
-            key = (proj, src.source, src.expert_row, role, ref.shape, ref.dtype)
-            if key not in spans:
-                cuts = [span_of(0, ref.shape, ref.dtype.itemsize,
-                                storage_index(quant.layout(role), rank_spans(src, plan.geometry.slice(proj))[0],
-                                              quant.pack_factor, src.expert_row)) for plan in plans]
-                cuts = [cut for cut in cuts if cut[2]]
-                spans[key] = (min(c[0] for c in cuts), max(c[1] for c in cuts), shared if shared is not None else
-                              len(cuts) > 1 or cuts[0][1] - cuts[0][0] > cuts[0][2]) if cuts else (0, 0, False)
-            low, high, mark = spans[key]
+            key = (id(proj), id(src.source), src.expert_row, id(role), ref.shape, ref.dtype)
+            hull = hulls.get(key)
+            if hull is None:
+                hull = hulls[key] = _hull(plans, proj, src, role, ref, shared)
+            low, high, mark = hull
             if high > low:
-                begin = index.first_byte(ref)
+                begin = ref.begin if ref.begin >= 0 else index.begin(ref.name)
                 path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
-                out.append(PlannedRange(path, begin + low, begin + high, mark))
+                out.append(_range((path, begin + low, begin + high, mark)))
     return out
+
+
+def _hull(plans: list[LayerPlan], proj: Proj, src: SourceTensors, role: Role, ref: TensorRef,
+          shared: bool | None) -> tuple[int, int, bool]:
+    """(low, high, shared) of tensor `ref` (`role` of `src`, for projection `proj`): the bytes of it the ranks of
+    `plans` cut, from the first to the last, relative to its first byte; (0, 0, False) where none cuts any."""
+    quant = plans[0].moe.quant
+    cuts = [span_of(0, ref.shape, ref.dtype.itemsize,
+                    storage_index(quant.layout(role), rank_spans(src, plan.geometry.slice(proj))[0],
+                                  quant.pack_factor, src.expert_row)) for plan in plans]
+    cuts = [cut for cut in cuts if cut[2]]
+    if not cuts:
+        return 0, 0, False
+    mark = shared if shared is not None else len(cuts) > 1 or cuts[0][1] - cuts[0][0] > cuts[0][2]
+    return min(c[0] for c in cuts), max(c[1] for c in cuts), mark
+
+
+# A range from a tuple of its fields: the C-level tuple constructor (the named tuple's own __new__ is Python).
+_range = partial(tuple.__new__, PlannedRange)
 
 
 class LoadGroups(NamedTuple):
