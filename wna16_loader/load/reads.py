@@ -149,13 +149,14 @@ def load_groups(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     return LoadGroups(own() if windows is None else [], windows)
 
 
-def _member_plans(plans: list[LayerPlan], parallel: ParallelConfig, member: ParallelConfig,
+def _member_plans(plans: list[LayerPlan], mine: ParallelConfig, member: ParallelConfig,
                   planned: Callable[[ParallelConfig], list[LayerPlan]]) -> list[LayerPlan]:
-    """The layer plans of the node's rank `member` (`plans`: this rank's, of `parallel`): these, made for it where
-    it holds the same experts (`for_rank`: a TP peer), else `planned(member)`."""
-    if member == parallel:
+    """The layer plans of the node's rank `member` (`plans`: this rank's, of `mine`): these, made for it where it
+    holds the same experts (`for_rank`: a TP peer), else `planned(member)`."""
+    if member == mine:
         return plans
-    return [for_rank(plan, member) for plan in plans] if member.ep_rank == parallel.ep_rank else planned(member)
+    same_experts = len({parallel.ep_rank for parallel in (mine, member)}) == 1
+    return [for_rank(plan, member) for plan in plans] if same_experts else planned(member)
 
 
 def _kept(plans: list[LayerPlan], only: Collection[str] | None, groups: Groups | None) -> Groups | None:
