@@ -151,11 +151,13 @@ def warn_no_mtp(logger: RankLogger, folder: Path, moe: MoEConfig, scan: Checkpoi
 
 def load_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, device: torch.device | str,
                allow_nonfinite: bool, *, convert_on_device: bool = True,
-               staging: dict[str, torch.Tensor] | None = None) -> tuple[FusedExperts, int, int]:
+               staging: dict[str, torch.Tensor] | None = None,
+               huge_results: bool = True) -> tuple[FusedExperts, int, int]:
     """Read, convert and write every local projection of one layer (the hook's own write path); device
     copies are queued, not waited for (the caller synchronises once). `staging`: existing tensors to
-    write into (see FusedWriter), e.g. an engine's parameters."""
-    writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device, staging=staging)
+    write into (see FusedWriter), e.g. an engine's parameters; `huge_results`: as `DevicePolicy.of` takes it."""
+    writer = FusedWriter(plan.prefix, plan.fused, device, convert_on_device=convert_on_device, staging=staging,
+                         huge_results=huge_results)
     layer = LayerLoad(plan.prefix, plan.moe, plan.geometry, allow_nonfinite=allow_nonfinite)
     layer.load_plan(index, writer, plan)
     return writer.finish(mtp=plan.mtp), layer.tensors, writer.bytes_written

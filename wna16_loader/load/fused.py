@@ -239,11 +239,13 @@ class FusedWriter:
     """
 
     def __init__(self, prefix: str, spec: FusedSpec, device: torch.device | str, *,
-                 staging: dict[str, torch.Tensor] | None = None, convert_on_device: bool = True) -> None:
+                 staging: dict[str, torch.Tensor] | None = None, convert_on_device: bool = True,
+                 huge_results: bool = True) -> None:
         """`staging`: existing tensors to write into directly (e.g. a module's parameters, all on
-        `device`), one per name of `spec.shapes()`; `finish` is then not needed."""
+        `device`), one per name of `spec.shapes()`; `finish` is then not needed. `huge_results`: as
+        `DevicePolicy.of` takes it."""
         self.prefix, self.spec = prefix, spec
-        self.policy = DevicePolicy.of(device, convert_on_device=convert_on_device)
+        self.policy = DevicePolicy.of(device, convert_on_device=convert_on_device, huge_results=huge_results)
         self.device = self.policy.target
         external = staging is not None
         with self.policy.scope():

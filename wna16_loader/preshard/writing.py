@@ -19,8 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..load.experts import load_layer
-from ..load.device import DevicePolicy
-from ..load.fused import FusedExperts, staging_buffers
+from ..load.fused import FusedExperts
 from ..load.outputs import SCHEMA_VERSION
 from ..storage.index import DTYPES, INDEX_FILE, CheckpointIndex, nbytes_of
 from ..storage.readahead import byte_view
@@ -252,9 +251,8 @@ class FusedLayers:
             self.cached = None
             if self.on_layer is not None:
                 self.on_layer(prefix)
-            plan = self.plans[prefix]  # (written out, then dropped: memory the C heap reuses, `DevicePolicy`)
-            staging = staging_buffers(plan.fused, DevicePolicy.of("cpu", huge_results=False))
-            layer, _, _ = load_layer(self.index, self.moe, plan, "cpu", False, staging=staging)
+            # (written out, then dropped: memory the C heap reuses, `DevicePolicy`)
+            layer, _, _ = load_layer(self.index, self.moe, self.plans[prefix], "cpu", False, huge_results=False)
             self.cached = (prefix, layer)
         return self.cached[1]
 

@@ -354,8 +354,7 @@ class NodeRead:
             if error.errno != errno.EFAULT:
                 raise
             where = self.shared.path.parent
-            room = no_room(self.node, window_file_bytes(self.shared.part_bytes), self.shared.part_bytes,
-                           shared_room(where), directory=where)
+            room = no_room(self.node, self.shared.size, self.shared.part_bytes, shared_room(where), directory=where)
             raise SharedMemoryError(f"{room} (Reading {request.path} into the window: {error}.)") from error
 
     def fail(self, error: BaseException) -> None:
