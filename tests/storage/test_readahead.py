@@ -7,6 +7,7 @@ buffers of its own (not the mapping), and O_DIRECT refused by the file system fa
 from __future__ import annotations
 
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -51,14 +52,23 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
 
 
 def evict(path: Path) -> bool:
-    """Drop `path`'s pages from the page cache; whether they are gone (some file systems keep them)."""
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    """Drop `path`'s pages from the page cache; whether they are gone (some file systems keep them). Dropped
+    again until two looks 20 ms apart count the same pages: reads an earlier example left in flight (pages
+    under I/O survive a drop) must not land between a test's look at the cache and its read-ahead's own."""
     probe = ReadAhead([], ReadOptions())
+    size, seen = path.stat().st_size, None
     try:
-        return not probe._reader.pages.holds(path, 0, path.stat().st_size)
+        for _ in range(50):
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            found = probe._reader.pages.resident(path, 0, size)[0]
+            if found == seen:
+                break
+            seen = found
+            time.sleep(0.02)
+        return not seen
     finally:
         probe.close()
 
