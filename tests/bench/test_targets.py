@@ -35,3 +35,18 @@ def test_verdicts_and_what_was_not_measured() -> None:
     assert table[2] == "| a ÷ b | 0.25 | ≤ 0.5 | PASS |"
     assert table[3] == "| c ÷ b | 1.50 | ≥ 2 | FAIL |"
     assert table[5] == "| missing ÷ b |  | ≤ 1 | not measured |"
+
+
+def test_a_bound_under_the_floor_fails_saying_so() -> None:
+    """A node ÷ the best peer whose bound, in seconds, is under one reader's time cannot pass on that machine:
+    the verdict says so; a bound above it fails plainly, and a pass has no note."""
+    target = Target("ep ÷ best peer", "ep cold", "best peer cold", 0.4, least="floor cold")
+    here = {"ep cold": 4.04, "best peer cold": 5.55, "floor cold": 3.35}  # (this VM's run: 0.4 × 5.55 = 2.22)
+    (verdict,) = evaluate((target,), here)
+    assert (verdict.verdict, verdict.note) == ("FAIL", "the bound, 0.4 × 5.55 = 2.22, is under floor cold = 3.35")
+    assert targets_table([verdict]).splitlines()[2] == (
+        "| ep ÷ best peer | 0.73 | ≤ 0.4 | FAIL (the bound, 0.4 × 5.55 = 2.22, is under floor cold = 3.35) |")
+    set_on = {"ep cold": 8.40, "best peer cold": 18.11, "floor cold": 2.22}  # (the run the target was set on)
+    assert evaluate((target,), set_on)[0][4:] == ("FAIL", "")  # (0.4 × 18.11 = 7.24: over the floor)
+    assert evaluate((target,), {**set_on, "ep cold": 7.0})[0][4:] == ("PASS", "")
+    assert evaluate((target,), {"ep cold": 4.04, "best peer cold": 5.55})[0][4:] == ("FAIL", "")
