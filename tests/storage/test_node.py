@@ -248,12 +248,20 @@ def test_a_warm_node_reads_through_its_mappings(tmp_path: Path) -> None:
         assert read.shared.warm and not read.active and read.window_bytes == 0
 
 
-def test_a_node_read_told_the_page_cache_is_cold_does_not_look_again(tmp_path: Path) -> None:
+def test_a_node_read_told_the_page_cache_is_cold_does_not_look_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`cold=True` (the caller's `node_windows` found it cold): local rank 0 reads through the window without its own
-    look at the page cache, even where that look would have found it warm."""
-    for read in _warm_node_read(tmp_path, cold=True):
+    look at the page cache over the planned spans, even where that look would have found it warm. (Not told, it
+    looks once. Its reads' own looks, request by request, are not that look.)"""
+    looks: list[bool] = []
+    look = NodeRead._cached
+    monkeypatch.setattr(NodeRead, "_cached", lambda self: looks.append(look(self)) or looks[-1])
+    for read in _warm_node_read(tmp_path / "told", cold=True):
         assert not read.shared.warm and read.active and read.window_bytes > 0
-        assert not read._reader.pages._maps  # its PageCache maps a file at the first look: none was taken
+    assert looks == []
+    for read in _warm_node_read(tmp_path / "not-told"):
+        assert read.shared.warm and not read.active
+    assert looks == [True]
 
 
 def test_the_reads_run_up_to_two_windows_ahead_of_the_ranks(tmp_path: Path) -> None:
