@@ -142,6 +142,15 @@ def test_all_ranks_passes_placement() -> None:
     assert all(pc.expert_placement is ExpertPlacement.ROUND_ROBIN for pc in grid)
 
 
+def test_same_experts_are_those_of_the_same_ep_rank_size_and_placement() -> None:
+    """The TP peers of a rank (same EP rank) hold its experts; another EP rank, EP size or placement does not."""
+    grid = ParallelConfig.all_ranks(tp_size=2, ep_size=2)
+    assert [[b.rank for b in grid if a.same_experts(b)] for a in grid] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    one = ParallelConfig(tp_size=2, tp_rank=0, ep_size=2, ep_rank=0)
+    assert not one.same_experts(ParallelConfig(tp_size=4, tp_rank=0, ep_size=1, ep_rank=0))
+    assert not one.same_experts(ParallelConfig(2, 1, 2, 0, expert_placement="round_robin"))
+
+
 # ---------------------------------------------------------------- from_environment
 
 

@@ -57,11 +57,7 @@ def test_local_rank_0_plans_the_node_read_and_hands_every_rank_its_windows(tmp_p
     """Cold: the node's groups are planned on local rank 0 only, and every rank gets their windows (the same);
     None from the plan (ranks that share too few pages) reaches every rank as None; a plan that raises on local
     rank 0 raises there and makes the other rank raise NodeError at once, naming it."""
-    files = [tmp_path / "a.bin", tmp_path / "b.bin"]
-    for file in files:
-        file.write_bytes(os.urandom(64 * ALIGN))
-    if evicted(files):
-        pytest.skip("this file system keeps pages after POSIX_FADV_DONTNEED: a node here is always warm")
+    files = _cold_files(tmp_path)
     groups = [[PlannedRange(files[0], 0, 3 * ALIGN, True), PlannedRange(files[1], ALIGN, 2 * ALIGN, True)],
               [PlannedRange(files[1], 8 * ALIGN, 9 * ALIGN, False)]]
     planned_on = []

@@ -77,7 +77,7 @@ def _hull_ranges(index: CheckpointIndex, plans: list[LayerPlan], min_tensor_byte
                 hull = hulls[key] = _hull(plans, proj, src, role, ref, shared)
             low, high, mark = hull
             if high > low:
-                begin = ref.begin if ref.begin >= 0 else index.begin(ref.name)
+                begin = index.first_byte(ref)
                 path = paths.get(ref.file) or paths.setdefault(ref.file, index.folder / ref.file)
                 out.append(_range((path, begin + low, begin + high, mark)))
     return out
@@ -155,8 +155,7 @@ def _member_plans(plans: list[LayerPlan], mine: ParallelConfig, member: Parallel
     holds the same experts (`for_rank`: a TP peer), else `planned(member)`."""
     if member == mine:
         return plans
-    same_experts = len({parallel.ep_rank for parallel in (mine, member)}) == 1
-    return [for_rank(plan, member) for plan in plans] if same_experts else planned(member)
+    return [for_rank(plan, member) for plan in plans] if mine.same_experts(member) else planned(member)
 
 
 def _kept(plans: list[LayerPlan], only: Collection[str] | None, groups: Groups | None) -> Groups | None:

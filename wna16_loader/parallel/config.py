@@ -82,6 +82,12 @@ class ParallelConfig:
         """Global rank in the grid: `ep_rank * tp_size + tp_rank`."""
         return self.ep_rank * self.tp_size + self.tp_rank
 
+    def same_experts(self, parallel: "ParallelConfig") -> bool:
+        """Whether rank `parallel` holds the experts this rank holds: the same EP size, rank and placement (a TP
+        peer)."""
+        return (self.ep_size, self.ep_rank, self.expert_placement) == \
+            (parallel.ep_size, parallel.ep_rank, parallel.expert_placement)
+
     @classmethod
     def from_rank(cls, rank: int, *, tp_size: int, ep_size: int = 1,
                   expert_placement: ExpertPlacement | str = ExpertPlacement.LINEAR) -> "ParallelConfig":

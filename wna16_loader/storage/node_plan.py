@@ -3,7 +3,8 @@ reads it).
 
 | node_windows(node, files, plan, gap) | local rank 0 plans the node's windows (or finds the node warm, or its  |
 |                                      | window without room in shared memory: None) and every rank gets them   |
-| shared_room(directory)               | the bytes a file in `directory` (/dev/shm) may still take               |
+| fitting(node, windows)               | the windows, or None (and one warning) where their file does not fit   |
+|                                      | in /dev/shm (`storage/shm.py`: its room and what a node is told)       |
 
 A node's window is a file in /dev/shm, a tmpfs whose size is whatever the machine or container gives it (Docker's
 default is 64 MiB; `--shm-size` or `--ipc=host` give more). Where the window does not fit, the node reads alone
