@@ -35,6 +35,18 @@ def start_ranks(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> 
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
+def ran(target: Callable[..., None], args: tuple[Any, ...], count: int, *, join_s: float = 120) -> list[Any]:
+    """`count` processes from the fork server, process i running `target(i, *args)`, once all have ended (or
+    `join_s` passed for each): their exit codes and pids are the caller's to check."""
+    context = forkserver()
+    processes = [context.Process(target=target, args=(local, *args)) for local in range(count)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(join_s)
+    return processes
+
+
 def evicted(files: list[Path]) -> int:
     """Write back, drop every file's pages from the page cache, and return the bytes still resident."""
     os.sync()

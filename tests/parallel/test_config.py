@@ -4,10 +4,15 @@ source of tp/ep sizes and ranks in the package."""
 from __future__ import annotations
 
 import ast
+import json
 import os
+import socket
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from processes import start_ranks
 
 import wna16_loader
 from wna16_loader.errors import ShardingError, WNA16Error
@@ -363,28 +368,73 @@ def test_from_manifest_takes_the_output_folder(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- Node: the ranks of one machine
 
 def test_node_of_groups_by_host_and_load_and_splits_replicas() -> None:
-    everyone = [("a", 0, "L", 10), ("a", 1, "L", 11), ("b", 2, "L", 12), ("a", 0, "L", 13), ("a", 1, "M", 14),
-                ("a", 2, "L", 15)]
-    assert _node_of(everyone, 0) == ((0, 1, 2), 0, "a-10-6-0")
-    assert _node_of(everyone, 5) == ((0, 1, 2), 2, "a-10-6-0")
-    assert _node_of(everyone, 3) == ((0,), 0, "a-13-6-1")  # a second replica of rank 0
-    assert _node_of(everyone, 4) == ((1,), 0, "a-14-6-0")  # another load (pipeline stage)
-    assert _node_of(everyone, 2) == ((2,), 0, "b-12-6-0")
+    everyone = [("a", 0, "L", 10, "t0"), ("a", 1, "L", 11, "t1"), ("b", 2, "L", 12, "t2"), ("a", 0, "L", 13, "t3"),
+                ("a", 1, "M", 14, "t4"), ("a", 2, "L", 15, "t5")]
+    assert _node_of(everyone, 0) == ((0, 1, 2), 0, "t0-a-10")
+    assert _node_of(everyone, 5) == ((0, 1, 2), 2, "t0-a-10")
+    assert _node_of(everyone, 3) == ((0,), 0, "t3-a-13")  # a second replica of rank 0
+    assert _node_of(everyone, 4) == ((1,), 0, "t4-a-14")  # another load (pipeline stage)
+    assert _node_of(everyone, 2) == ((2,), 0, "t2-b-12")
 
 
-def test_node_from_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RANK", "6")
-    monkeypatch.setenv("LOCAL_RANK", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job 7")
+def test_node_of_keys_lead_with_the_token_however_long_the_host_name() -> None:
+    token = "f" * 32
+    key = _node_of([("h" * 200, 0, "L", 10, token)], 0)[2]
+    assert key.startswith(f"{token}-hhh") and len(key) == 120
+
+
+def _job_key(rank: int, world: int, init: str, out: str) -> None:
+    """One rank of a job whose processes have fixed pids and host name: its node's key."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    os.getpid, socket.gethostname = (lambda: 1000 + rank), (lambda: "host")  # (this child process only)
+    node = Node.from_environment(load="experts")
+    Path(out, f"rank{rank}.json").write_text(json.dumps([node.key, list(node.ranks), node.local_rank]))
+    dist.destroy_process_group()
+
+
+def test_two_jobs_with_the_same_pids_host_and_sizes_name_different_windows(tmp_path: Path) -> None:
+    """4 ranks over gloo, twice: within a job every rank has the same key; the two jobs' keys differ, and neither
+    can be told from what another user of the host sees (pids, host name, sizes)."""
+    jobs = []
+    for job in ("a", "b"):
+        (tmp_path / job).mkdir()
+        start_ranks(_job_key, (4, str(tmp_path / f"init-{job}"), str(tmp_path / job)), 4)
+        jobs.append([json.loads((tmp_path / job / f"rank{r}.json").read_text()) for r in range(4)])
+    for ranks in jobs:
+        assert [(local, members) for _, members, local in ranks] == [(r, [0, 1, 2, 3]) for r in range(4)]
+        assert len({key for key, _, _ in ranks}) == 1
+    first, second = jobs[0][0][0], jobs[1][0][0]
+    assert first != second and first.endswith("-host-1000") and second.endswith("-host-1000")
+    assert len(first.split("-")[0]) == 32  # local rank 0's 128-bit token leads
+
+
+def _torchrun(monkeypatch: pytest.MonkeyPatch, run_id: str) -> None:
+    for name, value in (("RANK", "6"), ("LOCAL_RANK", "2"), ("LOCAL_WORLD_SIZE", "4"), ("MASTER_PORT", "29500"),
+                        ("TORCHELASTIC_RUN_ID", run_id)):
+        monkeypatch.setenv(name, value)
+
+
+def test_node_from_torchrun_environment_with_a_random_run_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    run_id = "0b4c3f9e-8a51-4c1e-9d2f-6e7a8b9c0d1e"  # what torchrun makes on one host: str(uuid.uuid4())
+    _torchrun(monkeypatch, run_id)
     node = Node.from_environment(window_bytes=1 << 20)
     assert (node.ranks, node.local_rank, node.rank, node.size, node.window_bytes) == ((4, 5, 6, 7), 2, 6, 4, 1 << 20)
-    assert node.key.endswith(f"-job_7-29500-{os.getppid()}")
+    assert node.key.startswith(f"{run_id}-29500-{os.getppid()}-")
     monkeypatch.setenv("LOCAL_RANK", "x")
     with pytest.raises(ShardingError, match="Node.from_environment: LOCAL_RANK='x', LOCAL_WORLD_SIZE='4' and RANK='6' "
                                             "must be integers"):
         Node.from_environment()
+
+
+@pytest.mark.parametrize("run_id", ["job 7", "none", "", "6ba7b810-9dad-11d1-80b4-00c04fd430c8"])  # the last: a v1
+def test_node_from_torchrun_environment_reads_alone_with_a_run_id_others_may_know(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, run_id: str) -> None:
+    _torchrun(monkeypatch, run_id)
+    node = Node.from_environment()
+    assert (node.ranks, node.local_rank, node.size) == ((6,), 0, 1)
+    assert f"Node.from_environment: torchrun's run id {run_id!r} is not a random UUID, so a window named with it " \
+           f"could be known to other users of this host; the ranks read alone." in caplog.text
 
 
 def test_node_alone_without_an_environment(monkeypatch: pytest.MonkeyPatch) -> None:

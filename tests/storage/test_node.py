@@ -1,7 +1,7 @@
 """storage/node.py: a node's ranks read a checkpoint together (a cold one: a warm node reads its mappings).
 
-The shared window's waits in one process (its windows and stripes: test_windows.py); then real
-processes: 4 ranks over gloo (their Node from `Node.from_environment`) load a cold checkpoint together,
+A read whose other rank never comes (the window file itself: test_shared_window.py; its windows and stripes:
+test_windows.py); then real processes: 4 ranks over gloo (their Node from `Node.from_environment`) load a cold checkpoint together,
 byte-identical to lone loads, with their storage bytes within 1.1x the union of their ranges; and a rank
 killed mid-load makes the others raise NodeError, naming it, well within the timeout.
 """
@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from processes import evicted, forkserver, start_ranks
+from processes import evicted, ran, start_ranks
 
 from wna16_loader import ParallelConfig, load_experts
 from wna16_loader.errors import NodeError, SharedMemoryError
@@ -34,7 +34,8 @@ from wna16_loader.storage.index import CheckpointIndex
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage.advice import PageCache
 from wna16_loader.storage import node as node_module
-from wna16_loader.storage.node import ALIGN, HEADER, WARM_AT, NodeRead, SharedWindow, Word
+from wna16_loader.storage.node import ALIGN, WARM_AT, NodeRead
+from wna16_loader.storage.shared_window import HEADER, Word
 from wna16_loader.storage.readahead import PlannedRange, ReadOptions
 from wna16_loader.storage.windows import windows_of
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
@@ -48,48 +49,6 @@ def test_a_rank_that_never_comes_times_out_naming_it() -> None:
     assert str(caught.value).startswith(f"node {node.key}: rank(s) 5 (pid not started) did not finish attaching the "
                                         f"shared window within timeout_s=0.3")
     assert not (Path("/dev/shm") / f"wna16-node-{node.key}").exists()
-
-
-def test_a_follower_without_its_leader_times_out_naming_the_key() -> None:
-    node = Node((0, 1), 1, f"test-{uuid.uuid4().hex}", timeout_s=0.2)
-    with pytest.raises(NodeError, match=f"node {node.key}: local rank 0 \\(global rank 0\\) did not create the "
-                                        f"shared window /dev/shm/wna16-node-{node.key} within timeout_s=0.2; start "
-                                        f"every rank of the node with the same Node.key"):
-        SharedWindow(node, ALIGN)
-
-
-def test_ranks_that_planned_different_windows_are_told_so() -> None:
-    key = f"test-{uuid.uuid4().hex}"
-    leader = SharedWindow(Node((0, 1), 0, key, timeout_s=1), 2 * ALIGN)
-    try:
-        with pytest.raises(NodeError, match=f"the shared window /dev/shm/wna16-node-{key} holds {4096 + 6 * ALIGN} "
-                                            f"bytes for 2 ranks, this rank planned {4096 + 3 * ALIGN} bytes for 2: "
-                                            f"the ranks planned different loads"):
-            SharedWindow(Node((0, 1), 1, key, timeout_s=1), ALIGN)
-    finally:
-        leader.unlink()
-        leader.close()
-
-
-def test_a_failed_rank_is_named_by_the_others() -> None:
-    key = f"test-{uuid.uuid4().hex}"
-    leader = SharedWindow(Node((0, 1), 0, key, timeout_s=5), ALIGN)
-    follower = SharedWindow(Node((0, 1), 1, key, timeout_s=5), ALIGN)
-    leader.unlink()
-    follower.set(Word.FAILED, 1)
-    with pytest.raises(NodeError, match=f"node {key}: rank\\(s\\) 1 \\(pid {os.getpid()}\\) failed while the node was "
-                                        f"reading window 0 of 1 \\(its own error says why\\); rank 0 stops its load "
-                                        f"too. Restart every rank of the node."):
-        leader.wait(Word.READ, 1, "reading window 0 of 1", lambda: None)
-    leader.close()
-    follower.close()
-
-
-def test_node_rejects_what_cannot_name_a_window() -> None:
-    with pytest.raises(ValueError, match="Node: key='a/b' must be 1-120 letters, digits"):
-        Node((0, 1), 0, "a/b")
-    with pytest.raises(ValueError, match="Node: local_rank=2 is out of range for 2 ranks; valid local ranks are 0..1."):
-        Node((0, 1), 2, "k")
 
 
 @contextmanager
@@ -175,13 +134,7 @@ def test_a_rank_killed_mid_load_makes_the_others_raise_naming_it(tmp_path: Path)
         pytest.skip("this file system keeps the checkpoint's pages after POSIX_FADV_DONTNEED (tmpfs?): a warm node "
                     "reads through its mappings, with nothing to wait for")
     key = f"test-{uuid.uuid4().hex}"
-    context = forkserver()
-    processes = [context.Process(target=_killed, args=(local, key, str(ckpt.folder), str(tmp_path)))
-                 for local in range(4)]
-    for process in processes:
-        process.start()
-    for process in processes:
-        process.join(120)
+    processes = ran(_killed, (key, str(ckpt.folder), str(tmp_path)), 4)
     assert processes[2].exitcode == -signal.SIGKILL
     for local in (0, 1, 3):
         result = json.loads((tmp_path / f"rank{local}.json").read_text())
@@ -316,22 +269,3 @@ def test_a_window_whose_pages_run_out_mid_read_raises_naming_the_room_it_needs(
         f"pass Node\\(window_bytes=\\.\\.\\.\\) smaller \\(down to 3 times the largest layer\\)\\. \\(Reading "
         f"{re.escape(str(ckpt.folder))}/\\S+\\.safetensors into the window: \\[Errno 14\\] Bad address\\.\\)",
         str(caught.value)), str(caught.value)
-
-
-def test_a_window_file_without_room_raises_naming_it_and_leaves_no_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Local rank 0 writes the window file's header (not a store through its mapping, which would kill the
-    process with SIGBUS where /dev/shm is full): ENOSPC raises SharedMemoryError, and no file is left behind."""
-    key = f"test-{uuid.uuid4().hex}"
-
-    def full(*args: object) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(node_module.os, "pwrite", full)
-    with pytest.raises(SharedMemoryError) as caught:
-        SharedWindow(Node((0, 1), 0, key, timeout_s=1), 2 * ALIGN)
-    monkeypatch.undo()
-    assert re.fullmatch(
-        f"node {key}: writing 40 bytes of /dev/shm/wna16-node-{key}\\.{os.getpid()}\\.tmp failed \\(\\[Errno 28\\] No "
-        f"space left on device\\): /dev/shm has \\d+ bytes free\\. Give the machine's shared memory room for it and "
-        f"for whatever else uses it \\(Docker: --shm-size=1g or more, or --ipc=host; Kubernetes: a memory-backed "
-        f"emptyDir mounted at /dev/shm\\)\\.", str(caught.value)), str(caught.value)
-    assert not list(Path("/dev/shm").glob(f"wna16-node-{key}*"))

@@ -17,7 +17,8 @@ from wna16_loader.errors import NodeError
 from wna16_loader.parallel.config import Node
 from wna16_loader.storage import node_plan
 from wna16_loader.storage.advice import PageCache
-from wna16_loader.storage.node import ALIGN, HEADER, WARM_AT
+from wna16_loader.storage.node import ALIGN, WARM_AT
+from wna16_loader.storage.shared_window import HEADER
 from wna16_loader.storage.node_plan import node_windows
 from wna16_loader.storage.shm import shared_room
 from wna16_loader.storage.readahead import PlannedRange

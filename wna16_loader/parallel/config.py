@@ -14,13 +14,16 @@ import enum
 import json
 import os
 import re
+import secrets
 import socket
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from ..errors import ShardingError
+from ..logs import log
 
 MANIFEST_NAME = "wna16_manifest.json"  # a wna16-shard output's manifest; from_manifest reads its parallel record
 
@@ -229,7 +232,8 @@ class Node:
 
     `ranks`: the global ranks (`ParallelConfig.rank`) of the node's processes, in local-rank order, this
     process at `local_rank`; `key`: the same text on every rank of the node and a different one for every
-    job (it names the shared window); `window_bytes`: the shared memory the node reads into (three parts,
+    job (it names the shared window in /dev/shm, which other users of the host may share: `from_environment`
+    makes it with a secret only the job's processes learn; a key you pass yourself should carry one too); `window_bytes`: the shared memory the node reads into (three parts,
     each grown to the largest layer where one does not fit: the load reports what it used); `timeout_s`: how
     long a rank waits for the others at one step before raising `NodeError`."""
 
@@ -282,36 +286,62 @@ class Node:
 
 
 def _detect_node(process_group: Any, rank: int | None, load: str) -> tuple[tuple[int, ...], int, str]:
-    """(the node's global ranks, this process's index among them, the node's key)."""
+    """(the node's global ranks, this process's index among them, the node's key). The key carries a secret that
+    only the node's own processes learn (local rank 0's random token, handed out by the all-gather that forms the
+    node; or torchrun's random run id): no one else on the host can name its window in advance."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        me = (socket.gethostname(), dist.get_rank(process_group) if rank is None else rank, load, os.getpid())
+        me = (socket.gethostname(), dist.get_rank(process_group) if rank is None else rank, load, os.getpid(),
+              secrets.token_hex(16))
         everyone: list[Any] = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(everyone, me, group=process_group)
         return _node_of(everyone, everyone.index(me))
-    env = os.environ
-    if all(name in env for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK")):
-        try:
-            local, count, first = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), int(env["RANK"])
-        except ValueError:
-            raise ShardingError(f"Node.from_environment: LOCAL_RANK={env['LOCAL_RANK']!r}, LOCAL_WORLD_SIZE="
-                                f"{env['LOCAL_WORLD_SIZE']!r} and RANK={env['RANK']!r} must be integers (as torchrun "
-                                f"sets them).") from None
-        job = f"{env.get('TORCHELASTIC_RUN_ID', 'run')}-{env.get('MASTER_PORT', '0')}-{os.getppid()}"
-        return tuple(range(first - local, first - local + count)), local, _key(f"{socket.gethostname()}-{job}")
+    if all(name in os.environ for name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK")):
+        return _torchrun_node(os.environ, rank)
     return (_detect_rank_and_world(process_group)[0] if rank is None else rank,), 0, f"alone-{os.getpid()}"
 
 
-def _node_of(everyone: list[tuple[str, int, str, int]], me: int) -> tuple[tuple[int, ...], int, str]:
-    """The node of process `me` among every process's (host, rank, load, pid): the processes of its host and
-    load, the n-th of each rank number in the n-th node."""
-    host, rank, load, _ = everyone[me]
-    peers = [i for i, (h, _, l, _) in enumerate(everyone) if (h, l) == (host, load)]
+def _torchrun_node(env: Mapping[str, str], rank: int | None) -> tuple[tuple[int, ...], int, str]:
+    """The node torchrun's environment describes, where its run id is a secret: a random UUID, as torchrun makes
+    one for a single-host run (and `--standalone`). A run id the user chose (`--rdzv-id`) may be known to others
+    on the host, so then each rank reads alone (a warning says so)."""
+    try:
+        local, count, first = int(env["LOCAL_RANK"]), int(env["LOCAL_WORLD_SIZE"]), int(env["RANK"])
+    except ValueError:
+        raise ShardingError(f"Node.from_environment: LOCAL_RANK={env['LOCAL_RANK']!r}, LOCAL_WORLD_SIZE="
+                            f"{env['LOCAL_WORLD_SIZE']!r} and RANK={env['RANK']!r} must be integers (as torchrun "
+                            f"sets them).") from None
+    run = env.get("TORCHELASTIC_RUN_ID", "")
+    if not _random_uuid(run):
+        log.warning("Node.from_environment: torchrun's run id %r is not a random UUID, so a window named with it "
+                    "could be known to other users of this host; the ranks read alone. Initialise "
+                    "torch.distributed first (the ranks then share a secret), or run torchrun on one host without "
+                    "--rdzv-id.", run)
+        return (first if rank is None else rank,), 0, f"alone-{os.getpid()}"
+    job = f"{run}-{env.get('MASTER_PORT', '0')}-{os.getppid()}"
+    return tuple(range(first - local, first - local + count)), local, _key(f"{job}-{socket.gethostname()}")
+
+
+def _random_uuid(text: str) -> bool:
+    """Whether `text` is a random (version 4) UUID."""
+    try:
+        return uuid.UUID(text).version == 4
+    except ValueError:
+        return False
+
+
+def _node_of(everyone: list[tuple[str, int, str, int, str]], me: int) -> tuple[tuple[int, ...], int, str]:
+    """The node of process `me` among every process's (host, rank, load, pid, token): the processes of its host
+    and load, the n-th of each rank number in the n-th node; its key leads with the token of its first process
+    (local rank 0), then the host and that process's pid."""
+    host, rank, load, _, _ = everyone[me]
+    peers = [i for i, (h, _, l, _, _) in enumerate(everyone) if (h, l) == (host, load)]
     nth = [sum(everyone[j][1] == everyone[i][1] for j in peers[:at]) for at, i in enumerate(peers)]
     mine = [i for i, n in zip(peers, nth) if n == nth[peers.index(me)]]
     ranks = tuple(everyone[i][1] for i in mine)
-    return ranks, mine.index(me), _key(f"{host}-{everyone[mine[0]][3]}-{len(everyone)}-{nth[peers.index(me)]}")
+    _, _, _, pid, token = everyone[mine[0]]
+    return ranks, mine.index(me), _key(f"{token}-{host}-{pid}")
 
 
 def _key(text: str) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import PreshardError
-from ..storage.node import alive
+from ..storage.shared_window import alive
 
 LOCK_NAME = ".wna16-shard.lock"
 

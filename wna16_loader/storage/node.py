@@ -6,11 +6,10 @@ windows of whole layers; each window is cut into requests dealt round-robin to t
 each rank reads its requests (O_DIRECT where the file system takes it) into the window's part of a shared
 file in /dev/shm while the ranks convert an earlier window from another part (PARTS of them):
 
-| window file   | [0, HEADER): int64 words: magic, size, ranks, warm, bytes carried; then per rank: pid,  |
-| (/dev/shm,    | windows read, windows used, failed. Then part 0 (windows 0, 3, ...), part 1 (windows 1, |
-| unlinked once | 4, ...) and part 2, each `part_bytes` long (none when warm: local rank 0 found WARM_AT  |
-| all have it)  | of the planned pages cached, and every rank reads through its own mapping); then bytes  |
-|               | local rank 0 carries to the others (`node_windows`: the node's `WindowPlan`)             |
+| window file   | `storage/shared_window.py`: a header of words, then part 0 (windows 0, 3, ...), part 1  |
+| (/dev/shm,    | (windows 1, 4, ...) and part 2, each `part_bytes` long (none when warm: local rank 0    |
+| unlinked once | found WARM_AT of the planned pages cached, and every rank reads through its own         |
+| all have it)  | mapping); then bytes local rank 0 carries to the others (`node_windows`: the plan)     |
 
 | NodeRead.start(i)      | group i is about to be read: once its window is read by every rank, its regions are |
 |                        | the ones `covering` finds (views valid until the next window starts)                |
@@ -23,16 +22,11 @@ makes this rank raise `NodeError` (never a hang).
 from __future__ import annotations
 
 import bisect
-import ctypes
 import errno
-import mmap
-import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from enum import IntEnum
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
@@ -41,210 +35,11 @@ from ..parallel.config import Node
 from .advice import PageCache
 from .buffers import ALIGN, Region
 from .readahead import FileReader, ReadOptions, overlapping
-from .shm import SHM, no_room, room_for, shared_room
+from .shared_window import Failure, SharedWindow, Word
+from .shm import no_room, shared_room
 from .windows import PARTS, Placed, WindowPlan, stripe
 
-HEADER = 4096
-MAGIC = 0x5741_3136_4E4F_4445  # "WA16NODE"
-FILE_WORDS = 5  # magic, size, ranks, warm, bytes carried; then each rank's `Word`s
 WARM_AT = 0.99  # of a checkpoint's pages cached: a warm node (a page cache under pressure drops a few pages)
-LIVENESS_S = 0.2  # how often a waiting rank looks whether the ranks it waits for still run
-
-
-class Word(IntEnum):
-    """A rank's words in the header (after the three of the file)."""
-
-    PID = 0
-    READ = 1  # windows this rank has read its stripe of
-    USED = 2  # windows this rank is done with (their views no longer used)
-    FAILED = 3  # Failure: why this rank stopped (0 while it runs or once it is done)
-
-
-class Failure(IntEnum):
-    """A rank's FAILED word."""
-
-    NONE = 0
-    OWN = 1  # its own load failed
-    PEER = 2  # it stopped because another rank failed or exited
-    DONE = 3  # it finished: every window read and used (its process may exit)
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
-
-
-class SharedWindow:
-    """The node's window file: created by local rank 0, attached by the others, unlinked once all have it;
-    its header words are how the ranks wait for each other."""
-
-    def __init__(self, node: Node, part_bytes: int | None, *, warm: bool = False, suffix: str = "",
-                 carry: bytes = b"") -> None:
-        """`warm` (local rank 0's word, the others learn it): the page cache holds the planned bytes (WARM_AT of
-        their pages), so the ranks read through their mappings and the window holds no data. `suffix`: of the
-        file's name (a node's other rendezvous). `carry`: bytes local rank 0 hands to the others (`carried`);
-        they pass `part_bytes=None` and take the file as local rank 0 made it."""
-        self.node, self.warm, self.carried = node, warm and node.local_rank == 0, carry
-        self.part_bytes = 0 if self.warm or part_bytes is None else part_bytes
-        self._sized = part_bytes is not None
-        self.path = SHM / f"wna16-node-{node.key}{suffix}"
-        self._map = self._create() if node.local_rank == 0 else self._attach()
-        self.words = (ctypes.c_int64 * (HEADER // 8)).from_buffer(self._map)
-        self.data = torch.frombuffer(self._map, dtype=torch.uint8, count=PARTS * self.part_bytes, offset=HEADER) \
-            if self.part_bytes else torch.empty(0, dtype=torch.uint8)
-        self.set(Word.PID, os.getpid())
-
-    @property
-    def size(self) -> int:
-        return HEADER + PARTS * self.part_bytes + len(self.carried)
-
-    def _create(self) -> mmap.mmap:
-        """The file, made under a temporary name and renamed into place once whole. Its header and carried bytes
-        are written, not stored through the mapping: a /dev/shm without room then raises SharedMemoryError here,
-        where a store would kill the process (SIGBUS). The parts' pages come as the ranks read into them."""
-        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-            header = (ctypes.c_int64 * FILE_WORDS)(MAGIC, self.size, self.node.size, int(self.warm), len(self.carried))
-            self._write(fd, bytes(header), 0, temporary)
-            self._write(fd, self.carried, self.size - len(self.carried), temporary)
-            mapped = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-        finally:
-            os.close(fd)
-        os.replace(temporary, self.path)
-        return mapped
-
-    def _write(self, fd: int, data: bytes, at: int, path: Path) -> None:
-        """`data` into file `fd` (`path`) at byte `at`; SharedMemoryError where its file system is full."""
-        done = 0
-        try:
-            while done < len(data):
-                done += os.pwrite(fd, data[done:], at + done)
-        except OSError as error:
-            if error.errno != errno.ENOSPC:
-                raise
-            free = shared_room(path.parent)
-            raise SharedMemoryError(f"node {self.node.key}: writing {len(data)} bytes of {path} failed ({error}): "
-                                    f"{path.parent} has {free} bytes free. {room_for(self.size)}") from error
-
-    def _attach(self) -> mmap.mmap:
-        deadline, delay = time.monotonic() + self.node.timeout_s, 1e-3
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                try:
-                    if os.fstat(fd).st_size >= HEADER:
-                        mapped = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED)
-                        return self._checked(mapped)
-                finally:
-                    os.close(fd)
-            if time.monotonic() > deadline:
-                raise NodeError(f"node {self.node.key}: local rank 0 (global rank {self.node.ranks[0]}) did not "
-                                f"create the shared window {self.path} within timeout_s={self.node.timeout_s}; start "
-                                f"every rank of the node with the same Node.key, or raise timeout_s.")
-            time.sleep(delay)
-            delay = min(2 * delay, 0.05)
-
-    def _checked(self, mapped: mmap.mmap) -> mmap.mmap:
-        words = (ctypes.c_int64 * FILE_WORDS).from_buffer(mapped)
-        magic, size, ranks, self.warm, carried = words[0], words[1], words[2], bool(words[3]), words[4]
-        del words
-        self.part_bytes = 0 if self.warm else self.part_bytes
-        if not self._sized and magic == MAGIC and len(mapped) == size >= HEADER + carried:
-            self.carried = bytes(mapped[size - carried:size])
-        if magic != MAGIC or size != self.size or ranks != self.node.size or len(mapped) != size:
-            mapped.close()
-            raise NodeError(f"node {self.node.key}: the shared window {self.path} holds {size} bytes for {ranks} "
-                            f"ranks, this rank planned {self.size} bytes for {self.node.size}: the ranks planned "
-                            f"different loads; load the same checkpoint with the same ReadOptions and parallel "
-                            f"sizes on every rank of the node.")
-        if hasattr(mmap, "MADV_WILLNEED"):
-            mapped.madvise(mmap.MADV_WILLNEED)
-        return mapped
-
-    def word(self, local_rank: int, word: Word) -> int:
-        return self.words[FILE_WORDS + len(Word) * local_rank + word]
-
-    def set(self, word: Word, value: int) -> None:
-        self.words[FILE_WORDS + len(Word) * self.node.local_rank + word] = value
-
-    def part(self, window: int) -> torch.Tensor:
-        """The bytes of the part window `window` is read into."""
-        start = window % PARTS * self.part_bytes
-        return self.data[start:start + self.part_bytes]
-
-    def wait(self, word: Word, target: int, doing: str, own: Callable[[], None]) -> None:
-        """Until every rank's `word` is at least `target` (`own()` raises this rank's own failure). Raises
-        NodeError when a rank failed, exited, or stays behind longer than the node's timeout."""
-        now = time.monotonic()
-        deadline, delay, alive_at = now + self.node.timeout_s, 1e-4, now
-        while True:
-            own()
-            behind = [i for i in range(self.node.size) if self.word(i, word) < target]
-            self._check(doing, time.monotonic() >= alive_at)  # (a look at /proc: every LIVENESS_S at most)
-            if not behind:
-                return
-            now = time.monotonic()
-            alive_at = alive_at if alive_at > now else now + LIVENESS_S
-            if now > deadline:
-                raise NodeError(self._about(behind, f"did not finish {doing} within timeout_s={self.node.timeout_s}"
-                                                    f" (raise Node.timeout_s for a slower storage)"))
-            time.sleep(delay)
-            delay = min(2 * delay, 5e-3)
-
-    def _check(self, doing: str, liveness: bool) -> None:
-        """Raise NodeError naming the ranks that exited while running (looked for with `liveness`; one that
-        failed or stopped first says so itself), else those whose load failed, else those that stopped because
-        of another."""
-        states = [(i, Failure(self.word(i, Word.FAILED)), self.word(i, Word.PID)) for i in range(self.node.size)]
-        liveness = liveness or any(state in (Failure.OWN, Failure.PEER) for _, state, _ in states)  # (the cause?)
-        gone = [i for i, state, pid in states if liveness and pid and state is Failure.NONE and not alive(pid)]
-        # (read again: a rank that stops sets its word before it exits, which may have been after `states`)
-        gone = [i for i in gone if self.word(i, Word.FAILED) == Failure.NONE]
-        if gone:
-            raise NodeError(self._about(gone, f"exited while the node was {doing}"))
-        for failure, what in ((Failure.OWN, "failed"), (Failure.PEER, "stopped because of another rank")):
-            if found := [i for i, state, _ in states if state is failure]:
-                raise NodeError(self._about(found, f"{what} while the node was {doing} (its own error says why)"))
-
-    def _about(self, local: list[int], what: str) -> str:
-        ranks = ", ".join(f"{self.node.ranks[i]} (pid {self.word(i, Word.PID) or 'not started'})" for i in local)
-        return (f"node {self.node.key}: rank(s) {ranks} {what}; rank {self.node.rank} stops its load too. Restart "
-                f"every rank of the node.")
-
-    def unlink(self) -> None:
-        """Remove the file's name (the mappings stay)."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-    def close(self) -> None:
-        """Drop this object's hold on the mapping (unmapped once no view of it is left)."""
-        self.words = None
-        self.data = torch.empty(0, dtype=torch.uint8)
-
-
-def window_file_bytes(part: int) -> int:
-    """The bytes of the window file of a node reading into parts of `part` bytes (`WindowPlan.part`)."""
-    return HEADER + PARTS * part
 
 
 def mostly_cached(counts: Iterable[tuple[int, int]]) -> bool:

@@ -21,7 +21,8 @@ from typing import Callable, Sequence
 from ..logs import log
 from ..parallel.config import Node
 from .advice import PageCache
-from .node import LIVENESS_S, Failure, SharedWindow, Word, mostly_cached, window_file_bytes
+from .node import mostly_cached
+from .shared_window import LIVENESS_S, Failure, SharedWindow, Word, window_file_bytes
 from .shm import SHM, no_room, shared_room
 from .readahead import PlannedRange
 from .windows import WindowPlan, decoded, encoded, windows_of
