@@ -375,10 +375,19 @@ def test_bad_json_in_fallback_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_per_layer_list_needs_one_value_per_layer() -> None:
-    with pytest.raises(ConfigError, match=r"config\.json: moe_topk lists 3 values \(experts per token \(top-k\)\) but "
-                                          r"the decoder has 4 layers; a per-layer list needs one value per layer\."):
+    with pytest.raises(ConfigError) as exc:
         _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_experts": 8,
                   "moe_topk": [2, 2, 2], "moe_intermediate_size": 32})
+    assert str(exc.value) == ("config.json: moe_topk lists 3 values (experts per token (top-k)) but the decoder has 4 "
+                              "layers (row 'hunyuan_v1_moe', model_type 'hunyuan_v1_moe'); a per-layer list needs one "
+                              "value per layer, or one for every layer. Fix the list, or declare what moe_topk lists "
+                              "in the 'hunyuan_v1_moe' row of the families table (wna16_loader/models/families.py).")
+
+
+def test_a_list_of_one_value_applies_to_every_layer() -> None:
+    moe = _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_experts": 8,
+                    "moe_topk": [3], "moe_intermediate_size": [32]})
+    assert [moe.layer(i).top_k for i in range(4)] == [3] * 4 and moe.intermediate_size == 32
 
 
 def test_per_layer_list_entries_must_be_positive() -> None:

@@ -187,10 +187,14 @@ def per_layer_key(config: dict[str, Any], keys: tuple[str, ...], what: str, fami
             continue
         if not isinstance(value, list):
             return (_positive(key, value, what),) * num_layers, key
-        if len(value) != num_layers:
+        if len(value) not in (1, num_layers):
             raise ConfigError(f"config.json: {key} lists {len(value)} values ({what}) but the decoder has "
-                              f"{num_layers} layers; a per-layer list needs one value per layer.")
-        return tuple(_positive(f"{key}[{i}]", v, what) for i, v in enumerate(value)), key
+                              f"{num_layers} layers (row {family.name!r}, model_type "
+                              f"{config.get('model_type')!r}); a per-layer list needs one value per layer, or "
+                              f"one for every layer. Fix the list, or declare what {key} lists in the "
+                              f"{family.name!r} row of the families table ({TABLE}).")
+        values = tuple(_positive(f"{key}[{i}]", v, what) for i, v in enumerate(value))
+        return (values if len(values) == num_layers else values * num_layers), key
     raise _missing(what, keys, family, config.get("model_type"))
 
 

@@ -82,6 +82,13 @@ class Family:
         """The row's main model_type."""
         return self.model_types[0]
 
+    def patterns(self) -> tuple[str, ...]:
+        """The routed-expert tensor names this row looks for, one pattern per root and module, e.g.
+        `model.layers.L.mlp.experts.E.{gate_proj, up_proj, down_proj}.SUFFIX`."""
+        projections = ", ".join(name for name, _ in self.projections)
+        return tuple(f"{root}.layers.L{f'.{module}' if module else ''}.experts.E.{{{projections}}}.SUFFIX"
+                     for root in self.roots for module in self.modules)
+
 
 def _keys(experts: str, top_k: str, intermediate: str | tuple[str, ...], **more: tuple[str, ...]) -> Keys:
     inter = (intermediate,) if isinstance(intermediate, str) else intermediate

@@ -275,3 +275,13 @@ def prefix_at_layer(prefix: str, layer: int) -> str:
     if match is None:
         raise ValueError(f"{prefix!r} is not an experts prefix")
     return prefix[:match.start("layer")] + str(layer) + prefix[match.end("layer"):]
+
+
+_EXPERT_LIKE = re.compile(r"(^|\.)[A-Za-z_]*experts?[A-Za-z_]*\.")
+
+
+def expert_like(names: Iterable[str], limit: int) -> tuple[list[str], int]:
+    """(the first `limit` of `names` that look like expert tensors, how many do): a name with a dotted
+    component that holds `expert` or `experts` (for a message about names no row parses, never to decide)."""
+    found = [name for name in names if _EXPERT_LIKE.search(name)]
+    return found[:limit], len(found)
