@@ -15,6 +15,7 @@ from wna16_loader.errors import ConfigError
 from wna16_loader.models.config import MoEConfig, resolve_moe_config
 from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, render_table
 from wna16_loader.models.layer_rules import EXPLICIT_KEYS, RULES_BY_NAME
+from wna16_loader.models.names import layer_of_prefix
 from wna16_loader.testing.synthetic import quant_config, write_family_checkpoint
 
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
@@ -183,9 +184,9 @@ def test_family_loads_exactly(tmp_path, name):
     moe = read_moe_config(tmp_path)
     assert moe.experts_prefixes == ckpt.prefixes
     assert moe.zero_experts == resolve(fixture(name)).zero_experts  # LongCat: 256 identity experts, never placed
-    assert tuple(int(p.split(".layers.")[1].split(".")[0]) for p in ckpt.prefixes) == moe.moe_layers
+    assert tuple(layer_of_prefix(p) for p in ckpt.prefixes) == moe.moe_layers
     row = BY_MODEL_TYPE[moe.family]
-    assert all(p.startswith(f"{row.roots[0]}.layers.") for p in ckpt.prefixes)
+    assert all(p.startswith(f"{row.roots[0]}.") for p in ckpt.prefixes)
     for tp, ep in LAYOUTS:
         weights, owners = reassemble(tmp_path, tp, ep)
         assert_owners(owners, ckpt.prefixes, E, tp, ep)

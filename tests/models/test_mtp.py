@@ -68,11 +68,11 @@ def test_undeclared_mtp_layers_say_why() -> None:
         "MTP layer 1, but config.json declares 1 MTP layer(s) (mtp_num_hidden_layers=1 (row qwen3_5_moe))")
     deepseek = resolve("deepseek_v3")
     assert deepseek.mtp.problem("mtp.layers.0.mlp.experts") == (
-        "an MTP layer under 'mtp', but this family's MTP layers are layers.{61..61} (appended to the decoder)")
+        "an MTP layer under 'mtp.layers', but this family's MTP layers are layers.{61..61} (appended to the decoder)")
     none = resolve("qwen3_moe")
     assert none.mtp == MTPLayers()
     assert none.mtp.problem("mtp.layers.0.mlp.experts") == (
-        "an MTP layer under 'mtp', but this family's MTP layers are none")
+        "an MTP layer under 'mtp.layers', but this family's MTP layers are none")
     assert none.mtp.index("model.layers.48.mlp.experts") is None  # past the decoder, not MTP: "not a MoE layer"
 
 
@@ -91,7 +91,7 @@ def test_every_mtp_row_is_one_of_the_two_namings() -> None:
     rows = {f.name: f.mtp for f in FAMILIES if f.mtp is not None}
     assert sorted(rows) == sorted({"deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
                                    "kimi_k25", "qwen3_5_moe", "qwen3_next", *DENSE})
-    assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp"} and MTP_ROOTS == {"mtp"}
+    assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp.layers"} and MTP_ROOTS == {"mtp.layers"}
 
 
 def test_describe_lists_the_mtp_layers() -> None:

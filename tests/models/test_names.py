@@ -22,7 +22,8 @@ from wna16_loader.models.names import (
     prefix_at_layer,
 )
 
-ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone", "mtp")  # mtp: Qwen's MTP tree
+ALL_ROOTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "backbone.layers",
+             "mtp.layers")  # mtp.layers: Qwen's MTP tree
 ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
@@ -43,7 +44,7 @@ def test_declared_tables_match_the_spelling_this_file_tests() -> None:
 @pytest.mark.parametrize("proj", sorted(ALIASES))
 def test_per_expert_name_every_root_module_and_alias(root: str, module: str | None, proj: str) -> None:
     middle = f".{module}" if module else ""
-    prefix = f"{root}.layers.17{middle}.experts"
+    prefix = f"{root}.17{middle}.experts"
     name = f"{prefix}.42.{proj}.qweight"
     key = parse_expert_name(name)
     assert key == ExpertTensorKey(name=name, experts_prefix=prefix, layer=17, expert=42,
@@ -57,7 +58,7 @@ def test_per_expert_name_every_root_module_and_alias(root: str, module: str | No
 @pytest.mark.parametrize("proj", ["gate_up_proj", "down_proj", "gate_proj"])
 def test_stacked_name_without_expert_index(root: str, module: str | None, proj: str) -> None:
     middle = f".{module}" if module else ""
-    prefix = f"{root}.layers.0{middle}.experts"
+    prefix = f"{root}.0{middle}.experts"
     name = f"{prefix}.{proj}.qweight"
     key = parse_expert_name(name)
     assert key is not None

@@ -4,10 +4,11 @@ One row per family (with its aliases). Adding a family is one row here plus one
 test; the resolver (modelconfig.py) and the name parser (names.py) read only this
 table. Unknown model types use the GENERIC row, which tries every alias.
 
-A routed-expert tensor is `{root}.layers.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`. A family's MTP
+A routed-expert tensor is `{root}.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`, the root being everything
+before the layer number (`model.layers`; DeepSeek-V4 publishes `layers`). A family's MTP
 (multi-token-prediction, "NextN") layers are named in one of two ways (`MTP`): decoder layers appended
-after the last one, `{root}.layers.{L + i}` (DeepSeek-V3, GLM-4.x), or a tree of their own,
-`{mtp root}.layers.{i}` (Qwen3-Next, Qwen3.5).
+after the last one, `{root}.{L + i}` (DeepSeek-V3, GLM-4.x), or a tree of their own, `{mtp root}.{i}`
+(`mtp.layers.{i}`: Qwen3-Next, Qwen3.5; `mtp.{i}`: DeepSeek-V4).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class Keys:
 class MTP:
     """A family's MTP layers: how many (the first of `keys` present, else `default`) and where.
 
-    `root`: None for layers appended to the decoder, `{root}.layers.{L + i}` with L the decoder layer count
-    and the row's own roots and modules; else the root of their own tree, `{root}.layers.{i}`.
+    `root`: None for layers appended to the decoder, `{root}.{L + i}` with L the decoder layer count
+    and the row's own roots and modules; else the root of their own tree, `{root}.{i}` (e.g. `mtp.layers`).
     `routed`: False when the MTP block's MLP is dense (it has no routed experts to load).
     """
 
@@ -50,7 +51,7 @@ class MTP:
         """How the MTP layers are named, e.g. `appended model.layers.{L+i}` (for the docs/models.md table)."""
         if not self.routed:
             return "dense MTP block (no routed experts)"
-        where = f"`{self.root}.layers.i`" if self.root else "appended `layers.{L+i}`"
+        where = f"`{self.root}.i`" if self.root else "appended `layers.{L+i}`"
         default = f" (default {self.default})" if self.default else ""
         return f"{where}, count {' / '.join(f'`{k}`' for k in self.keys)}{default}"
 
@@ -60,7 +61,7 @@ class Family:
     """One row of the table.
 
     `nested`: keys under which the decoder config may live (e.g. `text_config`);
-    `roots` / `modules`: the tensor-name parts before and after `layers.{L}`;
+    `roots` / `modules`: the tensor-name parts before and after the layer number `{L}` (`model.layers`, `mlp`);
     `projections`: (tensor name, "gate" | "up" | "down" | "gate_up");
     `layer_rules`: the MoE-layer rules (layer_rules.RULES names) this family's configs use;
     `gated`: experts compute act(gate) * up; non-gated experts compute act(up);
@@ -69,7 +70,7 @@ class Family:
 
     model_types: tuple[str, ...]
     keys: Keys
-    roots: tuple[str, ...] = ("model",)
+    roots: tuple[str, ...] = ("model.layers",)
     modules: tuple[str | None, ...] = ("mlp",)
     projections: tuple[tuple[str, str], ...] = GATED
     nested: tuple[str, ...] = ()
@@ -86,7 +87,7 @@ class Family:
         """The routed-expert tensor names this row looks for, one pattern per root and module, e.g.
         `model.layers.L.mlp.experts.E.{gate_proj, up_proj, down_proj}.SUFFIX`."""
         projections = ", ".join(name for name, _ in self.projections)
-        return tuple(f"{root}.layers.L{f'.{module}' if module else ''}.experts.E.{{{projections}}}.SUFFIX"
+        return tuple(f"{root}.L{f'.{module}' if module else ''}.experts.E.{{{projections}}}.SUFFIX"
                      for root in self.roots for module in self.modules)
 
 
@@ -103,7 +104,7 @@ OLMO = _keys("num_experts", "num_experts_per_tok", "intermediate_size")
 NEXTN = MTP(("num_nextn_predict_layers",))
 # Qwen3-Next / Qwen3.5: their own `mtp.layers.i` tree; vLLM counts 1 when the config names none (qwen3_next_mtp.py,
 # qwen3_5_mtp.py), and Qwen3-Next's published config names none
-QWEN_MTP = MTP(("mtp_num_hidden_layers", "num_nextn_predict_layers"), default=1, root="mtp")
+QWEN_MTP = MTP(("mtp_num_hidden_layers", "num_nextn_predict_layers"), default=1, root="mtp.layers")
 # ERNIE 4.5, EXAONE-MoE, LongCat-Flash: the MTP block's MLP is dense (vLLM ernie_mtp.py, exaone_moe_mtp.py,
 # longcat_flash_mtp.py): its tensors are non-expert tensors
 DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
@@ -120,19 +121,19 @@ FAMILIES: tuple[Family, ...] = (
     Family(("flex_olmo",), OLMO),
     Family(("gemma4", "gemma4_text"), _keys("num_experts", "top_k_experts", "moe_intermediate_size",
                                             activation=("hidden_activation",)),
-           roots=("model.language_model",), modules=(None,), nested=("text_config",),
+           roots=("model.language_model.layers",), modules=(None,), nested=("text_config",),
            layer_rules=("enable_moe_block",)),
     Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
-    Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model",), nested=("text_config",),
+    Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
     Family(("lfm2_moe",), QWEN, modules=("feed_forward",), projections=W123, layer_rules=("num_dense_layers",)),
-    Family(("llama4", "llama4_text"), LOCAL, roots=("language_model.model",), modules=("feed_forward",),
+    Family(("llama4", "llama4_text"), LOCAL, roots=("language_model.model.layers",), modules=("feed_forward",),
            nested=("text_config",), layer_rules=("moe_layers", "interleave_moe_layer_step")),
     Family(("longcat_flash",), _keys("n_routed_experts", "moe_topk", "expert_ffn_hidden_size",
                                      layers=("num_layers",), zero_experts=("zero_expert_num",)), mtp=DENSE_MTP),
@@ -140,12 +141,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(("mixtral",), LOCAL, modules=("block_sparse_moe",), projections=W123),
     Family(("nemotron_h",), _keys("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                                   hidden=("moe_latent_size", "hidden_size"), activation=("mlp_hidden_act",)),
-           roots=("backbone",), modules=("mixer",), projections=NON_GATED, gated=False,
+           roots=("backbone.layers",), modules=("mixer",), projections=NON_GATED, gated=False,
            layer_rules=("layers_block_type", "hybrid_override_pattern")),
     Family(("olmoe",), OLMO),
     Family(("phimoe",), LOCAL, modules=("block_sparse_moe",), projections=W123),
     Family(("qwen2_moe",), QWEN, layer_rules=("decoder_sparse_step",)),
-    Family(("qwen3_5_moe", "qwen3_5_moe_text"), QWEN, roots=("model.language_model",), nested=("text_config",),
+    Family(("qwen3_5_moe", "qwen3_5_moe_text"), QWEN, roots=("model.language_model.layers",), nested=("text_config",),
            mtp=QWEN_MTP),
     Family(("qwen3_moe",), Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",)),
            layer_rules=("decoder_sparse_step",)),
@@ -159,7 +160,7 @@ GENERIC = Family(
               intermediate=("moe_intermediate_size", "expert_intermediate_size", "intermediate_size"),
               hidden=("hidden_size", "d_model"), layers=("num_hidden_layers", "n_layers", "num_layers"),
               activation=("hidden_act", "hidden_activation")),
-    roots=("model", "model.language_model", "language_model.model"),
+    roots=("model.layers", "model.language_model.layers", "language_model.model.layers"),
     modules=("mlp", "block_sparse_moe", "moe", "feed_forward", None),
     projections=GATED + W123,
     nested=("text_config", "llm_config", "language_config"),
@@ -190,7 +191,7 @@ def _cell(keys: tuple[str, ...]) -> str:
 def _names(family: Family) -> str:
     modules = [f".{m}" if m else "" for m in family.modules]
     projections = ", ".join(name for name, kind in family.projections if kind != "gate_up")
-    return f"`{family.roots[0]}.layers.L{modules[0]}.experts.E.{{{projections}}}`"
+    return f"`{family.roots[0]}.L{modules[0]}.experts.E.{{{projections}}}`"
 
 
 def render_table() -> str:
