@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import assert_exact, assert_owners, reassemble
 
-from wna16_loader import read_moe_config
+from wna16_loader import ParallelConfig, load_experts, read_moe_config
 from wna16_loader.errors import ConfigError
 from wna16_loader.models.config import MoEConfig, resolve_moe_config
 from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, render_table
 from wna16_loader.models.layer_rules import EXPLICIT_KEYS, RULES_BY_NAME
 from wna16_loader.models.names import layer_of_prefix
+from wna16_loader.preshard import preshard_checkpoint
 from wna16_loader.testing.synthetic import quant_config, write_family_checkpoint
 
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
@@ -28,6 +29,8 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "cohere2_moe": (8, 2, 22528, 40, tuple(range(40)), "mlp_layer_types"),
     "deepseek_v3": (256, 8, 2048, 61, tuple(range(3, 61)), "first_k_dense_replace"),
     "deepseek_v32": (256, 8, 2048, 61, tuple(range(3, 61)), "mlp_layer_types"),
+    "deepseek_v4": (256, 6, 2048, 43, tuple(range(43)), "mlp_layer_types"),
+    "deepseek_v4-published": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
     "dots1": (128, 6, 1408, 62, tuple(range(1, 62)), "first_k_dense_replace"),
     "ernie4_5_moe": (64, 6, 1536, 28, tuple(range(1, 28)), "moe_layer_start_index"),
     "exaone_moe": (64, 8, 1024, 32, tuple(range(1, 32)), "mlp_layer_types"),
@@ -58,8 +61,9 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "qwen3_moe": (128, 8, 768, 24, tuple(range(24)), "decoder_sparse_step"),
     "qwen3_next": (512, 10, 512, 48, tuple(range(48)), "decoder_sparse_step"),
 }
-# the issue's 28 model types, the two published variants and two publishers' MTP counts
-ISSUE_TYPES = {"afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
+# every row's model type (each has a fixture written by transformers' own class)
+ROW_TYPES = {"deepseek_v4",
+             "afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
                "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
                "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
                "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4"}
@@ -79,8 +83,8 @@ def test_every_fixture_is_tested_and_every_row_has_a_fixture():
     assert on_disk == set(EXPECTED)
     provenance = json.loads((CONFIGS / "provenance.json").read_text())
     assert set(provenance["fixtures"]) == on_disk and provenance["transformers"].startswith("5.")
-    assert {fixture(n)["model_type"] for n in NAMES} == ISSUE_TYPES
-    assert {f.name for f in FAMILIES} == ISSUE_TYPES
+    assert {fixture(n)["model_type"] for n in NAMES} == ROW_TYPES
+    assert {f.name for f in FAMILIES} == ROW_TYPES
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -277,3 +281,50 @@ def test_a_known_row_tries_only_its_own_keys():
     with pytest.raises(ConfigError, match=r"tried \['n_routed_experts'\]\. .* the 'nemotron_h' row of the families "
                                          r"table"):
         resolve(config)
+
+
+# --------------------------------------------------------------------------------------------- DeepSeek-V4
+
+V4_QUANT = quant_config("compressed-tensors", bits=4, group_size=16, symmetric=True)  # llm-compressor's W4A16
+V4_LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (1, 8)]  # (tp, ep)
+
+
+def v4_small(name: str) -> dict:
+    """DeepSeek-V4's config (as transformers writes it, or as published) at test sizes: 4 layers (3 hash-routed),
+    8 experts, top-k 2, H = 64, I = 128 (TP 8: 16 columns a rank, one group of 16), one MTP layer."""
+    config = fixture(name)
+    config.update(num_hidden_layers=4, n_routed_experts=8, num_experts_per_tok=2, hidden_size=64,
+                  moe_intermediate_size=128)
+    for key in ("mlp_layer_types", "layer_types"):
+        if key in config:
+            config[key] = config[key][:4]
+    return config
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4-published", "deepseek_v4"])
+def test_deepseek_v4_names_hash_layers_and_mtp_as_published(tmp_path, name):
+    """`layers.L.ffn.experts.E.{w1, w3, w2}`, every layer MoE (hash-routed ones too), the MTP layer
+    `mtp.0.ffn.experts`, the shared experts left to the engine."""
+    ckpt = write_family_checkpoint(tmp_path, v4_small(name), V4_QUANT, mtp=True)
+    moe = read_moe_config(tmp_path)
+    assert moe.family == "deepseek_v4" and moe.moe_layers == (0, 1, 2, 3)
+    assert moe.experts_prefixes == tuple(f"layers.{layer}.ffn.experts" for layer in range(4))
+    assert moe.mtp_prefixes == ("mtp.0.ffn.experts",) == ckpt.prefixes[4:]
+    rule = "num_hash_layers: num_hash_layers=3" if name.endswith("published") else "mlp_layer_types: mlp_layer_types"
+    assert moe.resolution["MoE layers"].source.startswith(f"rule {rule}")
+    loaded = load_experts(tmp_path, ParallelConfig(tp_size=1, tp_rank=0), include_mtp=True)
+    assert sorted(loaded) == sorted(ckpt.prefixes) and loaded["mtp.0.ffn.experts"].mtp
+    assert "layers.0.ffn.shared_experts.gate_proj.qweight" in loaded.ignored
+    assert all(".ffn.experts." not in name for name in loaded.ignored)
+
+
+@pytest.mark.parametrize("tp,ep", V4_LAYOUTS)
+def test_deepseek_v4_loads_exactly_from_the_checkpoint_and_from_wna16_shard(tmp_path, tp, ep):
+    """A compressed-tensors W4A16 V4 checkpoint: every rank's share, stitched back, equals the quantizer's
+    reference dequantisation, read from the checkpoint and from a `wna16-shard` output of the layout."""
+    ckpt = write_family_checkpoint(tmp_path / "src", v4_small("deepseek_v4-published"), V4_QUANT, mtp=True)
+    preshard_checkpoint(tmp_path / "src", tmp_path / "out", tp_size=tp, ep_size=ep, progress=False)
+    for folder in (tmp_path / "src", tmp_path / "out"):
+        weights, owners = reassemble(folder, tp, ep, include_mtp=True)
+        assert_owners(owners, ckpt.prefixes, 8, tp, ep)
+        assert_exact(weights, ckpt.references)

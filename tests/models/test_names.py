@@ -23,8 +23,8 @@ from wna16_loader.models.names import (
 )
 
 ALL_ROOTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "backbone.layers",
-             "mtp.layers")  # mtp.layers: Qwen's MTP tree
-ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
+             "mtp.layers", "layers", "mtp")  # mtp.layers: Qwen's MTP tree; layers, mtp: DeepSeek-V4 as published
+ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", "ffn", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
     "up_proj": Source.UP, "w3": Source.UP,
@@ -152,6 +152,10 @@ NON_EXPERT_NAMES = [
     "backbone.layers.0.mixer.up_proj.qweight",  # Nemotron-H dense MLP
     "backbone.layers.0.mixer.shared_experts.up_proj.qweight",  # Nemotron-H shared expert
     "model.layers.0.mlps.0.gate_proj.qweight",  # LongCat dense MLPs
+    "layers.0.ffn.shared_experts.w1.weight",  # DeepSeek-V4 shared expert
+    "mtp.0.ffn.shared_experts.w2.weight",  # and its MTP layer's
+    "xlayers.0.ffn.experts.0.w1.weight",  # a bare root matches in full too
+    "model.mtp.0.ffn.experts.0.w1.weight",  # V4's MTP tree sits at the top
     "",
 ]
 
@@ -166,6 +170,8 @@ def test_non_expert_names_return_none(name: str) -> None:
     ("model.layers.2.feed_forward.experts.1.w1.qweight", "model.layers.2.feed_forward.experts", 2, 1, Source.GATE),
     ("language_model.model.layers.0.feed_forward.experts.15.down_proj.scales",
      "language_model.model.layers.0.feed_forward.experts", 0, 15, Source.DOWN),
+    ("layers.42.ffn.experts.255.w3.weight_packed", "layers.42.ffn.experts", 42, 255, Source.UP),  # DeepSeek-V4
+    ("mtp.0.ffn.experts.7.w2.weight_scale", "mtp.0.ffn.experts", 0, 7, Source.DOWN),
 ])
 def test_family_roots_and_modules_from_the_table(name, prefix, layer, expert, source) -> None:
     key = parse_expert_name(name)

@@ -108,12 +108,17 @@ QWEN_MTP = MTP(("mtp_num_hidden_layers", "num_nextn_predict_layers"), default=1,
 # ERNIE 4.5, EXAONE-MoE, LongCat-Flash: the MTP block's MLP is dense (vLLM ernie_mtp.py, exaone_moe_mtp.py,
 # longcat_flash_mtp.py): its tensors are non-expert tensors
 DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
+# DeepSeek-V4 as published: `layers.L.ffn.experts.E.{w1, w3, w2}`, its MTP layers `mtp.i.ffn.experts...` (SGLang
+# deepseek_v4.py and transformers' conversion mapping rename them); every layer MoE, hash-routed or top-k
+V4_MTP = MTP(("num_nextn_predict_layers",), root="mtp")
 
 FAMILIES: tuple[Family, ...] = (
     Family(("afmoe",), QWEN, layer_rules=("num_dense_layers",)),
     Family(("cohere2_moe",), OLMO, layer_rules=("mlp_layer_types",)),
     Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("deepseek_v4",), DEEPSEEK, roots=("layers",), modules=("ffn",), projections=W123,
+           layer_rules=("mlp_layer_types", "num_hash_layers"), mtp=V4_MTP),
     Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
     Family(("ernie4_5_moe",), _keys("moe_num_experts", "moe_k", "moe_intermediate_size"),
            layer_rules=("moe_layer_start_index",), mtp=DENSE_MTP),
