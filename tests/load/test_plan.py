@@ -51,7 +51,7 @@ def _renamed(tensors: dict, old: str, new: str) -> None:
 def test_no_expert_tensor_names_the_row_the_patterns_and_the_names_found(tmp_path):
     """Experts under a module no row names: the error quotes the row, what it looked for and what was found."""
     good(tmp_path)
-    rewrite(model(tmp_path), lambda t: _renamed(t, ".mlp.experts.", ".sparse.experts."))
+    rewrite(model(tmp_path), lambda t: _renamed(t, ".mlp.experts.", ".block.experts."))
     with pytest.raises(CheckpointError) as exc:
         load_experts(tmp_path, TP1)
     projections = "gate_proj, up_proj, down_proj, gate_up_proj"
@@ -59,9 +59,9 @@ def test_no_expert_tensor_names_the_row_the_patterns_and_the_names_found(tmp_pat
         f"{tmp_path}: no routed-expert tensor found. config.json resolves to the 'qwen3_moe' row of the families "
         f"table (wna16_loader/models/families.py), which looks for "
         f"['model.layers.L.mlp.experts.E.{{{projections}}}.SUFFIX']; its first names that look like experts (37 of "
-        f"its 41 tensors): ['model.layers.0.sparse.experts.0.down_proj.qweight', "
-        f"'model.layers.0.sparse.experts.0.down_proj.qzeros', 'model.layers.0.sparse.experts.0.down_proj.scales', "
-        f"'model.layers.0.sparse.experts.0.gate_proj.qweight', 'model.layers.0.sparse.experts.0.gate_proj.qzeros']. If these "
+        f"its 41 tensors): ['model.layers.0.block.experts.0.down_proj.qweight', "
+        f"'model.layers.0.block.experts.0.down_proj.qzeros', 'model.layers.0.block.experts.0.down_proj.scales', "
+        f"'model.layers.0.block.experts.0.gate_proj.qweight', 'model.layers.0.block.experts.0.gate_proj.qzeros']. If these "
         f"are this model's experts, extend the 'qwen3_moe' row (its roots, modules or projections) to name them; if "
         f"the checkpoint has no routed experts, it is not a MoE checkpoint this package loads.")
 
