@@ -181,12 +181,20 @@ def test_glm4_moe_first_k_dense_replace() -> None:
     assert moe.moe_layers == tuple(range(1, 46))
 
 
-def test_dbrx_style_flat_keys() -> None:
-    moe = _resolve({"model_type": "dbrx", "d_model": 6144, "n_layers": 40, "moe_num_experts": 16,
-                    "moe_top_k": 4, "intermediate_size": 10752})
+def test_dbrx_keys_nested_in_ffn_config() -> None:
+    """databricks/dbrx-instruct's layout: the experts' keys live in ffn_config."""
+    moe = _resolve({"model_type": "dbrx", "d_model": 6144, "n_layers": 40, "ffn_config": {
+        "moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752, "ffn_act_fn": {"name": "silu"}}})
     assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.num_layers) == (
         16, 4, 6144, 10752, 40)
-    assert moe.moe_layers == tuple(range(40))
+    assert moe.moe_layers == tuple(range(40)) and moe.activation == "silu"
+
+
+def test_dbrx_keys_at_the_top_level_are_not_read() -> None:
+    with pytest.raises(ConfigError, match=r"no key gives the routed expert count; tried "
+                                          r"\['ffn_config\.moe_num_experts'\].*model_type='dbrx'"):
+        _resolve({"model_type": "dbrx", "d_model": 6144, "n_layers": 40, "moe_num_experts": 16, "moe_top_k": 4,
+                  "intermediate_size": 10752})
 
 
 def test_ernie_style_moe_k() -> None:

@@ -13,7 +13,7 @@ from conftest import assert_exact, assert_owners, reassemble
 from wna16_loader import ParallelConfig, load_experts, read_moe_config
 from wna16_loader.errors import ConfigError
 from wna16_loader.models.config import MoEConfig, resolve_moe_config
-from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, render_table
+from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, lookup, render_table
 from wna16_loader.models.layer_rules import EXPLICIT_KEYS, RULES_BY_NAME
 from wna16_loader.models.names import layer_of_prefix
 from wna16_loader.preshard import preshard_checkpoint
@@ -31,7 +31,17 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "deepseek_v32": (256, 8, 2048, 61, tuple(range(3, 61)), "mlp_layer_types"),
     "deepseek_v4": (256, 6, 2048, 43, tuple(range(43)), "mlp_layer_types"),
     "deepseek_v4-published": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
+    "dbrx": (4, 1, 3584, 24, tuple(range(24)), None),
     "dots1": (128, 6, 1408, 62, tuple(range(1, 62)), "first_k_dense_replace"),
+    "ernie4_5_vl_moe": (64, 6, 1536, 28, tuple(range(1, 28)), "mlp_layer_types"),
+    "glm4v_moe": (128, 8, 1408, 46, tuple(range(1, 46)), "first_k_dense_replace"),
+    "glm5_next": (288, 8, 2048, 45, tuple(range(3, 45)), "mlp_layer_types"),
+    "mistral4": (128, 4, 2048, 36, tuple(range(36)), "first_k_dense_replace"),
+    "mistral_large4": (128, 4, 6144, 72, tuple(range(1, 72)), "mlp_layer_types"),
+    "muse_spark": (256, 8, 4096, 62, tuple(range(62)), "mlp_layer_types"),
+    "qwen3_omni_moe": (128, 8, 768, 28, tuple(range(28)), "decoder_sparse_step"),
+    "qwen3_vl_moe": (60, 4, 1408, 24, tuple(range(24)), "decoder_sparse_step"),
+    "qwen4_exp": (512, 10, 512, 40, tuple(range(40)), None),
     "ernie4_5_moe": (64, 6, 1536, 28, tuple(range(1, 28)), "moe_layer_start_index"),
     "exaone_moe": (64, 8, 1024, 32, tuple(range(1, 32)), "mlp_layer_types"),
     "flex_olmo": (7, 5, 11008, 32, tuple(range(32)), None),
@@ -62,11 +72,16 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "qwen3_next": (512, 10, 512, 48, tuple(range(48)), "decoder_sparse_step"),
 }
 # every row's model type (each has a fixture written by transformers' own class)
-ROW_TYPES = {"deepseek_v4",
+# refused rows: their fixture's model type -> the keys their error quotes
+REFUSED = {"gpt_oss": "swiglu_limit=7.0, swiglu_alpha=1.702", "granitemoe": "num_local_experts=8",
+           "granitemoeshared": "num_local_experts=8", "granitemoehybrid": "num_local_experts=8",
+           "jetmoe": "num_local_experts=8"}
+ROW_TYPES = {"deepseek_v4", "dbrx", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next", "mistral4", "mistral_large4",
+             "muse_spark", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "gpt_oss", "granitemoe", "jetmoe",
              "afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
-               "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
-               "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
-               "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4"}
+             "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
+             "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
+             "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4"}
 NAMES = sorted(EXPECTED)
 
 
@@ -80,10 +95,10 @@ def resolve(config: dict) -> MoEConfig:
 
 def test_every_fixture_is_tested_and_every_row_has_a_fixture():
     on_disk = {p.stem for p in CONFIGS.glob("*.json")} - {"provenance"}
-    assert on_disk == set(EXPECTED)
+    assert on_disk == set(EXPECTED) | set(REFUSED)
     provenance = json.loads((CONFIGS / "provenance.json").read_text())
     assert set(provenance["fixtures"]) == on_disk and provenance["transformers"].startswith("5.")
-    assert {fixture(n)["model_type"] for n in NAMES} == ROW_TYPES
+    assert {fixture(n)["model_type"] for n in NAMES} | set(REFUSED) == ROW_TYPES | {"granitemoeshared", "granitemoehybrid"}
     assert {f.name for f in FAMILIES} == ROW_TYPES
 
 
@@ -99,6 +114,59 @@ def test_resolved_values(name):
     source = moe.resolution["MoE layers"].source
     assert source.startswith(f"rule {rule}:" if rule else "every layer")
     assert rule is None or rule in row.layer_rules
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_refused_rows_name_the_type_and_the_keys(name):
+    row = family_of(name)
+    with pytest.raises(ConfigError) as exc:
+        resolve(fixture(name))
+    assert str(exc.value) == (
+        f"config.json: model_type {name!r} (row {row.name!r} of the families table, wna16_loader/models/families.py) "
+        f"is refused: {row.refusal.why} (config.json: {REFUSED[name]}). Load this model with its engine's own loader.")
+
+
+def test_gpt_oss_is_refused_for_its_biases_and_clamped_swiglu():
+    with pytest.raises(ConfigError, match=r"model_type 'gpt_oss' .* is refused: its experts carry biases "
+                                          r"\(gate_up_proj_bias, down_proj_bias\) and a clamped SwiGLU"):
+        resolve(fixture("gpt_oss"))
+
+
+def test_muse_spark_experts_take_moe_hidden_size():
+    """MuseSparkMoE projects the hidden states (8192) down to moe_hidden_size (4096) before its experts."""
+    moe = resolve(fixture("muse_spark"))
+    assert (moe.hidden_size, fixture("muse_spark")["text_config"]["hidden_size"]) == (4096, 8192)
+    assert moe.resolution["hidden size"].source == "moe_hidden_size (row muse_spark)"
+
+
+def test_dbrx_reads_its_nested_ffn_config():
+    moe = resolve(fixture("dbrx"))
+    assert moe.resolution["routed expert count"].source == "ffn_config.moe_num_experts (row dbrx)"
+    assert moe.resolution["expert intermediate size"].key == "ffn_config.ffn_hidden_size"
+    assert (moe.hidden_size, moe.activation) == (2048, "silu")
+    assert family_of("dbrx").patterns() == ("transformer.blocks.L.ffn.experts.mlp.E.{w1, v1, w2}.SUFFIX",)
+
+
+def test_qwen3_omni_decoder_is_the_thinkers_text_config():
+    moe = resolve(fixture("qwen3_omni_moe"))
+    assert moe.resolution.decoder == "thinker_config.text_config"
+    assert moe.model_type == "qwen3_omni_moe_text"
+
+
+def test_ernie_vl_reads_the_text_entry_of_its_per_modality_list():
+    """moe_intermediate_size = [text, vision]: the text decoder's experts are the first (modeling_ernie4_5_vl_moe.py
+    builds text_moe with [0] and vision_moe with [1]), never one value per layer."""
+    assert fixture("ernie4_5_vl_moe")["text_config"]["moe_intermediate_size"] == [1536, 512]
+    moe = resolve(fixture("ernie4_5_vl_moe"))
+    assert moe.intermediate_size == 1536 and moe.per_layer == ()
+    assert moe.resolution["expert intermediate size"].source == \
+        "moe_intermediate_size (row ernie4_5_vl_moe, the text entry of a per-modality list)"
+
+
+def test_clamped_swiglu_limit_is_recorded():
+    for name, limit in (("deepseek_v4", 10.0), ("glm5_next", 10.0)):
+        record = resolve(fixture(name)).resolution["activation clamp"]
+        assert (record.value, record.key) == (limit, "swiglu_limit")
 
 
 def test_longcat_zero_experts_are_counted_apart():
@@ -146,7 +214,17 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep)
 
 
 def _decoder(config: dict, where: str) -> dict:
-    return config if where == "top level" else config[where]
+    for part in ([] if where == "top level" else where.split(".")):
+        config = config[part]
+    return config
+
+
+def _set(config: dict, key: str, value) -> None:
+    """Set a (dotted) key of `config`."""
+    *parents, last = key.split(".")
+    for part in parents:
+        config = config[part]
+    config[last] = value
 
 
 def shrink(config: dict) -> dict:
@@ -156,7 +234,7 @@ def shrink(config: dict) -> dict:
     out = copy.deepcopy(config)
     text, rec, n = _decoder(out, moe.resolution.decoder), moe.resolution, min(moe.num_layers, LAYERS)
     if rec["decoder layer count"].key:
-        text[rec["decoder layer count"].key] = n
+        _set(text, rec["decoder layer count"].key, n)
     for key in EXPLICIT_KEYS:
         if isinstance(text.get(key), (list, str)):
             text[key] = text[key][:n]
@@ -165,9 +243,9 @@ def shrink(config: dict) -> dict:
     for what, small in (("routed expert count", lambda i, v: E), ("experts per token (top-k)", lambda i, v: min(v, 2)),
                         ("expert intermediate size", lambda i, v: I_SMALL + 32 * (i % 2))):
         key = rec[what].key
-        text[key] = [small(i, v) for i, v in enumerate(text[key][:n])] if isinstance(text[key], list) else \
-            small(0, text[key])
-    text[rec["hidden size"].key] = H
+        value = lookup(text, key)
+        _set(text, key, [small(i, v) for i, v in enumerate(value[:n])] if isinstance(value, list) else small(0, value))
+    _set(text, rec["hidden size"].key, H)
     return out
 
 
@@ -232,10 +310,21 @@ def test_rendered_table_has_one_line_per_row():
     lines = render_table().splitlines()
     assert len(lines) == 2 + len(FAMILIES)
     nemotron = next(line for line in lines if line.startswith("| nemotron_h |"))
-    assert nemotron == ("| nemotron_h | top level | `n_routed_experts` ; `num_experts_per_tok` ; `moe_intermediate_size` | "
+    assert nemotron == ("| nemotron_h | top level | `n_routed_experts` ; `num_experts_per_tok` ; `moe_intermediate_size` ; "
+                        "expert input `moe_latent_size` / `hidden_size` | "
                         "`layers_block_type`, `hybrid_override_pattern` | "
                         "`backbone.layers.L.mixer.experts.E.{up_proj, down_proj}` | **not gated**, activation "
                         "`mlp_hidden_act` | — |")
+
+
+def test_rendered_table_says_refusals_expert_inputs_and_clamps():
+    lines = {line.split(" | ")[0][2:]: line for line in render_table().splitlines()[2:]}
+    assert lines["gpt_oss"].endswith(f"| **refused**: {family_of('gpt_oss').refusal.why} | — |")
+    assert "; expert input `moe_hidden_size` |" in lines["muse_spark, muse_spark_text"]
+    assert "; text entry of `moe_intermediate_size` |" in lines["ernie4_5_vl_moe, ernie4_5_vl_moe_text"]
+    assert "| `layers.L.ffn.experts.E.{w1, w3, w2}` | gated, activation `hidden_act`, clamped at `swiglu_limit` | " \
+           "`mtp.i`, count `num_nextn_predict_layers` |" in lines["deepseek_v4"]
+    assert "| `thinker_config.text_config` |" in lines["qwen3_omni_moe, qwen3_omni_moe_thinker, qwen3_omni_moe_text"]
 
 
 def test_documented_table_is_the_rendered_one():

@@ -90,7 +90,8 @@ def test_dense_mtp_blocks_have_no_mtp_experts(name: str) -> None:
 def test_every_mtp_row_is_one_of_the_two_namings() -> None:
     rows = {f.name: f.mtp for f in FAMILIES if f.mtp is not None}
     assert sorted(rows) == sorted({"deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe", "glm4_moe_lite",
-                                   "glm_moe_dsa", "kimi_k25", "qwen3_5_moe", "qwen3_next", *DENSE})
+                                   "glm4v_moe", "glm_moe_dsa", "kimi_k25", "qwen3_5_moe", "qwen3_next", "qwen4_exp",
+                                   *DENSE})
     assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp.layers", "mtp"}
     assert MTP_ROOTS == {"mtp.layers", "mtp"}
 

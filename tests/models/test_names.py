@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wna16_loader.models.names import (
+    EXPERTS,
     MODULES,
     PROJ_ALIASES,
     ROOTS,
@@ -23,11 +24,12 @@ from wna16_loader.models.names import (
 )
 
 ALL_ROOTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "backbone.layers",
-             "mtp.layers", "layers", "mtp")  # mtp.layers: Qwen's MTP tree; layers, mtp: DeepSeek-V4 as published
+             "mtp.layers", "layers", "mtp", "transformer.blocks", "thinker.model.layers")
+# mtp.layers: Qwen's MTP tree; layers, mtp: DeepSeek-V4 as published; transformer.blocks: DBRX; thinker: Qwen3-Omni
 ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", "ffn", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
-    "up_proj": Source.UP, "w3": Source.UP,
+    "up_proj": Source.UP, "w3": Source.UP, "v1": Source.UP,
     "down_proj": Source.DOWN, "w2": Source.DOWN,
     "gate_up_proj": Source.GATE_UP,
 }
@@ -37,6 +39,16 @@ def test_declared_tables_match_the_spelling_this_file_tests() -> None:
     assert set(ROOTS) == set(ALL_ROOTS)
     assert set(MODULES) == {m for m in ALL_MODULES if m}
     assert PROJ_ALIASES == ALIASES
+    assert EXPERTS == ("experts", "experts.mlp")
+
+
+def test_dbrx_experts_sit_under_experts_mlp() -> None:
+    """GPTQModel's per-expert DBRX modules: `transformer.blocks.L.ffn.experts.mlp.E.{w1, v1, w2}`."""
+    key = parse_expert_name("transformer.blocks.3.ffn.experts.mlp.15.v1.qweight")
+    assert key == ExpertTensorKey(name="transformer.blocks.3.ffn.experts.mlp.15.v1.qweight",
+                                  experts_prefix="transformer.blocks.3.ffn.experts.mlp", layer=3, expert=15,
+                                  source=Source.UP, suffix="qweight")
+    assert experts_prefix_for("transformer.blocks", 3, "ffn", "experts.mlp") == key.experts_prefix
 
 
 @pytest.mark.parametrize("root", ALL_ROOTS)

@@ -14,15 +14,25 @@ after the last one, `{root}.{L + i}` (DeepSeek-V3, GLM-4.x), or a tree of their 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 GATED = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"), ("gate_up_proj", "gate_up"))
 W123 = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
 NON_GATED = (("up_proj", "up"), ("down_proj", "down"))
+DBRX = (("w1", "gate"), ("v1", "up"), ("w2", "down"))  # GPTQModel's per-expert DBRX modules
 
 
 @dataclass(frozen=True)
 class Keys:
-    """Config keys tried in order for each value (a value may also be a per-layer list)."""
+    """Config keys tried in order for each value (a value may also be a per-layer list). A dotted key names a
+    key inside a nested dict (`ffn_config.moe_num_experts`).
+
+    `hidden`: the experts' input size (K of gate and up), the hidden size unless the family projects the
+    hidden states down before its experts (`moe_hidden_size`, `moe_latent_size`);
+    `per_modality`: keys whose list holds one value per modality, the text decoder's first
+    (`moe_intermediate_size = [text, vision]`), never one per layer;
+    `activation_limit`: the clamp of a clamped SwiGLU (recorded; the engine applies it).
+    """
 
     experts: tuple[str, ...]
     top_k: tuple[str, ...]
@@ -31,6 +41,26 @@ class Keys:
     layers: tuple[str, ...] = ("num_hidden_layers",)
     activation: tuple[str, ...] = ("hidden_act",)
     zero_experts: tuple[str, ...] = ()
+    per_modality: tuple[str, ...] = ()
+    activation_limit: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a family's experts cannot be loaded into the fused WNA16 layout, and the config keys that show it."""
+
+    keys: tuple[str, ...]
+    why: str
+
+
+def lookup(config: dict[str, Any], key: str) -> Any:
+    """The value of `key` in `config`, a dotted key walking into nested dicts; None when absent."""
+    value: Any = config
+    for part in key.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
 
 
 @dataclass(frozen=True)
@@ -65,7 +95,9 @@ class Family:
     `projections`: (tensor name, "gate" | "up" | "down" | "gate_up");
     `layer_rules`: the MoE-layer rules (layer_rules.RULES names) this family's configs use;
     `gated`: experts compute act(gate) * up; non-gated experts compute act(up);
-    `mtp`: the family's MTP layers (None: it has none).
+    `mtp`: the family's MTP layers (None: it has none);
+    `experts`: the name of the experts' container after the module (`experts`; DBRX: `experts.mlp`);
+    `refusal`: why the family's experts are refused (None: they load).
     """
 
     model_types: tuple[str, ...]
@@ -77,6 +109,8 @@ class Family:
     layer_rules: tuple[str, ...] = ()
     gated: bool = True
     mtp: MTP | None = None
+    experts: tuple[str, ...] = ("experts",)
+    refusal: Refusal | None = None
 
     @property
     def name(self) -> str:
@@ -87,8 +121,8 @@ class Family:
         """The routed-expert tensor names this row looks for, one pattern per root and module, e.g.
         `model.layers.L.mlp.experts.E.{gate_proj, up_proj, down_proj}.SUFFIX`."""
         projections = ", ".join(name for name, _ in self.projections)
-        return tuple(f"{root}.L{f'.{module}' if module else ''}.experts.E.{{{projections}}}.SUFFIX"
-                     for root in self.roots for module in self.modules)
+        return tuple(f"{root}.L{f'.{module}' if module else ''}.{experts}.E.{{{projections}}}.SUFFIX"
+                     for root in self.roots for module in self.modules for experts in self.experts)
 
 
 def _keys(experts: str, top_k: str, intermediate: str | tuple[str, ...], **more: tuple[str, ...]) -> Keys:
@@ -112,16 +146,37 @@ DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
 # deepseek_v4.py and transformers' conversion mapping rename them); every layer MoE, hash-routed or top-k
 V4_MTP = MTP(("num_nextn_predict_layers",), root="mtp")
 
+QWEN_VL = Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",))
+LANGUAGE_MODEL = ("model.language_model.layers",)
+# experts stored as one stacked tensor per projection under names of their own (transformers' conversion mapping
+# renames them): no row of this table names them
+STACKED_LINEAR = Refusal(("num_local_experts",), "its experts are one stacked tensor per projection "
+                         "(ParallelExperts input_linear and output_linear, [E, N, K] each), not the per-expert "
+                         "modules of a WNA16 checkpoint")
+# gpt-oss: biased experts (gate_up_proj_bias [E, 2I], down_proj_bias [E, H]) and SwiGLU clamped at swiglu_limit with
+# sigmoid slope swiglu_alpha (modeling_gpt_oss.py GptOssExperts); the fused WNA16 layout has no bias slot
+GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (gate_up_proj_bias, down_proj_bias) "
+                  "and a clamped SwiGLU (swiglu_limit, swiglu_alpha); the fused WNA16 layout holds neither biases "
+                  "nor that activation")
+
 FAMILIES: tuple[Family, ...] = (
     Family(("afmoe",), QWEN, layer_rules=("num_dense_layers",)),
     Family(("cohere2_moe",), OLMO, layer_rules=("mlp_layer_types",)),
     Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
-    Family(("deepseek_v4",), DEEPSEEK, roots=("layers",), modules=("ffn",), projections=W123,
+    Family(("deepseek_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
+                                  activation_limit=("swiglu_limit",)), roots=("layers",), modules=("ffn",),
+           projections=W123,
            layer_rules=("mlp_layer_types", "num_hash_layers"), mtp=V4_MTP),
+    Family(("dbrx",), Keys(("ffn_config.moe_num_experts",), ("ffn_config.moe_top_k",), ("ffn_config.ffn_hidden_size",),
+                           hidden=("d_model",), layers=("n_layers",), activation=("ffn_config.ffn_act_fn.name",)),
+           roots=("transformer.blocks",), modules=("ffn",), experts=("experts.mlp",), projections=DBRX),
     Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
     Family(("ernie4_5_moe",), _keys("moe_num_experts", "moe_k", "moe_intermediate_size"),
            layer_rules=("moe_layer_start_index",), mtp=DENSE_MTP),
+    Family(("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"),
+           _keys("moe_num_experts", "moe_k", "moe_intermediate_size", per_modality=("moe_intermediate_size",)),
+           nested=("text_config",), layer_rules=("mlp_layer_types",)),
     Family(("exaone_moe",), QWEN, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=DENSE_MTP),
     Family(("flex_olmo",), OLMO),
     Family(("gemma4", "gemma4_text"), _keys("num_experts", "top_k_experts", "moe_intermediate_size",
@@ -129,10 +184,19 @@ FAMILIES: tuple[Family, ...] = (
            roots=("model.language_model.layers",), modules=(None,), nested=("text_config",),
            layer_rules=("enable_moe_block",)),
     Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    Family(("glm4v_moe", "glm4v_moe_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    Family(("glm5_next", "glm5_next_text"), Keys(("n_routed_experts",), ("num_experts_per_tok",),
+                                                 ("moe_intermediate_size",), activation_limit=("swiglu_limit",)),
+           roots=LANGUAGE_MODEL, nested=("text_config",), layer_rules=("mlp_layer_types",)),
+    Family(("gpt_oss",), LOCAL, refusal=GPT_OSS),
+    Family(("granitemoe", "granitemoeshared", "granitemoehybrid"), LOCAL, modules=("block_sparse_moe",),
+           refusal=STACKED_LINEAR),
     Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
+    Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
@@ -143,7 +207,13 @@ FAMILIES: tuple[Family, ...] = (
     Family(("longcat_flash",), _keys("n_routed_experts", "moe_topk", "expert_ffn_hidden_size",
                                      layers=("num_layers",), zero_experts=("zero_expert_num",)), mtp=DENSE_MTP),
     Family(("minimax_m2",), LOCAL, modules=("block_sparse_moe",), projections=W123),
+    Family(("mistral4",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
+    Family(("mistral_large4", "mistral_large4_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("mlp_layer_types", "first_k_dense_replace")),
     Family(("mixtral",), LOCAL, modules=("block_sparse_moe",), projections=W123),
+    Family(("muse_spark", "muse_spark_text"), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                                    hidden=("moe_hidden_size",)),
+           roots=LANGUAGE_MODEL, nested=("text_config",), layer_rules=("mlp_layer_types",)),
     Family(("nemotron_h",), _keys("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                                   hidden=("moe_latent_size", "hidden_size"), activation=("mlp_hidden_act",)),
            roots=("backbone.layers",), modules=("mixer",), projections=NON_GATED, gated=False,
@@ -156,6 +226,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(("qwen3_moe",), Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",)),
            layer_rules=("decoder_sparse_step",)),
     Family(("qwen3_next",), QWEN, layer_rules=("decoder_sparse_step",), mtp=QWEN_MTP),
+    Family(("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), QWEN, roots=("thinker.model.layers",),
+           nested=("thinker_config.text_config",), layer_rules=("decoder_sparse_step",)),
+    Family(("qwen3_vl_moe", "qwen3_vl_moe_text"), QWEN_VL, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("decoder_sparse_step",)),
+    Family(("qwen4_exp", "qwen4_exp_text"), QWEN, roots=LANGUAGE_MODEL, nested=("text_config",), mtp=QWEN_MTP),
 )
 
 GENERIC = Family(
@@ -196,7 +271,23 @@ def _cell(keys: tuple[str, ...]) -> str:
 def _names(family: Family) -> str:
     modules = [f".{m}" if m else "" for m in family.modules]
     projections = ", ".join(name for name, kind in family.projections if kind != "gate_up")
-    return f"`{family.roots[0]}.L{modules[0]}.experts.E.{{{projections}}}`"
+    return f"`{family.roots[0]}.L{modules[0]}.{family.experts[0]}.E.{{{projections}}}`"
+
+
+def _values(keys: Keys) -> str:
+    """The experts / top-k / expert I / expert input cell of a row."""
+    values = " ; ".join(_cell(k) for k in (keys.experts, keys.top_k, keys.intermediate))
+    values += f" ; zero experts {_cell(keys.zero_experts)}" if keys.zero_experts else ""
+    values += f" ; expert input {_cell(keys.hidden)}" if keys.hidden != ("hidden_size",) else ""
+    return values + (f" ; text entry of {_cell(keys.per_modality)}" if keys.per_modality else "")
+
+
+def _kind(family: Family) -> str:
+    """The experts cell of a row: refused (why), or gated or not, the activation and its clamp."""
+    if family.refusal is not None:
+        return f"**refused**: {family.refusal.why}"
+    kind = f"{'gated' if family.gated else '**not gated**'}, activation {_cell(family.keys.activation)}"
+    return kind + (f", clamped at {_cell(family.keys.activation_limit)}" if family.keys.activation_limit else "")
 
 
 def render_table() -> str:
@@ -204,11 +295,8 @@ def render_table() -> str:
     lines = ["| model_type | decoder config | experts / top-k / expert I | MoE layers | expert tensors | experts | "
              "MTP layers |", "|---|---|---|---|---|---|---|"]
     for family in FAMILIES:
-        keys = family.keys
-        values = " ; ".join(_cell(k) for k in (keys.experts, keys.top_k, keys.intermediate))
-        values += f" ; zero experts {_cell(keys.zero_experts)}" if keys.zero_experts else ""
         rules = ", ".join(f"`{r}`" for r in family.layer_rules) or "every layer"
-        kind = f"{'gated' if family.gated else '**not gated**'}, activation {_cell(keys.activation)}"
-        lines.append(f"| {', '.join(family.model_types)} | {_cell(family.nested) or 'top level'} | {values} | "
-                     f"{rules} | {_names(family)} | {kind} | {family.mtp.describe() if family.mtp else '—'} |")
+        lines.append(f"| {', '.join(family.model_types)} | {_cell(family.nested) or 'top level'} | "
+                     f"{_values(family.keys)} | {rules} | {_names(family)} | {_kind(family)} | "
+                     f"{family.mtp.describe() if family.mtp else '—'} |")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .families import MTP, Family, mtp_roots
+from .families import MTP, Family, lookup, mtp_roots
 from .names import prefix_parts
 
 MTP_ROOTS = frozenset(mtp_roots())
@@ -88,7 +88,7 @@ def resolve_mtp(text: dict[str, Any], family: Family, num_layers: int) -> MTPLay
 
 def _count(text: dict[str, Any], rule: MTP, family: Family) -> tuple[int, str]:
     for key in rule.keys:
-        value = text.get(key)
+        value = lookup(text, key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

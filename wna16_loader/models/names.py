@@ -69,9 +69,11 @@ def _aliases() -> dict[str, Source]:
 PROJ_ALIASES: dict[str, Source] = _aliases()
 ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots] + list(mtp_roots()))
 MODULES: tuple[str, ...] = _union([m for family in all_rows() for m in family.modules if m is not None])
+EXPERTS: tuple[str, ...] = _union([name for family in all_rows() for name in family.experts])
 
-_PREFIX = r"(?P<prefix>(?P<root>{roots})\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
-    roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES))
+_PREFIX = r"(?P<prefix>(?P<root>{roots})\.(?P<layer>\d+)(?:\.(?:{modules}))?\.(?:{experts}))".format(
+    roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES),
+    experts="|".join(re.escape(e) for e in EXPERTS))
 _PREFIX_RE = re.compile(f"^{_PREFIX}$")
 _EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})(?:\.(?P<suffix>[A-Za-z0-9_]+))?$".format(
     prefix=_PREFIX, projs="|".join(re.escape(p) for p in PROJ_ALIASES)))
@@ -250,10 +252,10 @@ def name_shape(name: str) -> tuple[str, str, str, str]:
     return ("", "", "", *parts)[-4:]  # type: ignore[return-value]
 
 
-def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
+def experts_prefix_for(root: str, layer: int, module: str | None, experts: str = "experts") -> str:
     """Build an experts prefix, e.g. `model.layers.3.mlp.experts` (root `model.layers`)."""
     middle = f".{module}" if module else ""
-    return f"{root}.{layer}{middle}.experts"
+    return f"{root}.{layer}{middle}.{experts}"
 
 
 def layer_of_prefix(prefix: str) -> int | None:

@@ -268,7 +268,7 @@ def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_co
     row = BY_MODEL_TYPE.get(moe.family, GENERIC)
     names = {kind: next(n for n, k in row.projections if k == kind) for kind in ("gate", "up", "down")
              if any(k == kind for _, k in row.projections)}
-    root, module = row.roots[0], row.modules[0]
+    root, module, experts = row.roots[0], row.modules[0], row.experts[0]
     gen = torch.Generator().manual_seed(seed)
     refs: dict[tuple[str, int, str], torch.Tensor] = {}
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
@@ -279,7 +279,7 @@ def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_co
         shard.update(_other_tensors(gen, root, module, layer, layer in moe.moe_layers, values.num_experts,
                                     moe.hidden_size))
         if layer in moe.moe_layers:
-            prefixes.append(experts_prefix_for(root, layer, module))
+            prefixes.append(experts_prefix_for(root, layer, module, experts))
             shard.update(_layer_tensors(gen, moe.quant, names, prefixes[-1], (values.num_experts, moe.hidden_size,
                                         values.intermediate_size), scale_dtype, False, refs))
     if mtp:
