@@ -31,7 +31,24 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "deepseek_v32": (256, 8, 2048, 61, tuple(range(3, 61)), "mlp_layer_types"),
     "deepseek_v4": (256, 6, 2048, 43, tuple(range(43)), "mlp_layer_types"),
     "deepseek_v4-published": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
+    "axk1": (192, 8, 2048, 61, tuple(range(1, 61)), "mlp_layer_types"),
+    "axk2": (128, 8, 512, 48, tuple(range(1, 48)), "mlp_layer_types"),
+    "bailing_hybrid": (512, 8, 768, 42, tuple(range(2, 42)), "mlp_layer_types"),
+    "beam": (256, 8, 2560, 52, tuple(range(3, 52)), "mlp_layer_types"),
     "dbrx": (4, 1, 3584, 24, tuple(range(24)), None),
+    "dots3_note": (256, 8, 1536, 46, tuple(range(1, 46)), "mlp_layer_types"),
+    "flint": (256, 6, 512, 49, tuple(range(2, 49)), "decoder_sparse_step"),
+    "hy_v3": (192, 8, 1536, 80, tuple(range(1, 80)), "mlp_layer_types"),
+    "hy_v4": (256, 8, 768, 34, tuple(range(1, 34)), "mlp_layer_types"),
+    "kolibri1": (384, 6, 512, 50, tuple(range(50)), None),
+    "laguna": (256, 8, 512, 40, tuple(range(1, 40)), "mlp_layer_types"),
+    "mellum": (64, 8, 896, 28, tuple(range(28)), "mlp_layer_types"),
+    "mimo_v2_flash": (256, 8, 2048, 48, tuple(range(1, 48)), "mlp_layer_types"),
+    "minimax": (8, 2, 14336, 32, tuple(range(32)), None),
+    "minimax_m3_vl": (128, 4, 3072, 60, tuple(range(60)), "mlp_layer_types"),
+    "solar_open": (128, 8, 1280, 48, tuple(range(48)), None),
+    "unlimited_ocr": (64, 6, 896, 12, tuple(range(1, 12)), "mlp_layer_types"),
+    "zaya": (16, 1, 2048, 40, tuple(range(40)), None),
     "dots1": (128, 6, 1408, 62, tuple(range(1, 62)), "first_k_dense_replace"),
     "ernie4_5_vl_moe": (64, 6, 1536, 28, tuple(range(1, 28)), "mlp_layer_types"),
     "glm4v_moe": (128, 8, 1408, 46, tuple(range(1, 46)), "first_k_dense_replace"),
@@ -72,12 +89,22 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "qwen3_next": (512, 10, 512, 48, tuple(range(48)), "decoder_sparse_step"),
 }
 # every row's model type (each has a fixture written by transformers' own class)
-# refused rows: their fixture's model type -> the keys their error quotes
-REFUSED = {"gpt_oss": "swiglu_limit=7.0, swiglu_alpha=1.702", "granitemoe": "num_local_experts=8",
-           "granitemoeshared": "num_local_experts=8", "granitemoehybrid": "num_local_experts=8",
-           "jetmoe": "num_local_experts=8"}
+# refused fixtures -> (the decoder's model_type, the keys their error quotes)
+REFUSED = {"gpt_oss": ("gpt_oss", "swiglu_limit=7.0, swiglu_alpha=1.702"),
+           "openai_privacy_filter": ("openai_privacy_filter", "swiglu_limit=7.0, swiglu_alpha=1.702"),
+           "granitemoe": ("granitemoe", "num_local_experts=8"),
+           "granitemoeshared": ("granitemoeshared", "num_local_experts=8"),
+           "granitemoehybrid": ("granitemoehybrid", "num_local_experts=8"), "jetmoe": ("jetmoe", "num_local_experts=8"),
+           "aria": ("aria_text", "moe_num_experts=8"), "doge": ("doge", "is_moe=False, num_experts=16384"),
+           "nllb-moe": ("nllb-moe", "num_experts=128"),
+           "switch_transformers": ("switch_transformers",
+                                   "num_experts=8, num_sparse_encoder_layers=3, num_sparse_decoder_layers=3"),
+           "step3p7": ("step3p5", "n_routed_experts=288"), "step3p5": ("step3p5", "n_routed_experts=288")}
 ROW_TYPES = {"deepseek_v4", "dbrx", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next", "mistral4", "mistral_large4",
              "muse_spark", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "gpt_oss", "granitemoe", "jetmoe",
+             "aria", "axk1", "axk2", "bailing_hybrid", "beam", "doge", "dots3_note", "flint", "hy_v3", "hy_v4",
+             "kolibri1", "laguna", "mellum", "mimo_v2_flash", "minimax", "minimax_m3_vl", "nllb-moe",
+             "openai_privacy_filter", "solar_open", "step3p7", "unlimited_ocr", "zaya",
              "afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
              "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
              "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
@@ -98,7 +125,8 @@ def test_every_fixture_is_tested_and_every_row_has_a_fixture():
     assert on_disk == set(EXPECTED) | set(REFUSED)
     provenance = json.loads((CONFIGS / "provenance.json").read_text())
     assert set(provenance["fixtures"]) == on_disk and provenance["transformers"].startswith("5.")
-    assert {fixture(n)["model_type"] for n in NAMES} | set(REFUSED) == ROW_TYPES | {"granitemoeshared", "granitemoehybrid"}
+    assert {fixture(n)["model_type"] for n in NAMES} | set(REFUSED) == \
+        ROW_TYPES | {"granitemoeshared", "granitemoehybrid", "switch_transformers", "step3p5"}
     assert {f.name for f in FAMILIES} == ROW_TYPES
 
 
@@ -118,12 +146,13 @@ def test_resolved_values(name):
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_refused_rows_name_the_type_and_the_keys(name):
-    row = family_of(name)
+    row, (model_type, keys) = family_of(name), REFUSED[name]
     with pytest.raises(ConfigError) as exc:
         resolve(fixture(name))
     assert str(exc.value) == (
-        f"config.json: model_type {name!r} (row {row.name!r} of the families table, wna16_loader/models/families.py) "
-        f"is refused: {row.refusal.why} (config.json: {REFUSED[name]}). Load this model with its engine's own loader.")
+        f"config.json: model_type {model_type!r} (row {row.name!r} of the families table, "
+        f"wna16_loader/models/families.py) is refused: {row.refusal.why} (config.json: {keys}). Load this model "
+        f"with its engine's own loader.")
 
 
 def test_gpt_oss_is_refused_for_its_biases_and_clamped_swiglu():

@@ -91,7 +91,7 @@ def test_every_mtp_row_is_one_of_the_two_namings() -> None:
     rows = {f.name: f.mtp for f in FAMILIES if f.mtp is not None}
     assert sorted(rows) == sorted({"deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe", "glm4_moe_lite",
                                    "glm4v_moe", "glm_moe_dsa", "kimi_k25", "qwen3_5_moe", "qwen3_next", "qwen4_exp",
-                                   *DENSE})
+                                   "bailing_hybrid", "hy_v3", "mimo_v2_flash", *DENSE})
     assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp.layers", "mtp"}
     assert MTP_ROOTS == {"mtp.layers", "mtp"}
 

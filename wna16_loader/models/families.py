@@ -155,6 +155,20 @@ STACKED_LINEAR = Refusal(("num_local_experts",), "its experts are one stacked te
                          "modules of a WNA16 checkpoint")
 # gpt-oss: biased experts (gate_up_proj_bias [E, 2I], down_proj_bias [E, H]) and SwiGLU clamped at swiglu_limit with
 # sigmoid slope swiglu_alpha (modeling_gpt_oss.py GptOssExperts); the fused WNA16 layout has no bias slot
+# Aria: AriaGroupedExpertsGemm, fc1 [E, H, 2I] and fc2 [E, I, H] (transformers' conversion mapping renames them)
+STACKED_FC = Refusal(("moe_num_experts",), "its experts are one stacked tensor per projection (fc1, fc2: "
+                     "[E, K, N] each), not the per-expert modules of a WNA16 checkpoint")
+# Step-3.5 / 3.7: `model.layers.L.moe.{gate_proj, up_proj, down_proj}.weight`, each stacked [E, N, K], no experts
+# container (transformers' conversion mapping), and a clamped SwiGLU per layer (swiglu_limits)
+STACKED_MOE = Refusal(("n_routed_experts", "swiglu_limits"), "its experts are stacked tensors "
+                      "moe.{gate_proj, up_proj, down_proj} [E, N, K] under no experts container, not the per-expert "
+                      "modules of a WNA16 checkpoint")
+# Doge's CDMoE: experts are rows of two embeddings (down_embed, up_embed), not gate/up/down projections
+EMBEDDED = Refusal(("is_moe", "num_experts"), "its experts (CDMoE) are rows of two embedding tables, not "
+                   "gate/up/down projections")
+# Switch Transformers, NLLB-MoE: encoder-decoder models whose experts are `experts.expert_{e}.{wi, wo}`
+SEQ2SEQ = Refusal(("num_experts", "num_sparse_encoder_layers", "num_sparse_decoder_layers"), "an encoder-decoder "
+                  "model whose experts (experts.expert_{e}.wi / wo) are neither a decoder's nor gated projections")
 GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (gate_up_proj_bias, down_proj_bias) "
                   "and a clamped SwiGLU (swiglu_limit, swiglu_alpha); the fused WNA16 layout holds neither biases "
                   "nor that activation")
@@ -162,6 +176,13 @@ GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (g
 FAMILIES: tuple[Family, ...] = (
     Family(("afmoe",), QWEN, layer_rules=("num_dense_layers",)),
     Family(("cohere2_moe",), OLMO, layer_rules=("mlp_layer_types",)),
+    Family(("aria", "aria_text"), _keys("moe_num_experts", "moe_topk", "intermediate_size"), nested=("text_config",),
+           refusal=STACKED_FC),
+    Family(("axk1",), DEEPSEEK, layer_rules=("mlp_layer_types",)),
+    Family(("axk2",), DEEPSEEK, layer_rules=("mlp_layer_types",)),
+    Family(("bailing_hybrid",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
+           layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("beam",), QWEN, layer_rules=("mlp_layer_types",)),
     Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
     Family(("deepseek_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
@@ -172,13 +193,17 @@ FAMILIES: tuple[Family, ...] = (
                            hidden=("d_model",), layers=("n_layers",), activation=("ffn_config.ffn_act_fn.name",)),
            roots=("transformer.blocks",), modules=("ffn",), experts=("experts.mlp",), projections=DBRX),
     Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
+    Family(("doge",), QWEN, refusal=EMBEDDED),
     Family(("ernie4_5_moe",), _keys("moe_num_experts", "moe_k", "moe_intermediate_size"),
            layer_rules=("moe_layer_start_index",), mtp=DENSE_MTP),
     Family(("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"),
            _keys("moe_num_experts", "moe_k", "moe_intermediate_size", per_modality=("moe_intermediate_size",)),
            nested=("text_config",), layer_rules=("mlp_layer_types",)),
+    Family(("dots3_note", "dots3_note_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("mlp_layer_types",)),
     Family(("exaone_moe",), QWEN, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=DENSE_MTP),
     Family(("flex_olmo",), OLMO),
+    Family(("flint",), QWEN, layer_rules=("decoder_sparse_step",)),
     Family(("gemma4", "gemma4_text"), _keys("num_experts", "top_k_experts", "moe_intermediate_size",
                                             activation=("hidden_activation",)),
            roots=("model.language_model.layers",), modules=(None,), nested=("text_config",),
@@ -194,19 +219,32 @@ FAMILIES: tuple[Family, ...] = (
            refusal=STACKED_LINEAR),
     Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("hy_v3",), QWEN, layer_rules=("mlp_layer_types",), mtp=NEXTN),
+    Family(("hy_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
+                            activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",)),
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
     Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    Family(("kolibri1",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
+    Family(("laguna",), QWEN, layer_rules=("mlp_layer_types",)),
     Family(("lfm2_moe",), QWEN, modules=("feed_forward",), projections=W123, layer_rules=("num_dense_layers",)),
     Family(("llama4", "llama4_text"), LOCAL, roots=("language_model.model.layers",), modules=("feed_forward",),
            nested=("text_config",), layer_rules=("moe_layers", "interleave_moe_layer_step")),
     Family(("longcat_flash",), _keys("n_routed_experts", "moe_topk", "expert_ffn_hidden_size",
                                      layers=("num_layers",), zero_experts=("zero_expert_num",)), mtp=DENSE_MTP),
+    Family(("mellum",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size"),
+           layer_rules=("mlp_layer_types",)),
+    Family(("mimo_v2_flash",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=DENSE_MTP),
+    Family(("minimax",), LOCAL, modules=("block_sparse_moe",), projections=W123),
     Family(("minimax_m2",), LOCAL, modules=("block_sparse_moe",), projections=W123),
+    Family(("minimax_m3_vl", "minimax_m3_vl_text"), Keys(("num_local_experts",), ("num_experts_per_tok",),
+                                                         ("intermediate_size",), activation_limit=("swiglu_limit",)),
+           roots=("language_model.model.layers",), modules=("block_sparse_moe",), projections=W123,
+           nested=("text_config",), layer_rules=("mlp_layer_types",)),
     Family(("mistral4",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
     Family(("mistral_large4", "mistral_large4_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
            layer_rules=("mlp_layer_types", "first_k_dense_replace")),
@@ -214,12 +252,20 @@ FAMILIES: tuple[Family, ...] = (
     Family(("muse_spark", "muse_spark_text"), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                     hidden=("moe_hidden_size",)),
            roots=LANGUAGE_MODEL, nested=("text_config",), layer_rules=("mlp_layer_types",)),
+    Family(("nllb-moe", "switch_transformers"), _keys("num_experts", "num_experts_per_tok", "d_ff"),
+           refusal=SEQ2SEQ),
     Family(("nemotron_h",), _keys("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                                   hidden=("moe_latent_size", "hidden_size"), activation=("mlp_hidden_act",)),
            roots=("backbone.layers",), modules=("mixer",), projections=NON_GATED, gated=False,
            layer_rules=("layers_block_type", "hybrid_override_pattern")),
     Family(("olmoe",), OLMO),
+    Family(("openai_privacy_filter",), LOCAL, refusal=GPT_OSS),
     Family(("phimoe",), LOCAL, modules=("block_sparse_moe",), projections=W123),
+    Family(("solar_open",), DEEPSEEK),
+    Family(("step3p7", "step3p5"), DEEPSEEK, nested=("text_config",), refusal=STACKED_MOE),
+    Family(("unlimited_ocr", "unlimited_ocr_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("mlp_layer_types",)),
+    Family(("zaya",), QWEN),
     Family(("qwen2_moe",), QWEN, layer_rules=("decoder_sparse_step",)),
     Family(("qwen3_5_moe", "qwen3_5_moe_text"), QWEN, roots=("model.language_model.layers",), nested=("text_config",),
            mtp=QWEN_MTP),
@@ -294,7 +340,7 @@ def render_table() -> str:
     """The supported-models table of docs/models.md, rendered from the rows (so the page cannot drift)."""
     lines = ["| model_type | decoder config | experts / top-k / expert I | MoE layers | expert tensors | experts | "
              "MTP layers |", "|---|---|---|---|---|---|---|"]
-    for family in FAMILIES:
+    for family in sorted(FAMILIES, key=lambda row: row.name):
         rules = ", ".join(f"`{r}`" for r in family.layer_rules) or "every layer"
         lines.append(f"| {', '.join(family.model_types)} | {_cell(family.nested) or 'top level'} | "
                      f"{_values(family.keys)} | {rules} | {_names(family)} | {_kind(family)} | "
