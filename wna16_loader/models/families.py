@@ -163,6 +163,9 @@ STACKED_FC = Refusal(("moe_num_experts",), "its experts are one stacked tensor p
 STACKED_MOE = Refusal(("n_routed_experts", "swiglu_limits"), "its experts are stacked tensors "
                       "moe.{gate_proj, up_proj, down_proj} [E, N, K] under no experts container, not the per-expert "
                       "modules of a WNA16 checkpoint")
+# Inkling, Inkling-2: `model.llm.layers.L.mlp.experts.{w13_weight, w2_weight}` (transformers' conversion mapping)
+STACKED_W13 = Refusal(("n_routed_experts",), "its experts are stacked tensors mlp.experts.w13_weight [E, 2I, H] "
+                      "and w2_weight [E, H, I], not the per-expert modules of a WNA16 checkpoint")
 # Doge's CDMoE: experts are rows of two embeddings (down_embed, up_embed), not gate/up/down projections
 EMBEDDED = Refusal(("is_moe", "num_experts"), "its experts (CDMoE) are rows of two embedding tables, not "
                    "gate/up/down projections")
@@ -224,6 +227,8 @@ FAMILIES: tuple[Family, ...] = (
                             activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",)),
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
+    Family(("inkling_mm_model", "inkling_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
+    Family(("inkling2", "inkling2_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
     Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
