@@ -134,7 +134,8 @@ QWEN = _keys("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 DEEPSEEK = _keys("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
 LOCAL = _keys("num_local_experts", "num_experts_per_tok", "intermediate_size")
 OLMO = _keys("num_experts", "num_experts_per_tok", "intermediate_size")
-# DeepSeek-V3 and GLM: `num_nextn_predict_layers` appended layers (vLLM deepseek_mtp.py, glm4_moe_mtp.py)
+# DeepSeek-V3 and GLM: `num_nextn_predict_layers` appended layers (vLLM deepseek_mtp.py, glm4_moe_mtp.py); Bailing
+# hybrid and HY-V3 too (transformers' modeling ignores their `model.layers.{num_hidden_layers}.*` tensors)
 NEXTN = MTP(("num_nextn_predict_layers",))
 # Qwen3-Next / Qwen3.5: their own `mtp.layers.i` tree; vLLM counts 1 when the config names none (qwen3_next_mtp.py,
 # qwen3_5_mtp.py), and Qwen3-Next's published config names none
@@ -143,18 +144,17 @@ QWEN_MTP = MTP(("mtp_num_hidden_layers", "num_nextn_predict_layers"), default=1,
 # longcat_flash_mtp.py): its tensors are non-expert tensors
 DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
 # DeepSeek-V4 as published: `layers.L.ffn.experts.E.{w1, w3, w2}`, its MTP layers `mtp.i.ffn.experts...` (SGLang
-# deepseek_v4.py and transformers' conversion mapping rename them); every layer MoE, hash-routed or top-k
+# 0.5.23 deepseek_v4.py and transformers' conversion mapping rename them); every layer MoE, hash-routed or top-k
+# (SGLang builds DeepseekV2MoE in every layer; transformers folds num_hash_layers into mlp_layer_types)
 V4_MTP = MTP(("num_nextn_predict_layers",), root="mtp")
 
-QWEN_VL = Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",))
+QWEN3 = Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",))
 LANGUAGE_MODEL = ("model.language_model.layers",)
-# experts stored as one stacked tensor per projection under names of their own (transformers' conversion mapping
-# renames them): no row of this table names them
+# Granite MoE (and -shared, -hybrid), JetMoE: ParallelExperts, one stacked tensor per projection
+# (`block_sparse_moe.input_linear.weight`, renamed by transformers' conversion mapping)
 STACKED_LINEAR = Refusal(("num_local_experts",), "its experts are one stacked tensor per projection "
                          "(ParallelExperts input_linear and output_linear, [E, N, K] each), not the per-expert "
                          "modules of a WNA16 checkpoint")
-# gpt-oss: biased experts (gate_up_proj_bias [E, 2I], down_proj_bias [E, H]) and SwiGLU clamped at swiglu_limit with
-# sigmoid slope swiglu_alpha (modeling_gpt_oss.py GptOssExperts); the fused WNA16 layout has no bias slot
 # Aria: AriaGroupedExpertsGemm, fc1 [E, H, 2I] and fc2 [E, I, H] (transformers' conversion mapping renames them)
 STACKED_FC = Refusal(("moe_num_experts",), "its experts are one stacked tensor per projection (fc1, fc2: "
                      "[E, K, N] each), not the per-expert modules of a WNA16 checkpoint")
@@ -172,13 +172,14 @@ EMBEDDED = Refusal(("is_moe", "num_experts"), "its experts (CDMoE) are rows of t
 # Switch Transformers, NLLB-MoE: encoder-decoder models whose experts are `experts.expert_{e}.{wi, wo}`
 SEQ2SEQ = Refusal(("num_experts", "num_sparse_encoder_layers", "num_sparse_decoder_layers"), "an encoder-decoder "
                   "model whose experts (experts.expert_{e}.wi / wo) are neither a decoder's nor gated projections")
+# gpt-oss: biased experts (gate_up_proj_bias [E, 2I], down_proj_bias [E, H]) and SwiGLU clamped at swiglu_limit with
+# sigmoid slope swiglu_alpha (modeling_gpt_oss.py GptOssExperts); the fused WNA16 layout has no bias slot
 GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (gate_up_proj_bias, down_proj_bias) "
                   "and a clamped SwiGLU (swiglu_limit, swiglu_alpha); the fused WNA16 layout holds neither biases "
                   "nor that activation")
 
 FAMILIES: tuple[Family, ...] = (
     Family(("afmoe",), QWEN, layer_rules=("num_dense_layers",)),
-    Family(("cohere2_moe",), OLMO, layer_rules=("mlp_layer_types",)),
     Family(("aria", "aria_text"), _keys("moe_num_experts", "moe_topk", "intermediate_size"), nested=("text_config",),
            refusal=STACKED_FC),
     Family(("axk1",), DEEPSEEK, layer_rules=("mlp_layer_types",)),
@@ -186,24 +187,25 @@ FAMILIES: tuple[Family, ...] = (
     Family(("bailing_hybrid",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
     Family(("beam",), QWEN, layer_rules=("mlp_layer_types",)),
-    Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
-    Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
-    Family(("deepseek_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
-                                  activation_limit=("swiglu_limit",)), roots=("layers",), modules=("ffn",),
-           projections=W123,
-           layer_rules=("mlp_layer_types", "num_hash_layers"), mtp=V4_MTP),
+    Family(("cohere2_moe",), OLMO, layer_rules=("mlp_layer_types",)),
     Family(("dbrx",), Keys(("ffn_config.moe_num_experts",), ("ffn_config.moe_top_k",), ("ffn_config.ffn_hidden_size",),
                            hidden=("d_model",), layers=("n_layers",), activation=("ffn_config.ffn_act_fn.name",)),
            roots=("transformer.blocks",), modules=("ffn",), experts=("experts.mlp",), projections=DBRX),
-    Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
+    Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("deepseek_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
+                                  activation_limit=("swiglu_limit",)),
+           roots=("layers",), modules=("ffn",), projections=W123, layer_rules=("mlp_layer_types", "num_hash_layers"),
+           mtp=V4_MTP),
     Family(("doge",), QWEN, refusal=EMBEDDED),
+    Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
+    Family(("dots3_note", "dots3_note_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("mlp_layer_types",)),
     Family(("ernie4_5_moe",), _keys("moe_num_experts", "moe_k", "moe_intermediate_size"),
            layer_rules=("moe_layer_start_index",), mtp=DENSE_MTP),
     Family(("ernie4_5_vl_moe", "ernie4_5_vl_moe_text"),
            _keys("moe_num_experts", "moe_k", "moe_intermediate_size", per_modality=("moe_intermediate_size",)),
            nested=("text_config",), layer_rules=("mlp_layer_types",)),
-    Family(("dots3_note", "dots3_note_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
-           layer_rules=("mlp_layer_types",)),
     Family(("exaone_moe",), QWEN, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=DENSE_MTP),
     Family(("flex_olmo",), OLMO),
     Family(("flint",), QWEN, layer_rules=("decoder_sparse_step",)),
@@ -212,29 +214,29 @@ FAMILIES: tuple[Family, ...] = (
            roots=("model.language_model.layers",), modules=(None,), nested=("text_config",),
            layer_rules=("enable_moe_block",)),
     Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("glm4v_moe", "glm4v_moe_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("glm5_next", "glm5_next_text"), Keys(("n_routed_experts",), ("num_experts_per_tok",),
                                                  ("moe_intermediate_size",), activation_limit=("swiglu_limit",)),
            roots=LANGUAGE_MODEL, nested=("text_config",), layer_rules=("mlp_layer_types",)),
+    Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
     Family(("gpt_oss",), LOCAL, refusal=GPT_OSS),
     Family(("granitemoe", "granitemoeshared", "granitemoehybrid"), LOCAL, modules=("block_sparse_moe",),
            refusal=STACKED_LINEAR),
-    Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
-    Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("hy_v3",), QWEN, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("hy_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
                             activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",)),
-    Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
-    Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
-    Family(("inkling_mm_model", "inkling_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
     Family(("inkling2", "inkling2_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
+    Family(("inkling_mm_model", "inkling_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
+    Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
     Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
-    Family(("kolibri1",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
+    Family(("kolibri1",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")),
     Family(("laguna",), QWEN, layer_rules=("mlp_layer_types",)),
     Family(("lfm2_moe",), QWEN, modules=("feed_forward",), projections=W123, layer_rules=("num_dense_layers",)),
     Family(("llama4", "llama4_text"), LOCAL, roots=("language_model.model.layers",), modules=("feed_forward",),
@@ -257,31 +259,30 @@ FAMILIES: tuple[Family, ...] = (
     Family(("muse_spark", "muse_spark_text"), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                                                     hidden=("moe_hidden_size",)),
            roots=LANGUAGE_MODEL, nested=("text_config",), layer_rules=("mlp_layer_types",)),
-    Family(("nllb-moe", "switch_transformers"), _keys("num_experts", "num_experts_per_tok", "d_ff"),
-           refusal=SEQ2SEQ),
     Family(("nemotron_h",), _keys("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
                                   hidden=("moe_latent_size", "hidden_size"), activation=("mlp_hidden_act",)),
            roots=("backbone.layers",), modules=("mixer",), projections=NON_GATED, gated=False,
            layer_rules=("layers_block_type", "hybrid_override_pattern")),
+    Family(("nllb-moe", "switch_transformers"), _keys("num_experts", "num_experts_per_tok", "d_ff"),
+           refusal=SEQ2SEQ),
     Family(("olmoe",), OLMO),
     Family(("openai_privacy_filter",), LOCAL, refusal=GPT_OSS),
     Family(("phimoe",), LOCAL, modules=("block_sparse_moe",), projections=W123),
+    Family(("qwen2_moe",), QWEN, layer_rules=("decoder_sparse_step",)),
+    Family(("qwen3_5_moe", "qwen3_5_moe_text"), QWEN, roots=("model.language_model.layers",), nested=("text_config",),
+           mtp=QWEN_MTP),
+    Family(("qwen3_moe",), QWEN3, layer_rules=("decoder_sparse_step",)),
+    Family(("qwen3_next",), QWEN, layer_rules=("decoder_sparse_step",), mtp=QWEN_MTP),
+    Family(("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), QWEN, roots=("thinker.model.layers",),
+           nested=("thinker_config.text_config",), layer_rules=("decoder_sparse_step",)),
+    Family(("qwen3_vl_moe", "qwen3_vl_moe_text"), QWEN3, roots=LANGUAGE_MODEL, nested=("text_config",),
+           layer_rules=("decoder_sparse_step",)),
+    Family(("qwen4_exp", "qwen4_exp_text"), QWEN, roots=LANGUAGE_MODEL, nested=("text_config",), mtp=QWEN_MTP),
     Family(("solar_open",), DEEPSEEK),
     Family(("step3p7", "step3p5"), DEEPSEEK, nested=("text_config",), refusal=STACKED_MOE),
     Family(("unlimited_ocr", "unlimited_ocr_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
            layer_rules=("mlp_layer_types",)),
     Family(("zaya",), QWEN),
-    Family(("qwen2_moe",), QWEN, layer_rules=("decoder_sparse_step",)),
-    Family(("qwen3_5_moe", "qwen3_5_moe_text"), QWEN, roots=("model.language_model.layers",), nested=("text_config",),
-           mtp=QWEN_MTP),
-    Family(("qwen3_moe",), Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",)),
-           layer_rules=("decoder_sparse_step",)),
-    Family(("qwen3_next",), QWEN, layer_rules=("decoder_sparse_step",), mtp=QWEN_MTP),
-    Family(("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"), QWEN, roots=("thinker.model.layers",),
-           nested=("thinker_config.text_config",), layer_rules=("decoder_sparse_step",)),
-    Family(("qwen3_vl_moe", "qwen3_vl_moe_text"), QWEN_VL, roots=LANGUAGE_MODEL, nested=("text_config",),
-           layer_rules=("decoder_sparse_step",)),
-    Family(("qwen4_exp", "qwen4_exp_text"), QWEN, roots=LANGUAGE_MODEL, nested=("text_config",), mtp=QWEN_MTP),
 )
 
 GENERIC = Family(
