@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_exact, reassemble, rewrite
 
-from wna16_loader import CompletenessError, FormatError, ParallelConfig, ShardingError, WNA16Error, load_experts
+from wna16_loader import CheckpointError, CompletenessError, FormatError, ParallelConfig, ShardingError, WNA16Error, load_experts
 from wna16_loader.load.experts import planned
 from wna16_loader.load.plan import for_rank
 from wna16_loader.testing.synthetic import quant_config, write_checkpoint
@@ -42,6 +42,37 @@ def edit_config(folder: Path, edit) -> None:
 
 
 # --- completeness ---------------------------------------------------------------------------------------
+
+def _renamed(tensors: dict, old: str, new: str) -> None:
+    for name in [n for n in tensors if old in n]:
+        tensors[name.replace(old, new)] = tensors.pop(name)
+
+
+def test_no_expert_tensor_names_the_row_the_patterns_and_the_names_found(tmp_path):
+    """Experts under a module no row names: the error quotes the row, what it looked for and what was found."""
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: _renamed(t, ".mlp.experts.", ".block.experts."))
+    with pytest.raises(CheckpointError) as exc:
+        load_experts(tmp_path, TP1)
+    projections = "gate_proj, up_proj, down_proj, gate_up_proj"
+    assert str(exc.value) == (
+        f"{tmp_path}: no routed-expert tensor found. config.json resolves to the 'qwen3_moe' row of the families "
+        f"table (wna16_loader/models/families.py), which looks for "
+        f"['model.layers.L.mlp.experts.E.{{{projections}}}.SUFFIX']; its first names that look like experts (37 of "
+        f"its 41 tensors): ['model.layers.0.block.experts.0.down_proj.qweight', "
+        f"'model.layers.0.block.experts.0.down_proj.qzeros', 'model.layers.0.block.experts.0.down_proj.scales', "
+        f"'model.layers.0.block.experts.0.gate_proj.qweight', 'model.layers.0.block.experts.0.gate_proj.qzeros']. If these "
+        f"are this model's experts, extend the 'qwen3_moe' row (its roots, modules or projections) to name them; if "
+        f"the checkpoint has no routed experts, it is not a MoE checkpoint this package loads.")
+
+
+def test_no_expert_tensor_and_nothing_like_one(tmp_path):
+    good(tmp_path)
+    rewrite(model(tmp_path), lambda t: [t.pop(n) for n in [n for n in t if "experts." in n]])
+    with pytest.raises(CheckpointError, match=r"looks for \['model\.layers\.L\.mlp\.experts\.E\..*; none of its 4 "
+                                                r"tensor names looks like an expert tensor \(first: \['model\.embed_"):
+        load_experts(tmp_path, TP1)
+
 
 @pytest.mark.parametrize("fmt,suffix", [("gptq", "qweight"), ("gptq", "scales"), ("gptq", "qzeros"),
                                         ("awq", "qzeros"), ("compressed-tensors", "weight_packed"),

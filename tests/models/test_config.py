@@ -181,12 +181,20 @@ def test_glm4_moe_first_k_dense_replace() -> None:
     assert moe.moe_layers == tuple(range(1, 46))
 
 
-def test_dbrx_style_flat_keys() -> None:
-    moe = _resolve({"model_type": "dbrx", "d_model": 6144, "n_layers": 40, "moe_num_experts": 16,
-                    "moe_top_k": 4, "intermediate_size": 10752})
+def test_dbrx_keys_nested_in_ffn_config() -> None:
+    """databricks/dbrx-instruct's layout: the experts' keys live in ffn_config."""
+    moe = _resolve({"model_type": "dbrx", "d_model": 6144, "n_layers": 40, "ffn_config": {
+        "moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 10752, "ffn_act_fn": {"name": "silu"}}})
     assert (moe.num_experts, moe.top_k, moe.hidden_size, moe.intermediate_size, moe.num_layers) == (
         16, 4, 6144, 10752, 40)
-    assert moe.moe_layers == tuple(range(40))
+    assert moe.moe_layers == tuple(range(40)) and moe.activation == "silu"
+
+
+def test_dbrx_keys_at_the_top_level_are_not_read() -> None:
+    with pytest.raises(ConfigError, match=r"no key gives the routed expert count; tried "
+                                          r"\['ffn_config\.moe_num_experts'\].*model_type='dbrx'"):
+        _resolve({"model_type": "dbrx", "d_model": 6144, "n_layers": 40, "moe_num_experts": 16, "moe_top_k": 4,
+                  "intermediate_size": 10752})
 
 
 def test_ernie_style_moe_k() -> None:
@@ -375,10 +383,19 @@ def test_bad_json_in_fallback_file_names_the_file(tmp_path: Path) -> None:
 
 
 def test_per_layer_list_needs_one_value_per_layer() -> None:
-    with pytest.raises(ConfigError, match=r"config\.json: moe_topk lists 3 values \(experts per token \(top-k\)\) but "
-                                          r"the decoder has 4 layers; a per-layer list needs one value per layer\."):
+    with pytest.raises(ConfigError) as exc:
         _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_experts": 8,
                   "moe_topk": [2, 2, 2], "moe_intermediate_size": 32})
+    assert str(exc.value) == ("config.json: moe_topk lists 3 values (experts per token (top-k)) but the decoder has 4 "
+                              "layers (row 'hunyuan_v1_moe', model_type 'hunyuan_v1_moe'); a per-layer list needs one "
+                              "value per layer, or one for every layer. Fix the list, or declare what moe_topk lists "
+                              "in the 'hunyuan_v1_moe' row of the families table (wna16_loader/models/families.py).")
+
+
+def test_a_list_of_one_value_applies_to_every_layer() -> None:
+    moe = _resolve({"model_type": "hunyuan_v1_moe", "hidden_size": 64, "num_hidden_layers": 4, "num_experts": 8,
+                    "moe_topk": [3], "moe_intermediate_size": [32]})
+    assert [moe.layer(i).top_k for i in range(4)] == [3] * 4 and moe.intermediate_size == 32
 
 
 def test_per_layer_list_entries_must_be_positive() -> None:

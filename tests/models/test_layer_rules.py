@@ -87,3 +87,11 @@ def test_compact():
     assert compact(()) == "[]"
     assert compact((0,)) == "[0]"
     assert compact((0, 1, 2, 5, 7, 8, 9)) == "[0-2, 5, 7-9]"
+
+
+def test_hash_routed_layers_are_moe_layers() -> None:
+    """DeepSeek-V4's published num_hash_layers: the first layers route by token id, all layers are MoE layers."""
+    layers, rule = select_moe_layers({"num_hash_layers": 3}, 5)
+    assert (layers, rule.name) == ((0, 1, 2, 3, 4), "num_hash_layers")
+    with pytest.raises(ConfigError, match=r"config\.json: num_hash_layers=6 is more than the decoder's 5 layers\."):
+        select_moe_layers({"num_hash_layers": 6}, 5)

@@ -68,11 +68,11 @@ def test_undeclared_mtp_layers_say_why() -> None:
         "MTP layer 1, but config.json declares 1 MTP layer(s) (mtp_num_hidden_layers=1 (row qwen3_5_moe))")
     deepseek = resolve("deepseek_v3")
     assert deepseek.mtp.problem("mtp.layers.0.mlp.experts") == (
-        "an MTP layer under 'mtp', but this family's MTP layers are layers.{61..61} (appended to the decoder)")
+        "an MTP layer under 'mtp.layers', but this family's MTP layers are layers.{61..61} (appended to the decoder)")
     none = resolve("qwen3_moe")
     assert none.mtp == MTPLayers()
     assert none.mtp.problem("mtp.layers.0.mlp.experts") == (
-        "an MTP layer under 'mtp', but this family's MTP layers are none")
+        "an MTP layer under 'mtp.layers', but this family's MTP layers are none")
     assert none.mtp.index("model.layers.48.mlp.experts") is None  # past the decoder, not MTP: "not a MoE layer"
 
 
@@ -89,9 +89,21 @@ def test_dense_mtp_blocks_have_no_mtp_experts(name: str) -> None:
 
 def test_every_mtp_row_is_one_of_the_two_namings() -> None:
     rows = {f.name: f.mtp for f in FAMILIES if f.mtp is not None}
-    assert sorted(rows) == sorted({"deepseek_v3", "deepseek_v32", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa",
-                                   "kimi_k25", "qwen3_5_moe", "qwen3_next", *DENSE})
-    assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp"} and MTP_ROOTS == {"mtp"}
+    assert sorted(rows) == sorted({"deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe", "glm4_moe_lite",
+                                   "glm4v_moe", "glm_moe_dsa", "kimi_k25", "qwen3_5_moe", "qwen3_next", "qwen4_exp",
+                                   "bailing_hybrid", "hy_v3", "mimo_v2_flash", *DENSE})
+    assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp.layers", "mtp"}
+    assert MTP_ROOTS == {"mtp.layers", "mtp"}
+
+
+def test_deepseek_v4_mtp_is_its_own_tree_without_layers() -> None:
+    moe = resolve("deepseek_v4")
+    assert (moe.mtp.count, moe.mtp.root, moe.mtp.first) == (1, "mtp", 0)
+    assert moe.mtp.index("mtp.0.ffn.experts") == 0 and moe.mtp.index("layers.42.ffn.experts") is None
+    assert moe.mtp.problem("mtp.0.ffn.experts") is None
+    assert moe.mtp.problem("mtp.1.ffn.experts") == (
+        "MTP layer 1, but config.json declares 1 MTP layer(s) (num_nextn_predict_layers=1 (row deepseek_v4))")
+    assert moe.resolution["MTP layers"].value == "1: mtp.{0..0}"
 
 
 def test_describe_lists_the_mtp_layers() -> None:

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from wna16_loader.models.names import (
+    EXPERTS,
     MODULES,
     PROJ_ALIASES,
     ROOTS,
@@ -22,11 +23,13 @@ from wna16_loader.models.names import (
     prefix_at_layer,
 )
 
-ALL_ROOTS = ("model", "model.language_model", "language_model.model", "backbone", "mtp")  # mtp: Qwen's MTP tree
-ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", None)
+ALL_ROOTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "backbone.layers",
+             "mtp.layers", "layers", "mtp", "transformer.blocks", "thinker.model.layers")
+# mtp.layers: Qwen's MTP tree; layers, mtp: DeepSeek-V4 as published; transformer.blocks: DBRX; thinker: Qwen3-Omni
+ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", "ffn", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
-    "up_proj": Source.UP, "w3": Source.UP,
+    "up_proj": Source.UP, "w3": Source.UP, "v1": Source.UP,
     "down_proj": Source.DOWN, "w2": Source.DOWN,
     "gate_up_proj": Source.GATE_UP,
 }
@@ -36,6 +39,16 @@ def test_declared_tables_match_the_spelling_this_file_tests() -> None:
     assert set(ROOTS) == set(ALL_ROOTS)
     assert set(MODULES) == {m for m in ALL_MODULES if m}
     assert PROJ_ALIASES == ALIASES
+    assert EXPERTS == ("experts", "experts.mlp")
+
+
+def test_dbrx_experts_sit_under_experts_mlp() -> None:
+    """GPTQModel's per-expert DBRX modules: `transformer.blocks.L.ffn.experts.mlp.E.{w1, v1, w2}`."""
+    key = parse_expert_name("transformer.blocks.3.ffn.experts.mlp.15.v1.qweight")
+    assert key == ExpertTensorKey(name="transformer.blocks.3.ffn.experts.mlp.15.v1.qweight",
+                                  experts_prefix="transformer.blocks.3.ffn.experts.mlp", layer=3, expert=15,
+                                  source=Source.UP, suffix="qweight")
+    assert experts_prefix_for("transformer.blocks", 3, "ffn", "experts.mlp") == key.experts_prefix
 
 
 @pytest.mark.parametrize("root", ALL_ROOTS)
@@ -43,7 +56,7 @@ def test_declared_tables_match_the_spelling_this_file_tests() -> None:
 @pytest.mark.parametrize("proj", sorted(ALIASES))
 def test_per_expert_name_every_root_module_and_alias(root: str, module: str | None, proj: str) -> None:
     middle = f".{module}" if module else ""
-    prefix = f"{root}.layers.17{middle}.experts"
+    prefix = f"{root}.17{middle}.experts"
     name = f"{prefix}.42.{proj}.qweight"
     key = parse_expert_name(name)
     assert key == ExpertTensorKey(name=name, experts_prefix=prefix, layer=17, expert=42,
@@ -57,7 +70,7 @@ def test_per_expert_name_every_root_module_and_alias(root: str, module: str | No
 @pytest.mark.parametrize("proj", ["gate_up_proj", "down_proj", "gate_proj"])
 def test_stacked_name_without_expert_index(root: str, module: str | None, proj: str) -> None:
     middle = f".{module}" if module else ""
-    prefix = f"{root}.layers.0{middle}.experts"
+    prefix = f"{root}.0{middle}.experts"
     name = f"{prefix}.{proj}.qweight"
     key = parse_expert_name(name)
     assert key is not None
@@ -151,6 +164,10 @@ NON_EXPERT_NAMES = [
     "backbone.layers.0.mixer.up_proj.qweight",  # Nemotron-H dense MLP
     "backbone.layers.0.mixer.shared_experts.up_proj.qweight",  # Nemotron-H shared expert
     "model.layers.0.mlps.0.gate_proj.qweight",  # LongCat dense MLPs
+    "layers.0.ffn.shared_experts.w1.weight",  # DeepSeek-V4 shared expert
+    "mtp.0.ffn.shared_experts.w2.weight",  # and its MTP layer's
+    "xlayers.0.ffn.experts.0.w1.weight",  # a bare root matches in full too
+    "model.mtp.0.ffn.experts.0.w1.weight",  # V4's MTP tree sits at the top
     "",
 ]
 
@@ -165,6 +182,8 @@ def test_non_expert_names_return_none(name: str) -> None:
     ("model.layers.2.feed_forward.experts.1.w1.qweight", "model.layers.2.feed_forward.experts", 2, 1, Source.GATE),
     ("language_model.model.layers.0.feed_forward.experts.15.down_proj.scales",
      "language_model.model.layers.0.feed_forward.experts", 0, 15, Source.DOWN),
+    ("layers.42.ffn.experts.255.w3.weight_packed", "layers.42.ffn.experts", 42, 255, Source.UP),  # DeepSeek-V4
+    ("mtp.0.ffn.experts.7.w2.weight_scale", "mtp.0.ffn.experts", 0, 7, Source.DOWN),
 ])
 def test_family_roots_and_modules_from_the_table(name, prefix, layer, expert, source) -> None:
     key = parse_expert_name(name)

@@ -7,14 +7,17 @@ not local to the rank are dropped before any read, for every suffix.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
 
 import torch
 
 from ..errors import CheckpointError, FormatError, format_ranges
 from ..formats import Role
-from ..models.config import MoEConfig
+from ..models.config import TABLE, MoEConfig
+from ..models.families import family_of
 from ..models.layer_specs import LayerSpec
-from ..models.names import LayerNames, Proj, prefix_at_layer
+from ..models.names import LayerNames, Proj, expert_like, prefix_at_layer
 from ..parallel.config import ParallelConfig
 from ..parallel.partition import LayerGeometry
 from ..storage.bulk import gc_paused
@@ -24,6 +27,8 @@ from .ledger import Block, Ledger, Slot
 from .params import SourceTensors
 from .scan import CheckpointScan
 from .tables import LayerTables, required_roles
+
+SHOWN_NAMES = 5  # names quoted in a message
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,7 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
     scan = scan or CheckpointScan.of(index)
     tables = tables or LayerTables(index, moe)
     if not scan.layers:
-        raise CheckpointError(f"{index.folder}: no routed-expert tensors found (names like "
-                              f"model.layers.L.mlp.experts.E.gate_proj.qweight); {len(scan.others)} other tensors.")
+        raise no_experts_error(index.folder, moe, scan.others)
     report_missing_layers(moe, scan, ledger)
     ledger.names = CheckpointNames(moe, scan)
     plans = []
@@ -66,6 +70,20 @@ def plan_layers(index: CheckpointIndex, moe: MoEConfig, parallel: ParallelConfig
                 continue
             plans.append(plan_layer(index, moe, parallel, names, ledger, tables))
     return plans
+
+
+def no_experts_error(folder: Path, moe: MoEConfig, names: Sequence[str]) -> CheckpointError:
+    """The error for a checkpoint none of whose tensor names parses as a routed-expert tensor: the family
+    row, the names it looked for, the first names that look like experts, and the row to extend."""
+    row = family_of(moe.family)
+    shown, count = expert_like(names, SHOWN_NAMES)
+    found = (f"its first names that look like experts ({count} of its {len(names)} tensors): {shown}" if count else
+             f"none of its {len(names)} tensor names looks like an expert tensor (first: {list(names[:SHOWN_NAMES])})")
+    return CheckpointError(f"{folder}: no routed-expert tensor found. config.json resolves to the {row.name!r} "
+                           f"row of the families table ({TABLE}), which looks for {list(row.patterns())}; {found}. "
+                           f"If these are this model's experts, extend the {row.name!r} row (its roots, modules "
+                           f"or projections) to name them; if the checkpoint has no routed experts, it is not a "
+                           f"MoE checkpoint this package loads.")
 
 
 class CheckpointNames:

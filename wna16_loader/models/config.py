@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats import ModuleRules, QuantSpec, accepted_formats, format_of, resolve_module_rules, resolve_quant_spec
-from .families import GENERIC, Family, family_of
+from .families import GENERIC, Family, Refusal, family_of, lookup
 from .layer_rules import compact, layer_count_from_lists, select_moe_layers
 from .layer_specs import LayerSpec, expert_modules, resolve_layer_spec
 from .mtp import MTPLayers, resolve_mtp
@@ -135,8 +135,9 @@ def decoder_config(config: dict[str, Any], family: Family) -> tuple[dict[str, An
     wrapper found through its decoder's model_type) holding a decoder, else the top level. A nested dict counts
     when it has a key of the row's expert-count or hidden-size aliases."""
     for key in dict.fromkeys(family.nested + GENERIC.nested):
-        nested = config.get(key)
-        if isinstance(nested, dict) and any(k in nested for k in family.keys.experts + family.keys.hidden):
+        nested = lookup(config, key)
+        if isinstance(nested, dict) and any(lookup(nested, k) is not None
+                                            for k in family.keys.experts + family.keys.hidden):
             return nested, key
     return config, "top level"
 
@@ -163,6 +164,14 @@ def _missing(what: str, keys: tuple[str, ...], family: Family, model_type: Any) 
                        f"the families table ({TABLE}).")
 
 
+def _refused(text: dict[str, Any], family: Family, refusal: Refusal) -> ConfigError:
+    """The error for a family whose experts the fused layout cannot hold, naming the type and the keys."""
+    shown = ", ".join(f"{k}={lookup(text, k)!r}" for k in refusal.keys if lookup(text, k) is not None)
+    return ConfigError(f"config.json: model_type {text.get('model_type')!r} (row {family.name!r} of the families "
+                       f"table, {TABLE}) is refused: {refusal.why} (config.json: {shown or 'no such key'}). Load "
+                       f"this model with its engine's own loader.")
+
+
 def _positive(key: str, value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"config.json: {key}={value!r} ({what}) must be a positive integer.")
@@ -173,8 +182,8 @@ def first_key(config: dict[str, Any], keys: tuple[str, ...], what: str,
               family: Family = GENERIC) -> tuple[int, str]:
     """(value, key) of the first alias present, as a positive int (error naming every key tried)."""
     for key in keys:
-        if config.get(key) is not None:
-            return _positive(key, config[key], what), key
+        if lookup(config, key) is not None:
+            return _positive(key, lookup(config, key), what), key
     raise _missing(what, keys, family, config.get("model_type"))
 
 
@@ -182,15 +191,21 @@ def per_layer_key(config: dict[str, Any], keys: tuple[str, ...], what: str, fami
                   num_layers: int) -> tuple[tuple[int, ...], str]:
     """(one value per decoder layer, key): an int applies to every layer; a list gives each layer's."""
     for key in keys:
-        value = config.get(key)
+        value = lookup(config, key)
         if value is None:
             continue
+        if isinstance(value, list) and key in family.keys.per_modality:
+            value = value[0]  # the text decoder's entry
         if not isinstance(value, list):
             return (_positive(key, value, what),) * num_layers, key
-        if len(value) != num_layers:
+        if len(value) not in (1, num_layers):
             raise ConfigError(f"config.json: {key} lists {len(value)} values ({what}) but the decoder has "
-                              f"{num_layers} layers; a per-layer list needs one value per layer.")
-        return tuple(_positive(f"{key}[{i}]", v, what) for i, v in enumerate(value)), key
+                              f"{num_layers} layers (row {family.name!r}, model_type "
+                              f"{config.get('model_type')!r}); a per-layer list needs one value per layer, or "
+                              f"one for every layer. Fix the list, or declare what {key} lists in the "
+                              f"{family.name!r} row of the families table ({TABLE}).")
+        values = tuple(_positive(f"{key}[{i}]", v, what) for i, v in enumerate(value))
+        return (values if len(values) == num_layers else values * num_layers), key
     raise _missing(what, keys, family, config.get("model_type"))
 
 
@@ -198,8 +213,8 @@ def _layer_count(text: dict[str, Any], family: Family) -> Resolved:
     """The decoder layer count: a count key, else the length of a per-layer list; both must agree."""
     listed = layer_count_from_lists(text)
     for key in family.keys.layers:
-        if text.get(key) is not None:
-            count = _positive(key, text[key], "decoder layer count")
+        if lookup(text, key) is not None:
+            count = _positive(key, lookup(text, key), "decoder layer count")
             if listed and listed[0] != count:
                 raise ConfigError(f"config.json: {key}={count} but {listed[1]} lists {listed[0]} layers; the two "
                                   f"keys disagree. Fix or remove one of them.")
@@ -221,7 +236,8 @@ def _per_moe_layer(values: tuple[int, ...], key: str, what: str, family: Family,
     mine = tuple(values[layer] for layer in moe_layers)
     uniform = len(set(mine)) <= 1
     shown = (mine[0] if mine else values[0]) if uniform else mine
-    kind = "" if len(set(values)) <= 1 else ", one value per layer"
+    kind = ", the text entry of a per-modality list" if key in family.keys.per_modality else \
+        "" if len(set(values)) <= 1 else ", one value per layer"
     return Resolved(what, shown, f"{key} (row {family.name}{kind})", key)
 
 
@@ -229,6 +245,8 @@ def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = 
     """Resolve a parsed config.json (and optionally a separate quantization config)."""
     family = _row(config)
     text, where = decoder_config(config, family)
+    if family.refusal is not None:
+        raise _refused(text, family, family.refusal)
     qconfig = qconfig or embedded_qconfig(config, text)
     if qconfig is None:
         raise ConfigError("config.json has no quantization_config, and no quantize_config.json or "
@@ -269,21 +287,23 @@ def _layer_values(lists: dict[str, tuple[tuple[int, ...], str]], moe_layers: tup
 
 def _zero_experts(text: dict[str, Any], family: Family) -> Resolved:
     for key in family.keys.zero_experts:
-        if text.get(key) is not None:
-            value = text[key]
+        if lookup(text, key) is not None:
+            value = lookup(text, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"config.json: {key}={value!r} (zero experts) must be an integer >= 0.")
             return Resolved("zero (identity) experts", value, f"{key} (row {family.name})", key)
     return Resolved("zero (identity) experts", 0, f"none (row {family.name} names no zero-expert key)")
 
 
-def _kind(text: dict[str, Any], family: Family) -> tuple[Resolved, Resolved]:
-    """(gated, activation) records: gating from the row, activation from the row's keys."""
+def _kind(text: dict[str, Any], family: Family) -> tuple[Resolved, ...]:
+    """(gated, activation[, activation clamp]) records: gating from the row, activation and clamp from its keys."""
     gated = Resolved("gated", family.gated, f"row {family.name} (projections {[p for p, _ in family.projections]})")
+    limit = [Resolved("activation clamp", lookup(text, key), f"{key} (row {family.name}; the engine applies it)", key)
+             for key in family.keys.activation_limit if lookup(text, key) is not None][:1]
     for key in family.keys.activation:
-        if isinstance(text.get(key), str):
-            return gated, Resolved("activation", text[key], f"{key} (row {family.name})", key)
-    return gated, Resolved("activation", None, f"not given (tried {list(family.keys.activation)})")
+        if isinstance(lookup(text, key), str):
+            return gated, Resolved("activation", lookup(text, key), f"{key} (row {family.name})", key), *limit
+    return gated, Resolved("activation", None, f"not given (tried {list(family.keys.activation)})"), *limit
 
 
 def load_json(path: Path) -> dict[str, Any]:

@@ -114,6 +114,14 @@ def _index_range(config: Config, count: int) -> tuple[int, ...]:
     return tuple(layer for layer in range(count) if start <= layer <= end and (layer + 1) % interval == 0)
 
 
+def _hash_layers(config: Config, count: int) -> tuple[int, ...]:
+    """DeepSeek-V4: the first num_hash_layers layers route by a token-id table, the rest by top-k; all are MoE."""
+    hashed = _int(config, "num_hash_layers", 0)
+    if hashed > count:
+        raise ConfigError(f"config.json: num_hash_layers={hashed} is more than the decoder's {count} layers.")
+    return tuple(range(count))
+
+
 def _flag(config: Config, count: int) -> tuple[int, ...]:
     value = config["enable_moe_block"]
     if not isinstance(value, bool):
@@ -145,6 +153,8 @@ RULES: tuple[LayerRule, ...] = (
     LayerRule("moe_layer_start_index", ("moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval"),
               False, _index_range, "start <= L <= end and (L + 1) % moe_layer_interval == 0"),
     LayerRule("enable_moe_block", ("enable_moe_block",), False, _flag, "every layer when true, none when false"),
+    LayerRule("num_hash_layers", ("num_hash_layers",), False, _hash_layers,
+              "every layer: the first num_hash_layers hash-routed, the rest top-k routed"),
 )
 RULES_BY_NAME = {rule.name: rule for rule in RULES}
 EXPLICIT_KEYS = tuple(rule.keys[0] for rule in RULES if rule.explicit and rule.name != "moe_layers")

@@ -3,8 +3,8 @@ checkpoint are theirs, from the family's row (families.MTP).
 
 | naming            | MTP layer i's experts prefix             | families                        |
 |-------------------|------------------------------------------|---------------------------------|
-| appended layers   | `{root}.layers.{L + i}[.{module}].experts` | DeepSeek-V3/V3.2, GLM-4.x, GLM-5 |
-| own tree          | `{mtp root}.layers.{i}[.{module}].experts` | Qwen3-Next, Qwen3.5             |
+| appended layers   | `{root}.{L + i}[.{module}].experts`        | DeepSeek-V3/V3.2, GLM-4.x, GLM-5 |
+| own tree          | `{mtp root}.{i}[.{module}].experts`        | Qwen3-Next, Qwen3.5 (`mtp.layers`), DeepSeek-V4 (`mtp`) |
 
 L is the decoder layer count, i < K (the row's count keys). A prefix under any family's own MTP root is an
 MTP prefix whatever the family (its layer number counts in that tree, never in the decoder's).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
-from .families import MTP, Family, mtp_roots
+from .families import MTP, Family, lookup, mtp_roots
 from .names import prefix_parts
 
 MTP_ROOTS = frozenset(mtp_roots())
@@ -66,8 +66,8 @@ class MTPLayers:
         """How the declared layers are named, e.g. `layers.{61..61}` (appended) or `mtp.layers.{0..0}`."""
         if not self.routed or not self.count:
             return "none"
-        span = f"layers.{{{self.first}..{self.first + self.count - 1}}}"
-        return f"{self.root}.{span}" if self.root else f"{span} (appended to the decoder)"
+        span = f"{{{self.first}..{self.first + self.count - 1}}}"
+        return f"{self.root}.{span}" if self.root else f"layers.{span} (appended to the decoder)"
 
     def describe(self) -> str:
         """For the resolution record, e.g. `1: layers.{61..61} (appended to the decoder)`."""
@@ -88,7 +88,7 @@ def resolve_mtp(text: dict[str, Any], family: Family, num_layers: int) -> MTPLay
 
 def _count(text: dict[str, Any], rule: MTP, family: Family) -> tuple[int, str]:
     for key in rule.keys:
-        value = text.get(key)
+        value = lookup(text, key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -1,7 +1,7 @@
 """Checkpoint tensor names: parsed once into typed keys.
 
 This is the only module that matches tensor names. A routed-expert tensor name is
-`{root}.layers.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`, with the roots, modules
+`{root}.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`, with the roots (e.g. `model.layers`), modules
 and projection names of the families table (families.py) matched in full; without
 `{e}` the tensor is stacked over experts (`[E, ...]`).
 """
@@ -69,9 +69,11 @@ def _aliases() -> dict[str, Source]:
 PROJ_ALIASES: dict[str, Source] = _aliases()
 ROOTS: tuple[str, ...] = _union([root for family in all_rows() for root in family.roots] + list(mtp_roots()))
 MODULES: tuple[str, ...] = _union([m for family in all_rows() for m in family.modules if m is not None])
+EXPERTS: tuple[str, ...] = _union([name for family in all_rows() for name in family.experts])
 
-_PREFIX = r"(?P<prefix>(?P<root>{roots})\.layers\.(?P<layer>\d+)(?:\.(?:{modules}))?\.experts)".format(
-    roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES))
+_PREFIX = r"(?P<prefix>(?P<root>{roots})\.(?P<layer>\d+)(?:\.(?:{modules}))?\.(?:{experts}))".format(
+    roots="|".join(re.escape(r) for r in ROOTS), modules="|".join(re.escape(m) for m in MODULES),
+    experts="|".join(re.escape(e) for e in EXPERTS))
 _PREFIX_RE = re.compile(f"^{_PREFIX}$")
 _EXPERT_RE = re.compile(r"^{prefix}\.(?:(?P<expert>\d+)\.)?(?P<proj>{projs})(?:\.(?P<suffix>[A-Za-z0-9_]+))?$".format(
     prefix=_PREFIX, projs="|".join(re.escape(p) for p in PROJ_ALIASES)))
@@ -250,10 +252,10 @@ def name_shape(name: str) -> tuple[str, str, str, str]:
     return ("", "", "", *parts)[-4:]  # type: ignore[return-value]
 
 
-def experts_prefix_for(root: str, layer: int, module: str | None) -> str:
-    """Build an experts prefix, e.g. `model.layers.3.mlp.experts`."""
+def experts_prefix_for(root: str, layer: int, module: str | None, experts: str = "experts") -> str:
+    """Build an experts prefix, e.g. `model.layers.3.mlp.experts` (root `model.layers`)."""
     middle = f".{module}" if module else ""
-    return f"{root}.layers.{layer}{middle}.experts"
+    return f"{root}.{layer}{middle}.{experts}"
 
 
 def layer_of_prefix(prefix: str) -> int | None:
@@ -263,7 +265,7 @@ def layer_of_prefix(prefix: str) -> int | None:
 
 
 def prefix_parts(prefix: str) -> tuple[str, int] | None:
-    """(root, decoder layer) of an experts prefix (e.g. ("mtp", 0) for `mtp.layers.0.mlp.experts`), None for
+    """(root, decoder layer) of an experts prefix (e.g. ("mtp.layers", 0) for `mtp.layers.0.mlp.experts`), None for
     other names."""
     match = _PREFIX_RE.match(prefix)
     return None if match is None else (match.group("root"), int(match.group("layer")))
@@ -275,3 +277,13 @@ def prefix_at_layer(prefix: str, layer: int) -> str:
     if match is None:
         raise ValueError(f"{prefix!r} is not an experts prefix")
     return prefix[:match.start("layer")] + str(layer) + prefix[match.end("layer"):]
+
+
+_EXPERT_LIKE = re.compile(r"(^|\.)[A-Za-z_]*experts?[A-Za-z_]*\.")
+
+
+def expert_like(names: Iterable[str], limit: int) -> tuple[list[str], int]:
+    """(the first `limit` of `names` that look like expert tensors, how many do): a name with a dotted
+    component that holds `expert` or `experts` (for a message about names no row parses, never to decide)."""
+    found = [name for name in names if _EXPERT_LIKE.search(name)]
+    return found[:limit], len(found)

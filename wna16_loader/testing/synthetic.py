@@ -30,7 +30,7 @@ class WriterModel:
 
     model_type: str
     keys: dict[str, str]  # concept -> config key
-    root: str = "model"
+    root: str = "model.layers"
     module: str | None = "mlp"
     proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     extra: dict[str, Any] = field(default_factory=dict)
@@ -52,7 +52,7 @@ WRITER_MODELS: dict[str, WriterModel] = {  # what write_checkpoint(family=...) c
                           extra={"first_k_dense_replace": 1, "moe_layer_freq": 1, "n_shared_experts": 1,
                                  "intermediate_size": 18432}),
     "gemma4": WriterModel("gemma4_text", {"experts": "num_experts", "top_k": "top_k_experts",
-                                     "inter": "moe_intermediate_size"}, root="model.language_model", module=None,
+                                     "inter": "moe_intermediate_size"}, root="model.language_model.layers", module=None,
                      extra={"enable_moe_block": True, "intermediate_size": 2112}, nested=True),
     "olmoe": WriterModel("olmoe", {"experts": "num_experts", "top_k": "num_experts_per_tok",
                               "inter": "intermediate_size"}),
@@ -197,7 +197,7 @@ def _layer_tensors(gen: torch.Generator, spec: QuantSpec, proj_names: dict[str, 
 def _other_tensors(gen: torch.Generator, root: str, module: str | None, layer: int, moe: bool, num_experts: int,
                    hidden: int) -> dict[str, torch.Tensor]:
     """Router, attention, norms, shared experts and dense MLPs: tensors the loader must leave alone."""
-    base = f"{root}.layers.{layer}"
+    base = f"{root}.{layer}"
     module = module or "mlp"
     out = {f"{base}.input_layernorm.weight": torch.ones(hidden, dtype=torch.float16),
            f"{base}.self_attn.q_proj.weight": torch.randn(hidden, hidden, generator=gen).to(torch.float16)}
@@ -268,7 +268,7 @@ def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_co
     row = BY_MODEL_TYPE.get(moe.family, GENERIC)
     names = {kind: next(n for n, k in row.projections if k == kind) for kind in ("gate", "up", "down")
              if any(k == kind for _, k in row.projections)}
-    root, module = row.roots[0], row.modules[0]
+    root, module, experts = row.roots[0], row.modules[0], row.experts[0]
     gen = torch.Generator().manual_seed(seed)
     refs: dict[tuple[str, int, str], torch.Tensor] = {}
     shards: list[dict[str, torch.Tensor]] = [{} for _ in range(files)]
@@ -279,7 +279,7 @@ def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_co
         shard.update(_other_tensors(gen, root, module, layer, layer in moe.moe_layers, values.num_experts,
                                     moe.hidden_size))
         if layer in moe.moe_layers:
-            prefixes.append(experts_prefix_for(root, layer, module))
+            prefixes.append(experts_prefix_for(root, layer, module, experts))
             shard.update(_layer_tensors(gen, moe.quant, names, prefixes[-1], (values.num_experts, moe.hidden_size,
                                         values.intermediate_size), scale_dtype, False, refs))
     if mtp:
@@ -307,12 +307,13 @@ def _write_mtp(gen: torch.Generator, moe: Any, names: dict[str, str], where: tup
 
 def _mtp_tensors(gen: torch.Generator, root: str, layer: int, hidden: int, tree: bool) -> dict[str, torch.Tensor]:
     """An MTP layer's own non-expert tensors: the tree's fc and norms (`tree`: Qwen3-Next / Qwen3.5, `mtp.*`),
-    else the appended layer's enorm, hnorm, eh_proj and shared_head norm (DeepSeek-V3 / GLM)."""
-    base = f"{root}.layers.{layer}"
-    norms = (f"{root}.norm", f"{root}.pre_fc_norm_embedding", f"{root}.pre_fc_norm_hidden") if tree else \
+    else the appended layer's enorm, hnorm, eh_proj and shared_head norm (DeepSeek-V3 / GLM). `root`: the
+    layers' root (`mtp.layers`, `model.layers`)."""
+    base, top = f"{root}.{layer}", root.removesuffix(".layers")
+    norms = (f"{top}.norm", f"{top}.pre_fc_norm_embedding", f"{top}.pre_fc_norm_hidden") if tree else \
         (f"{base}.enorm", f"{base}.hnorm", f"{base}.shared_head.norm")
     out = {f"{name}.weight": torch.ones(hidden, dtype=torch.bfloat16) for name in norms}
-    out[f"{root}.fc.weight" if tree else f"{base}.eh_proj.weight"] = \
+    out[f"{top}.fc.weight" if tree else f"{base}.eh_proj.weight"] = \
         torch.randn(hidden, 2 * hidden, generator=gen).to(torch.bfloat16)
     return out
 
