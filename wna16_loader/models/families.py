@@ -7,7 +7,10 @@ table. Unknown model types use the GENERIC row, which tries every alias.
 A routed-expert tensor is `{root}.layers.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`. A family's MTP
 (multi-token-prediction, "NextN") layers are named in one of two ways (`MTP`): decoder layers appended
 after the last one, `{root}.layers.{L + i}` (DeepSeek-V3, GLM-4.x), or a tree of their own,
-`{mtp root}.layers.{i}` (Qwen3-Next, Qwen3.5).
+`{mtp root}.layers.{i}` (Qwen3-Next, Qwen3.5). A family's shared experts (`SharedExperts`), computed for every
+token beside the routed ones, are one MLP next to the routed experts, `{root}.layers.{L}.{module}.{shared}.{proj}.{suffix}`
+(DeepSeek-V3: `model.layers.3.mlp.shared_experts.gate_proj.qweight`): non-expert tensors, unless an engine fuses
+them into its MoE layer as extra experts after the routed ones (SGLang on DeepSeek-V3/R1).
 """
 
 from __future__ import annotations
@@ -56,6 +59,17 @@ class MTP:
 
 
 @dataclass(frozen=True)
+class SharedExperts:
+    """A family's shared experts: the module beside `experts` that holds them (one MLP, gated like the routed
+    experts, with the family's projection names), and the config keys counting them. An engine that fuses them
+    holds one slot per shared-expert module after a rank's routed experts; the module's I must then be one
+    routed expert's (a count of 1)."""
+
+    module: str
+    count: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Family:
     """One row of the table.
 
@@ -64,7 +78,8 @@ class Family:
     `projections`: (tensor name, "gate" | "up" | "down" | "gate_up");
     `layer_rules`: the MoE-layer rules (layer_rules.RULES names) this family's configs use;
     `gated`: experts compute act(gate) * up; non-gated experts compute act(up);
-    `mtp`: the family's MTP layers (None: it has none).
+    `mtp`: the family's MTP layers (None: it has none);
+    `shared`: the family's shared experts beside the routed ones (None: it has none an engine fuses).
     """
 
     model_types: tuple[str, ...]
@@ -76,6 +91,7 @@ class Family:
     layer_rules: tuple[str, ...] = ()
     gated: bool = True
     mtp: MTP | None = None
+    shared: SharedExperts | None = None
 
     @property
     def name(self) -> str:
@@ -100,12 +116,17 @@ QWEN_MTP = MTP(("mtp_num_hidden_layers", "num_nextn_predict_layers"), default=1,
 # ERNIE 4.5, EXAONE-MoE, LongCat-Flash: the MTP block's MLP is dense (vLLM ernie_mtp.py, exaone_moe_mtp.py,
 # longcat_flash_mtp.py): its tensors are non-expert tensors
 DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
+# DeepSeek-V2/V3 and the models built on them: `mlp.shared_experts`, `n_shared_experts` of them in one MLP (SGLang's
+# deepseek_v2.py / glm4_moe.py fuse one into the routed layer as expert n_routed_experts)
+SHARED_EXPERTS = SharedExperts("shared_experts", ("n_shared_experts",))
 
 FAMILIES: tuple[Family, ...] = (
     Family(("afmoe",), QWEN, layer_rules=("num_dense_layers",)),
     Family(("cohere2_moe",), OLMO, layer_rules=("mlp_layer_types",)),
-    Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
-    Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
+    Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
     Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
     Family(("ernie4_5_moe",), _keys("moe_num_experts", "moe_k", "moe_intermediate_size"),
            layer_rules=("moe_layer_start_index",), mtp=DENSE_MTP),
@@ -115,13 +136,14 @@ FAMILIES: tuple[Family, ...] = (
                                             activation=("hidden_activation",)),
            roots=("model.language_model",), modules=(None,), nested=("text_config",),
            layer_rules=("enable_moe_block",)),
-    Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
     Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model",), nested=("text_config",),
-           layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+           layer_rules=("first_k_dense_replace",), mtp=NEXTN, shared=SHARED_EXPERTS),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
     Family(("lfm2_moe",), QWEN, modules=("feed_forward",), projections=W123, layer_rules=("num_dense_layers",)),
