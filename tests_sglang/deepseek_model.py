@@ -45,6 +45,13 @@ CASES = {
                   "MoeWNA16Method"),
 }
 
+PER_RANK = {"per_rank_slots": True, "server_args": {"enforce_shared_experts_fusion": True}}
+# group -> (ranks, EP, the rank script's settings, the cases run): SGLang fuses the shared expert at TP 1 and TP 2;
+# at EP 2 it keeps it apart (not AMD), unless the all-to-all backend gives every rank its own slots (DeepEP-class,
+# MegaMoE) and --enforce-shared-experts-fusion asks for fusion, as DeepEP's refusal says
+GROUPS = {"tp1": (1, False, {}, tuple(CASES)), "tp2": (2, False, {}, tuple(CASES)),
+          "ep2-per-rank": (2, True, PER_RANK, tuple(CASES)), "ep2": (2, True, {}, ("gptq_sym", "awq"))}
+
 
 def deepseek_config() -> dict:
     config = json.loads(CONFIG.read_text())
@@ -60,3 +67,15 @@ def write_deepseek(folder: Path, case: str, *, seed: int = 0) -> Path:
     kept["model.layers.1.mlp.gate.weight"] = tensors["model.layers.1.mlp.gate.weight"]
     save_file(kept, str(written / "model.safetensors"), metadata={"format": "pt"})
     return written
+
+
+def renamed(folder: Path, out: Path) -> Path:
+    """`folder` as SGLang's DeepSeek weight loader reads it with fusion on (deepseek_weight_loader.py): every
+    `mlp.shared_experts` tensor renamed to `mlp.experts.{n_routed_experts}`, a checkpoint of 257 routed experts."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({name.replace(SHARED + ".", f"{EXPERTS}.{ROUTED}."): t for name, t in tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "n_routed_experts": ROUTED + 1}))
+    return out
