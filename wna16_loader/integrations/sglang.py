@@ -14,8 +14,10 @@ output (each rank reads only its own files and `common/`).
 | see `METHOD_LAYOUTS`                                | `wna16_loader.layouts.sglang` (one row each)        |
 | every other parameter                               | SGLang's `model.load_weights`, non-expert tensors   |
 
-After the load SGLang runs its own `process_weights_after_loading` as usual. Importing this module imports
-SGLang; `import wna16_loader` never does.
+After the load SGLang runs its own `process_weights_after_loading` as usual. `--startup-weight-load-mode overlap`
+is refused by name (`WNA16ModelLoader.commit_model_weights`; SGLang refuses it first, "DefaultModelLoader only").
+Layers where SGLang fused a family's shared experts (DeepSeek-V3/R1) get them too (`load.shared`). Importing this
+module imports SGLang; `import wna16_loader` never does.
 """
 
 from __future__ import annotations
@@ -90,6 +92,15 @@ class WNA16ModelLoader(sglang_loader.DefaultModelLoader):
         with set_default_torch_dtype(model_config.dtype):
             self.load_into(model, model_config, torch.device(device_config.device))
         return model.eval()
+
+    def commit_model_weights(self, *, model: nn.Module, **_: object) -> None:
+        """SGLang's `--startup-weight-load-mode overlap` second step (real weights into a model whose parameters
+        its `process_weights_after_loading` already re-laid once, on sentinel values, for CUDA-graph capture):
+        refused by name. The expert parameters are filled in the layout SGLang's MoE method allocates, before that
+        step; SGLang 0.5.23 itself admits overlap for its own DefaultModelLoader and unquantized models only."""
+        raise ConfigError(f"--startup-weight-load-mode overlap: --load-format {LOAD_FORMAT} fills the MoE layers "
+                          f"of {type(model).__name__} before SGLang's process_weights_after_loading, and overlap "
+                          f"runs that step first; serve with --startup-weight-load-mode serial (the default)")
 
     def load_into(self, model: nn.Module, model_config: ModelConfig, target_device: torch.device) -> None:
         """The experts in place, every other tensor through SGLang's load_weights, then its post-processing."""
