@@ -169,3 +169,22 @@ def test_a_checkpoint_without_the_shared_tensors_is_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match=rf"the engine fused shared experts into 1 MoE layers, but \['{SHARED}'\] "
                        rf"hold no tensors here \(expected e\.g\. {SHARED}\.gate_proj\.qweight\)"):
         fill_shared(read_config_files(folder), folder, ParallelConfig(tp_size=1, tp_rank=0), {PREFIX: target})
+
+
+def test_an_output_says_where_its_shared_experts_are(case, tmp_path):
+    """A wna16-shard output keeps the shared experts in common/ as the source holds them, its manifest says so, and
+    verify passes; a source without shared experts records none."""
+    from wna16_loader.preshard import read_manifest, verify_output
+
+    folder, shards, _, _ = case
+    manifest = read_manifest(shards[2, 1])
+    assert manifest["shared_experts"] == {"modules": [SHARED], "count": 1, "where": "common/, as the source holds them"}
+    assert {name: place for name, place in manifest["source_tensors"].items() if name.startswith(SHARED + ".")} == \
+        {name: {"common": "common/model.safetensors"} for name in load_file(folder / "model.safetensors")
+         if name.startswith(SHARED + ".")}
+    assert verify_output(shards[2, 1], folder) == []
+    config = json.loads((CONFIG.parent / "qwen3_moe.json").read_text())
+    config.update(hidden_size=64, moe_intermediate_size=64, num_hidden_layers=1, num_experts=4, num_experts_per_tok=2)
+    other = write_family_checkpoint(tmp_path / "q", config, CASES["awq"][0]).folder
+    preshard_checkpoint(other, tmp_path / "q-out", tp_size=2, progress=False)
+    assert "shared_experts" not in read_manifest(tmp_path / "q-out")
