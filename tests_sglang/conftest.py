@@ -87,3 +87,31 @@ def deepseek_out(tmp_path_factory):
                      {**model, "name": f"{case}-wna16-shard", "folder": str(shard), "load_format": "wna16"}]
         run_group(ranks, jobs, out / group, ep=ep, script=HERE / "sglang_rank.py", settings=settings)
     return out
+
+
+@pytest.fixture(scope="session")
+def fixture_models_out(tmp_path_factory):
+    """Each real fixture (fixture_models.OUTCOMES) as a whole model, in every group: jobs NAME-auto (SGLang's
+    default loader), NAME-wna16 (the plugin, from the checkpoint) and, for fixture_models.SHARDED, NAME-wna16-shard
+    (from a wna16-shard output for the group's layout)."""
+    from fixture_models import OUTCOMES, SHARDED
+    from sglang_cases import GROUPS, parallel
+    from tier import run_group
+
+    from wna16_loader.preshard.run import preshard_checkpoint
+
+    out = tmp_path_factory.mktemp("fixture-models")
+    fixtures = HERE.parent / "tests" / "fixtures"
+    for group, (ranks, ep) in GROUPS.items():
+        jobs, layout = [], parallel(group, 0)
+        for name in OUTCOMES:
+            folder = fixtures / name / "checkpoint"
+            model = {"kind": "model", "folder": str(folder)}
+            jobs += [{**model, "name": f"{name}-auto", "load_format": "auto"},
+                     {**model, "name": f"{name}-wna16", "load_format": "wna16"}]
+            if name in SHARDED:
+                shard = out / f"shard-{group}-{name}"
+                preshard_checkpoint(folder, shard, tp_size=layout.tp_size, ep_size=layout.ep_size, progress=False)
+                jobs.append({**model, "name": f"{name}-wna16-shard", "folder": str(shard), "load_format": "wna16"})
+        run_group(ranks, jobs, out / group, ep=ep, script=HERE / "sglang_rank.py")
+    return out

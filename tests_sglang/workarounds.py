@@ -27,6 +27,7 @@ def apply() -> None:
     _rope_as_on_cpu()
     fuse_shared_experts_as_on_hopper()
     _awq_marlin_as_on_hopper()
+    _compressed_tensors_as_on_hopper()
 
 
 def _platform_stubs() -> ModuleType:
@@ -134,6 +135,22 @@ def _awq_marlin_as_on_hopper() -> None:
             return check(cls, quant_config)
 
     awq.AWQMarlinConfig.is_awq_marlin_compatible = classmethod(as_on_hopper)
+
+
+def _compressed_tensors_as_on_hopper() -> None:
+    """9. A whole compressed-tensors model's linear layers ask `CompressedTensorsConfig._check_scheme_supported`,
+    which reads `torch.cuda.get_device_capability()` (an error without CUDA). While that check runs, and only then,
+    the capability answers as an H100's (9.0)."""
+    import torch
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    check = CompressedTensorsConfig._check_scheme_supported
+
+    def as_on_hopper(self, *args, **kwargs):
+        with mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)):
+            return check(self, *args, **kwargs)
+
+    CompressedTensorsConfig._check_scheme_supported = as_on_hopper
 
 
 def per_rank_shared_slots() -> None:
