@@ -61,7 +61,7 @@ def test_plugin_equals_sglangs_default_loader(case, group, load, deepseek_out):
         assert bytes(ours["loader"].tolist()) == b"WNA16ModelLoader"
         assert sorted(ours) == sorted(theirs)
         differ = {name for name, t in theirs.items() if name != "loader" and not torch.equal(ours[name], t)}
-        assert differ == (PINNED.get(case, set()) & differ if fused(group) else set()), \
+        assert differ <= (PINNED.get(case, set()) if fused(group) else set()), \
             f"{case} {group} rank{rank} ({load}): {sorted(differ)} differ"
 
 

@@ -5,8 +5,8 @@ a plugin passes its layers, how one becomes a `LayerTarget`, and how a checkpoin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -14,8 +14,8 @@ import torch
 from ..errors import ConfigError
 from ..load.experts import read_moe_config
 from ..load.inplace import FillReport, LayerTarget, fill_layers
-from ..load.shared import fill_shared
 from ..load.outputs import is_presharded
+from ..load.shared import fill_shared
 from ..parallel.config import Node, ParallelConfig
 from ..preshard.plan import COMMON_DIR
 from ..storage.index import CheckpointIndex

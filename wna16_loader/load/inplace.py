@@ -269,7 +269,7 @@ def _through_fused(prefix: str, target: LayerTarget, spec: FusedSpec, decls: tup
 
 
 def fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
-                copy_words: bool) -> tuple[int, bool]:
+               copy_words: bool) -> tuple[int, bool]:
     """One layer: its checkpoint words copied where its method holds them as they are, else through the
     fused writer; the scratch it held (bytes) and whether it was copied."""
     decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)

@@ -56,14 +56,15 @@ def fill_shared(moe: MoEConfig, source: Path, parallel: ParallelConfig,
     return tuple(name for names in scan.layers.values() for name in names.names)
 
 
-def shared_experts_of(moe: MoEConfig, wanted: Mapping[str, LayerTarget]) -> SharedExperts:
-    """The family's shared experts, checked against the slots the engine holds for them."""
-    declared, (prefix, target) = family_of(moe.family).shared, next(iter(wanted.items()))
+def shared_experts_of(moe: MoEConfig, fused: Mapping[str, LayerTarget]) -> SharedExperts:
+    """The family's shared experts, checked against the slots the engine holds for them (`fused`: the layers
+    with shared slots)."""
+    declared, (prefix, target) = family_of(moe.family).shared, next(iter(fused.items()))
     if declared is None:
         raise ConfigError(f"{prefix}: the engine holds {target.shared_slots} fused shared-expert slot(s), but the "
                           f"families table's row {moe.family!r} declares no shared experts (Family.shared); add them "
                           f"to the row, or serve the model with the engine's shared-expert fusion off")
-    if moe.shared_experts != 1 or any(t.shared_slots != 1 for t in wanted.values()):
+    if moe.shared_experts != 1 or any(t.shared_slots != 1 for t in fused.values()):
         raise ConfigError(f"{prefix}: the engine holds {target.shared_slots} fused shared-expert slot(s), the "
                           f"config counts {moe.shared_experts} shared experts in one {declared.module} module "
                           f"({'/'.join(declared.count)}); one slot holds one module of a routed expert's size, so "
