@@ -279,8 +279,10 @@ def test_a_known_row_tries_only_its_own_keys():
 
 
 # the rows whose published configs hold shared experts in `mlp.shared_experts` counted by n_shared_experts (their
-# modeling code: DeepseekV3MoE, Glm4MoeMoE, DeepseekV2MoE in Kimi-K2.5's remote code), with the fixture's count
-SHARED = {"deepseek_v3": 1, "deepseek_v32": 1, "glm4_moe": 1, "kimi_k25": 1}
+# modeling code: DeepseekV3MoE, Glm4MoeMoE, Glm4MoeLiteMoE, GlmMoeDsaMoE, DeepseekV2MoE in Kimi-K2.5's remote code),
+# with the fixture's count
+SHARED = {"deepseek_v3": 1, "deepseek_v32": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "glm4_moe_lite-flash": 1,
+          "glm_moe_dsa": 1, "kimi_k25": 1}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -116,8 +116,9 @@ QWEN_MTP = MTP(("mtp_num_hidden_layers", "num_nextn_predict_layers"), default=1,
 # ERNIE 4.5, EXAONE-MoE, LongCat-Flash: the MTP block's MLP is dense (vLLM ernie_mtp.py, exaone_moe_mtp.py,
 # longcat_flash_mtp.py): its tensors are non-expert tensors
 DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
-# DeepSeek-V2/V3 and the models built on them: `mlp.shared_experts`, `n_shared_experts` of them in one MLP (SGLang's
-# deepseek_v2.py / glm4_moe.py fuse one into the routed layer as expert n_routed_experts)
+# DeepSeek-V2/V3 and the models built on them (GLM-4.5, GLM-4.7-Flash, GLM-5, Kimi-K2.5): `mlp.shared_experts`,
+# `n_shared_experts` of them in one MLP (SGLang's deepseek_v2.py, glm4_moe.py, glm4_moe_lite.py fuse one into the
+# routed layer as expert n_routed_experts)
 SHARED_EXPERTS = SharedExperts("shared_experts", ("n_shared_experts",))
 
 FAMILIES: tuple[Family, ...] = (
@@ -138,8 +139,10 @@ FAMILIES: tuple[Family, ...] = (
            layer_rules=("enable_moe_block",)),
     Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN,
            shared=SHARED_EXPERTS),
-    Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
-    Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
+    Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model",), nested=("text_config",),
