@@ -61,3 +61,57 @@ def sglang_out(checkpoints, tmp_path_factory):
                 jobs.append(case.job(folder, loader="plugin", source=shard, suffix="-plugin-shard"))
         run_group(ranks, jobs, out / group, ep=ep, script=HERE / "sglang_rank.py")
     return out
+
+
+@pytest.fixture(scope="session")
+def deepseek_out(tmp_path_factory):
+    """What SGLang's default loader and the plugin loaded of each DeepSeek-V3-shaped model (deepseek_model.CASES),
+    whole, in each of deepseek_model.GROUPS (one gloo group each): jobs CASE-auto, CASE-wna16 (the checkpoint)
+    and CASE-wna16-shard (a wna16-shard output for the group's TP and EP)."""
+    from deepseek_model import CASES, GROUPS, write_deepseek
+    from tier import run_group
+
+    from wna16_loader.preshard.run import preshard_checkpoint
+
+    out = tmp_path_factory.mktemp("deepseek")
+    folders = {case: write_deepseek(out / case, case) for case in CASES}
+    for group, (ranks, ep, settings, cases) in GROUPS.items():
+        jobs = []
+        for case in cases:
+            shard = out / f"shard-{group}-{case}"
+            preshard_checkpoint(folders[case], shard, tp_size=1 if ep else ranks, ep_size=ranks if ep else 1,
+                                progress=False)
+            model = {"kind": "model", "quantization": CASES[case][1]}
+            jobs += [{**model, "name": f"{case}-auto", "folder": str(folders[case]), "load_format": "auto"},
+                     {**model, "name": f"{case}-wna16", "folder": str(folders[case]), "load_format": "wna16"},
+                     {**model, "name": f"{case}-wna16-shard", "folder": str(shard), "load_format": "wna16"}]
+        run_group(ranks, jobs, out / group, ep=ep, script=HERE / "sglang_rank.py", settings=settings)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fixture_models_out(tmp_path_factory):
+    """Each real fixture (fixture_models.OUTCOMES) as a whole model, in every group: jobs NAME-auto (SGLang's
+    default loader), NAME-wna16 (the plugin, from the checkpoint) and, for fixture_models.SHARDED, NAME-wna16-shard
+    (from a wna16-shard output for the group's layout)."""
+    from fixture_models import OUTCOMES, SHARDED
+    from sglang_cases import GROUPS, parallel
+    from tier import run_group
+
+    from wna16_loader.preshard.run import preshard_checkpoint
+
+    out = tmp_path_factory.mktemp("fixture-models")
+    fixtures = HERE.parent / "tests" / "fixtures"
+    for group, (ranks, ep) in GROUPS.items():
+        jobs, layout = [], parallel(group, 0)
+        for name in OUTCOMES:
+            folder = fixtures / name / "checkpoint"
+            model = {"kind": "model", "folder": str(folder)}
+            jobs += [{**model, "name": f"{name}-auto", "load_format": "auto"},
+                     {**model, "name": f"{name}-wna16", "load_format": "wna16"}]
+            if name in SHARDED:
+                shard = out / f"shard-{group}-{name}"
+                preshard_checkpoint(folder, shard, tp_size=layout.tp_size, ep_size=layout.ep_size, progress=False)
+                jobs.append({**model, "name": f"{name}-wna16-shard", "folder": str(shard), "load_format": "wna16"})
+        run_group(ranks, jobs, out / group, ep=ep, script=HERE / "sglang_rank.py")
+    return out

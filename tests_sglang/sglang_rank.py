@@ -9,8 +9,12 @@ a job is either
    `get_quantization_config(method).from_config(...)` and fills it with its own weight loader over the
   checkpoint's expert tensors (loader "default", as its models' load_weights call it) or with the plugin
   (loader "plugin", from the folder or from `source`, a wna16-shard output); or
-- {"kind": "model", "name", "folder", "load_format"}: SGLang builds and loads the whole model
-  (`get_model_loader(...).load_model`, with `load_plugins()` run first, as every SGLang process does).
+- {"kind": "model", "name", "folder", "load_format"[, "quantization"]}: SGLang builds and loads the whole model
+  (`get_model_loader(...).load_model`, with `load_plugins()` run first, as every SGLang process does; with
+  SGLang's --quantization where given), and records each MoE layer's fused shared experts and method.
+JOBS.json may also hold "server_args" (more of SGLang's ServerArgs for every job, e.g.
+enforce_shared_experts_fusion) and "per_rank_slots" (the all-to-all backend's answer: per-rank fused shared slots,
+`workarounds.per_rank_shared_slots`).
 Every parameter is kept as the loader left it: SGLang's `process_weights_after_loading` compiles CUDA code and is
 not run. Each job writes OUT/NAME/rank{R}.safetensors (every parameter) or OUT/NAME/rank{R}.json (SGLang's error),
 through the vLLM tier's `tier.run_job`.
@@ -92,12 +96,33 @@ def model_job(job: dict) -> dict[str, torch.Tensor]:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # as every SGLang process does: our entry point registers --load-format wna16
-    model_config = ModelConfig(model_path=job["folder"], dtype="float16")
+    model_config = ModelConfig(model_path=job["folder"], dtype="float16", quantization=job.get("quantization"))
     chosen = loader.get_model_loader(load_config=LoadConfig(load_format=job["load_format"]), model_config=model_config)
     with loaded_parameters(loader) as loaded:
-        chosen.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
-    loaded["loader"] = torch.tensor(list(type(chosen).__name__.encode()), dtype=torch.uint8)
+        model = chosen.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    loaded["loader"] = text_tensor(type(chosen).__name__)
+    loaded.update(moe_record(model))
     return {name: t.contiguous() for name, t in loaded.items()}
+
+
+def text_tensor(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
+
+
+def moe_record(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each MoE layer's fused shared experts and slots ("moe.NAME.fused_shared": [num_fused_shared_experts,
+    num_experts, routed slots on this rank]) and the class of its method ("moe.NAME.method")."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    from wna16_loader.integrations.sglang import method_of
+
+    out = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, FusedMoE):
+            out[f"moe.{name}.fused_shared"] = torch.tensor([layer.num_fused_shared_experts, layer.num_experts,
+                                                            layer.num_local_experts - layer.num_fused_shared_experts])
+            out[f"moe.{name}.method"] = text_tensor(type(method_of(layer)).__name__)
+    return out
 
 
 @contextmanager
@@ -127,7 +152,9 @@ def loaded_parameters(loader: ModuleType) -> Iterator[dict[str, torch.Tensor]]:
 def main(jobs_file: str, rank_arg: str) -> None:
     spec, rank = json.loads(Path(jobs_file).read_text()), int(rank_arg)
     workarounds.apply()
-    workarounds.init_parallel(spec["tp"], rank, spec["init_method"], ep=spec["ep"])
+    if spec.get("per_rank_slots"):
+        workarounds.per_rank_shared_slots()
+    workarounds.init_parallel(spec["tp"], rank, spec["init_method"], ep=spec["ep"], **spec.get("server_args", {}))
     for job in spec["jobs"]:
         tier.run_job(job, Path(spec["out"]), rank, layer_job if job["kind"] == "layer" else model_job)
 

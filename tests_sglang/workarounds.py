@@ -25,6 +25,9 @@ def apply() -> None:
     _no_torchvision()
     _pretend_hopper()
     _rope_as_on_cpu()
+    fuse_shared_experts_as_on_hopper()
+    _awq_marlin_as_on_hopper()
+    _compressed_tensors_as_on_hopper()
 
 
 def _platform_stubs() -> ModuleType:
@@ -99,10 +102,80 @@ def _rope_as_on_cpu() -> None:
     base._is_cpu = True
 
 
-def init_parallel(world_size: int, rank: int, init_method: str, *, ep: bool) -> None:
+def fuse_shared_experts_as_on_hopper() -> None:
+    """6. SGLang fuses DeepSeek-V3/R1's shared expert into the routed MoE layer on CUDA of capability >= 8.0
+    (`DeepseekV2ForCausalLM.shared_experts_fusion_disable_reason`, read by `resolve_shared_experts_config` before
+    the model is built). While that check runs, and only then, the platform answers as an H100 (CUDA, 9.0); its
+    other checks (architecture, expert counts, quantization, EP, backend) are SGLang's own."""
+    import torch
+    from sglang.srt.models import deepseek_v2
+
+    model = deepseek_v2.DeepseekV2ForCausalLM
+    check = model.shared_experts_fusion_disable_reason.__func__
+
+    def as_on_hopper(cls, hf_config, quant_config):
+        with mock.patch.object(deepseek_v2, "_is_cuda", True), \
+                mock.patch.object(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0)):
+            return check(cls, hf_config, quant_config)
+
+    model.shared_experts_fusion_disable_reason = classmethod(as_on_hopper)
+
+
+def _awq_marlin_as_on_hopper() -> None:
+    """8. A whole AWQ model is served with AWQ Marlin where SGLang finds it convertible
+    (`AWQMarlinConfig.override_quantization_method`), which asks `is_awq_marlin_compatible`: False off CUDA. While
+    that check runs, and only then, the platform answers as CUDA (its Marlin checks then ask the capability,
+    answered by 4.)."""
+    from sglang.srt.layers.quantization.awq import awq
+
+    check = awq.AWQMarlinConfig.is_awq_marlin_compatible.__func__
+
+    def as_on_hopper(cls, quant_config):
+        with mock.patch.object(awq, "_is_cuda", True):
+            return check(cls, quant_config)
+
+    awq.AWQMarlinConfig.is_awq_marlin_compatible = classmethod(as_on_hopper)
+
+
+def _compressed_tensors_as_on_hopper() -> None:
+    """9. A whole compressed-tensors model's linear layers ask `CompressedTensorsConfig._check_scheme_supported`,
+    which reads `torch.cuda.get_device_capability()` (an error without CUDA). While that check runs, and only then,
+    the capability answers as an H100's (9.0)."""
+    import torch
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    check = CompressedTensorsConfig._check_scheme_supported
+
+    def as_on_hopper(self, *args, **kwargs):
+        with mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0)):
+            return check(self, *args, **kwargs)
+
+    CompressedTensorsConfig._check_scheme_supported = as_on_hopper
+
+
+def per_rank_shared_slots() -> None:
+    """7. With DeepEP-class and MegaMoE all-to-all backends SGLang gives every EP rank its own fused shared slots
+    (`uses_per_rank_fused_shared_slots`). Those backends need their CUDA libraries to be built, so the backend's
+    answer is given instead, in every module that asked it: yes."""
+    from sglang.srt.layers.moe import topk, utils
+    from sglang.srt.layers.moe.fused_moe_triton import layer
+    from sglang.srt.models import deepseek_v2
+
+    def per_rank(num_shared: int) -> bool:
+        return num_shared > 0
+
+    for module in (utils, topk, layer, deepseek_v2):
+        for name, answer in (("uses_per_rank_fused_shared_slots", lambda: True),
+                             ("has_per_rank_fused_shared_slots", per_rank)):
+            if hasattr(module, name):
+                setattr(module, name, answer)
+
+
+def init_parallel(world_size: int, rank: int, init_method: str, *, ep: bool, **server_args) -> None:
     """SGLang's distributed state over gloo for rank `rank` of `world_size` (TP `world_size`, MoE EP
-    `world_size` when `ep`), as sglang/test/layer_ut_utils.py sets it up (inlined: sglang.test.test_utils
-    imports sglang.benchmark, which needs `datasets`)."""
+    `world_size` when `ep`; `server_args`: more of SGLang's ServerArgs, e.g. enforce_shared_experts_fusion), as
+    sglang/test/layer_ut_utils.py sets it up (inlined: sglang.test.test_utils imports sglang.benchmark, which
+    needs `datasets`)."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
@@ -112,6 +185,6 @@ def init_parallel(world_size: int, rank: int, init_method: str, *, ep: bool) -> 
                                  distributed_init_method=init_method, backend="gloo")
     reset_context()
     publish(ServerArgs(model_path="dummy", tp_size=world_size, ep_size=world_size if ep else 1,
-                       device="cpu"), role="test", ranks=SpawnRanks(world_rank=rank))
+                       device="cpu", **server_args), role="test", ranks=SpawnRanks(world_rank=rank))
     get_parallel().override_permanently(world_group=parallel_state._WORLD)  # the WORLD group the reset dropped
     initialize_model_parallel(backend="gloo")

@@ -25,11 +25,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_group(tp: int, jobs: list[dict], out: Path, *, ep: bool = False, script: Path = RANK_SCRIPT) -> None:
+def run_group(tp: int, jobs: list[dict], out: Path, *, ep: bool = False, script: Path = RANK_SCRIPT,
+              settings: dict | None = None) -> None:
     """Start `tp` ranks of `script` (vLLM's by default) over `jobs` and wait for all of them; a rank that dies fails
-    with its log. `ep`: the MoE layers EP `tp`-way, MoE TP 1 (vLLM's enable_expert_parallel)."""
+    with its log. `ep`: the MoE layers EP `tp`-way, MoE TP 1 (vLLM's enable_expert_parallel). `settings`: more
+    entries of JOBS.json for the rank script (what it reads: see the script)."""
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"tp": tp, "ep": ep, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out), "jobs": jobs}
+    spec = {"tp": tp, "ep": ep, "init_method": f"tcp://127.0.0.1:{free_port()}", "out": str(out), "jobs": jobs,
+            **(settings or {})}
     jobs_file = out / f"jobs-tp{tp}{'-ep' if ep else ''}.json"
     jobs_file.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(script.parent), *sys.path])}

@@ -368,3 +368,22 @@ def test_tp_ranks_filling_together_as_a_node_fill_what_each_fills_alone(source):
     assert all(report.layers == {PREFIXES[1]: "moe_wna16"} for report in reports.values())
     for mine, theirs in zip(wanted, alone):
         assert_same(theirs, mine)
+
+
+def test_an_engine_layer_with_shared_slots_holds_its_routed_experts_then_its_shared_ones():
+    """SGLang's slots at EP rank 1 of 2 over 8 routed experts with one fused shared expert (global id 8): routed
+    4..7 in slots 0..3, the shared expert in slot 4; `routed()` and `shared()` are views of those slots."""
+    layer = torch.nn.Module()
+    layer.w13_qweight = torch.nn.Parameter(torch.zeros(5, 2, dtype=torch.uint8), requires_grad=False)
+    slot = {4: 0, 5: 1, 6: 2, 7: 3, 8: 4}
+    target = LayerTarget.of(MOE_WNA16, layer, lambda e: slot.get(e, -1), 8, shared_slots=1)
+    assert (target.experts, target.shared_slots) == ((4, 5, 6, 7), 1)
+    routed, shared = target.routed(), target.shared()
+    assert (routed.experts, shared.experts, routed.shared_slots, shared.shared_slots) == ((4, 5, 6, 7), (0,), 0, 0)
+    shared.params["w13_qweight"].fill_(9)
+    routed.params["w13_qweight"].fill_(1)
+    assert layer.w13_qweight[:, 0].tolist() == [1, 1, 1, 1, 9]
+    plain = LayerTarget(MOE_WNA16, dict(layer.named_parameters()), (0, 1, 2, 3, 4))
+    assert plain.routed() is plain
+    with pytest.raises(AssertionError, match=r"are not the first 4: the shared slots' place is unknown"):
+        LayerTarget.of(MOE_WNA16, layer, lambda e: {4: 1, 5: 2, 6: 3, 7: 4}.get(e, -1), 8, shared_slots=1)

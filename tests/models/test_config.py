@@ -441,7 +441,8 @@ def test_resolution_records_every_value() -> None:
     assert (rec.family, rec.decoder) == ("gemma4", "text_config")
     assert [v.what for v in rec.values] == ["hidden size", "decoder layer count", "MoE layers", "routed expert count",
                                             "experts per token (top-k)", "expert intermediate size",
-                                            "zero (identity) experts", "gated", "activation", "MTP layers"]
+                                            "zero (identity) experts", "gated", "activation", "MTP layers",
+                                            "shared experts"]
     assert rec["experts per token (top-k)"] == Resolved("experts per token (top-k)", 8, "top_k_experts (row gemma4)",
                                                         "top_k_experts")
     assert rec["MoE layers"].source == ("rule enable_moe_block: enable_moe_block=True (every layer when true, none "

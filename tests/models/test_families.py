@@ -448,3 +448,22 @@ def test_deepseek_v4_loads_exactly_from_the_checkpoint_and_from_wna16_shard(tmp_
         weights, owners = reassemble(folder, tp, ep, include_mtp=True)
         assert_owners(owners, ckpt.prefixes, 8, tp, ep)
         assert_exact(weights, ckpt.references)
+
+
+# the rows whose published configs hold shared experts in `mlp.shared_experts` counted by n_shared_experts (their
+# modeling code: DeepseekV3MoE, Glm4MoeMoE, Glm4MoeLiteMoE, GlmMoeDsaMoE, DeepseekV2MoE in Kimi-K2.5's remote code),
+# with the fixture's count
+SHARED = {"deepseek_v3": 1, "deepseek_v32": 1, "glm4_moe": 1, "glm4_moe_lite": 1, "glm4_moe_lite-flash": 1,
+          "glm_moe_dsa": 1, "kimi_k25": 1}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_shared_experts_are_declared_where_the_family_has_them(name):
+    moe = resolve(fixture(name))
+    row = family_of(fixture(name)["model_type"])
+    assert moe.shared_experts == SHARED.get(name, 0)
+    assert (row.shared is not None) == (name in SHARED)
+    record = moe.resolution["shared experts"]
+    assert record.key == ("n_shared_experts" if name in SHARED else None)
+    if name in SHARED:
+        assert record.source.endswith(f"(row {row.name}; module mlp.shared_experts)")

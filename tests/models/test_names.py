@@ -21,6 +21,8 @@ from wna16_loader.models.names import (
     name_shape,
     parse_expert_name,
     prefix_at_layer,
+    shared_expert_key,
+    shared_prefix,
 )
 
 ALL_ROOTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "backbone.layers",
@@ -276,3 +278,26 @@ def test_name_shape_splits_at_the_last_three_dots() -> None:
     assert name_shape("model.layers.3.mlp.experts.12.gate_proj.qweight") == \
         ("model.layers.3.mlp.experts", "12", "gate_proj", "qweight")
     assert name_shape("model.layers.3.mlp.experts.gate_up_proj.qweight")[1] == "experts"  # stacked: not digits
+
+
+# --- shared experts: the module beside the routed experts, read as one more expert when asked -----------------
+
+def test_a_shared_expert_tensor_is_read_as_the_expert_it_is_asked_as() -> None:
+    prefix = "model.layers.3.mlp.experts"
+    assert shared_prefix(prefix, "shared_experts") == "model.layers.3.mlp.shared_experts"
+    name = "model.layers.3.mlp.shared_experts.down_proj.qweight"
+    assert shared_expert_key(name, prefix, "shared_experts", 0) == ExpertTensorKey(name, prefix, 3, 0, Source.DOWN,
+                                                                                   "qweight")
+    assert parse_expert_name(name) is None  # left to the engine unless asked
+
+
+@pytest.mark.parametrize("name", [
+    "model.layers.3.mlp.shared_experts.gate_proj",  # no suffix
+    "model.layers.3.mlp.shared_experts.0.gate_proj.qweight",  # an expert index
+    "model.layers.3.mlp.shared_experts.gate.weight",  # not a projection of the table
+    "model.layers.13.mlp.shared_experts.gate_proj.qweight",  # another layer
+    "model.layers.3.mlp.experts.0.gate_proj.qweight",  # a routed expert
+    "x.model.layers.3.mlp.shared_experts.gate_proj.qweight",
+])
+def test_other_names_are_not_that_layers_shared_experts(name: str) -> None:
+    assert shared_expert_key(name, "model.layers.3.mlp.experts", "shared_experts", 0) is None

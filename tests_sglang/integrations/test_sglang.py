@@ -100,5 +100,42 @@ def test_an_unknown_moe_method_is_refused():
     with pytest.raises(ConfigError, match=r"model\.layers\.0\.mlp\.experts: SGLang chose the MoE method object, "
                        r"whose parameters --load-format wna16 does not fill \(it fills MoeWNA16Method, "
                        r"GPTQMarlinMoEScheme, AWQMoEScheme, CompressedTensorsWNA16MoE, "
-                       r"CompressedTensorsWNA16TritonMoE, UnquantizedFusedMoEMethod, without fused shared experts\)"):
+                       r"CompressedTensorsWNA16TritonMoE, UnquantizedFusedMoEMethod\); load this model with "
+                       r"SGLang's default --load-format"):
         plugin.layer_target(Layer())
+
+
+def overlap_options(**changes):
+    """SGLang's startup-overlap options as on a CUDA host with CUDA graphs, TP 1 (every rule before the loader's
+    passes), with `changes`."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.model_executor.model_runner_components.startup_weight_load import StartupWeightLoadOptions
+
+    fields = {name: False for name in StartupWeightLoadOptions.__dataclass_fields__}
+    fields.update(device="cuda", is_cuda_platform=True, cuda_graph_enabled=True, prefill_cuda_graph_backend=Backend.FULL,
+        speculative_algorithm=None, tp_size=1, attn_cp_size=1,
+        dcp_size=1, pp_size=1, num_dp_ranks=1, ep_size=1, cpu_offload_gb=0, offload_group_size=0,
+        prefetch_num_threads=1)
+    return StartupWeightLoadOptions(**{**fields, **changes})
+
+
+def test_startup_overlap_is_refused_by_sglang_and_by_the_plugin():
+    """--startup-weight-load-mode overlap: SGLang 0.5.23 admits its own DefaultModelLoader only (and no quantized
+    model); the plugin's commit step refuses it by name too, should SGLang ever call it."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner_components.startup_weight_load import StartupWeightLoadManager
+
+    load_plugins()
+    config = LoadConfig(load_format="wna16")
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["DeepseekV3ForCausalLM"]))
+    with pytest.raises(ValueError, match=r"--startup-weight-load-mode=overlap is not supported: DefaultModelLoader "
+                       r"only"):
+        StartupWeightLoadManager.create(loader=plugin.WNA16ModelLoader(config), model_config=model_config,
+                                        load_config=config, device_config=None, options=overlap_options())
+    with pytest.raises(ConfigError, match=r"--startup-weight-load-mode overlap: --load-format wna16 fills the MoE "
+                       r"layers of Linear before SGLang's process_weights_after_loading, and overlap runs that step "
+                       r"first; serve with --startup-weight-load-mode serial \(the default\)"):
+        plugin.WNA16ModelLoader(config).commit_model_weights(model=torch.nn.Linear(2, 2), model_config=None,
+                                                             resolved_sources=(), target_device=None,
+                                                             startup_prefetch_active=False)

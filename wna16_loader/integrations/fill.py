@@ -5,6 +5,7 @@ a plugin passes its layers, how one becomes a `LayerTarget`, and how a checkpoin
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +15,7 @@ from ..errors import ConfigError
 from ..load.experts import read_moe_config
 from ..load.inplace import FillReport, LayerTarget, fill_layers
 from ..load.outputs import is_presharded
+from ..load.shared import fill_shared
 from ..parallel.config import Node, ParallelConfig
 from ..preshard.plan import COMMON_DIR
 from ..storage.index import CheckpointIndex
@@ -36,7 +38,9 @@ def fill_model(folder: Path, engine: str, layers: Mapping[str, Layer], target_of
                world_group: Any = None) -> FillReport:
     """Fill every MoE layer of a model (`layers`: the engine's name -> its layer) from `folder`, in place, in its
     method's layout. `name_of`: a checkpoint experts prefix -> the engine's layer name. A layer no prefix names
-    raises ConfigError (naming `engine`, whose default loader is the fix). `world_group`: the engine's CPU
+    raises ConfigError (naming `engine`, whose default loader is the fix). A layer whose engine fused shared
+    experts into it (`LayerTarget.shared_slots`) has them filled too (`load.shared`), and their tensors are
+    left out of the report's `ignored` (the engine's other tensors). `world_group`: the engine's CPU
     process group of every rank; the ranks of this host that fill the same layers read a checkpoint folder
     together (`Node.from_environment`)."""
     moe = read_moe_config(folder)
@@ -48,7 +52,10 @@ def fill_model(folder: Path, engine: str, layers: Mapping[str, Layer], target_of
         raise ConfigError(f"{engine}'s MoE layers {unfilled} match no experts prefix of {folder} (its prefixes: "
                           f"{list(prefixes)}); load this model with {engine}'s default --load-format")
     mtp = any(prefix in moe.mtp_prefixes for prefix in targets)
-    return fill_layers(folder, parallel, targets, include_mtp=mtp, reads=node_reads(world_group, parallel, targets))
+    routed = {prefix: target.routed() for prefix, target in targets.items()}
+    report = fill_layers(folder, parallel, routed, include_mtp=mtp, reads=node_reads(world_group, parallel, targets))
+    shared = fill_shared(moe, tensors_folder(folder), parallel, targets)
+    return replace(report, ignored=tuple(sorted(set(report.ignored) - set(shared))), shared=shared)
 
 
 def node_reads(world_group: Any, parallel: ParallelConfig, targets: Mapping[str, LayerTarget]) -> ReadOptions:
@@ -59,11 +66,18 @@ def node_reads(world_group: Any, parallel: ParallelConfig, targets: Mapping[str,
     return ReadOptions(node=Node.from_environment(world_group, rank=parallel.rank, load=",".join(sorted(targets))))
 
 
-def common_weights(folder: Path, ignored: tuple[str, ...]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every non-expert tensor, one at a time: a `wna16-shard` output's common/ files, or the tensors of a
-    checkpoint folder that the expert load left alone (nothing else is read)."""
-    source = folder / COMMON_DIR if is_presharded(folder) else folder
+def tensors_folder(folder: Path) -> Path:
+    """Where the non-expert tensors of `folder` are: a `wna16-shard` output's common/, else the folder."""
+    return folder / COMMON_DIR if is_presharded(folder) else folder
+
+
+def common_weights(folder: Path, ignored: tuple[str, ...],
+                   shared: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every non-expert tensor the fill left to the engine, one at a time: a `wna16-shard` output's common/ files
+    but the `shared` experts' tensors the fill took, or the tensors of a checkpoint folder that it left alone,
+    `ignored` (nothing else is read)."""
+    source = tensors_folder(folder)
     with CheckpointIndex(source) as index:
-        names = sorted(index.refs) if source != folder else ignored
+        names = sorted(set(index.refs) - set(shared)) if source != folder else ignored
         for name in names:
             yield name, index.read(index.refs[name])

@@ -14,8 +14,10 @@ output (each rank reads only its own files and `common/`).
 | see `METHOD_LAYOUTS`                                | `wna16_loader.layouts.sglang` (one row each)        |
 | every other parameter                               | SGLang's `model.load_weights`, non-expert tensors   |
 
-After the load SGLang runs its own `process_weights_after_loading` as usual. Importing this module imports
-SGLang; `import wna16_loader` never does.
+After the load SGLang runs its own `process_weights_after_loading` as usual. `--startup-weight-load-mode overlap`
+is refused by name (`WNA16ModelLoader.commit_model_weights`; SGLang refuses it first, "DefaultModelLoader only").
+Layers where SGLang fused a family's shared experts (DeepSeek-V3/R1) get them too (`load.shared`). Importing this
+module imports SGLang; `import wna16_loader` never does.
 """
 
 from __future__ import annotations
@@ -91,11 +93,20 @@ class WNA16ModelLoader(sglang_loader.DefaultModelLoader):
             self.load_into(model, model_config, torch.device(device_config.device))
         return model.eval()
 
+    def commit_model_weights(self, *, model: nn.Module, **_: object) -> None:
+        """SGLang's `--startup-weight-load-mode overlap` second step (real weights into a model whose parameters
+        its `process_weights_after_loading` already re-laid once, on sentinel values, for CUDA-graph capture):
+        refused by name. The expert parameters are filled in the layout SGLang's MoE method allocates, before that
+        step; SGLang 0.5.23 itself admits overlap for its own DefaultModelLoader and unquantized models only."""
+        raise ConfigError(f"--startup-weight-load-mode overlap: --load-format {LOAD_FORMAT} fills the MoE layers "
+                          f"of {type(model).__name__} before SGLang's process_weights_after_loading, and overlap "
+                          f"runs that step first; serve with --startup-weight-load-mode serial (the default)")
+
     def load_into(self, model: nn.Module, model_config: ModelConfig, target_device: torch.device) -> None:
         """The experts in place, every other tensor through SGLang's load_weights, then its post-processing."""
         folder = resolve_checkpoint(model_config.model_path, revision=model_config.revision)
         report = load_experts_into(model, folder)
-        self.load_weights_and_postprocess(model, common_weights(folder, report.ignored), target_device)
+        self.load_weights_and_postprocess(model, common_weights(folder, report.ignored, report.shared), target_device)
 
 
 def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
@@ -118,16 +129,20 @@ def method_of(layer: FusedMoE) -> object:
 
 
 def layer_target(layer: FusedMoE) -> LayerTarget:
-    """The layout row of the method SGLang chose for `layer`, its parameters and the experts of its slots."""
+    """The layout row of the method SGLang chose for `layer`, its parameters, the routed experts of its slots and
+    its fused shared-expert slots: SGLang stores them after the rank's routed experts on every rank, one per
+    shared expert (`FusedMoE._map_global_expert_id_to_local_expert_id` maps shared id `num_global_routed + i` to
+    slot `num_local_routed + i`; with per-rank slots (DeepEP-class and MegaMoE backends) each rank's own are
+    there too), split by the layer's MoE TP as a routed expert is."""
     method = method_of(layer)
     layout = METHOD_LAYOUTS.get(type(method))
-    if layout is None or layer.num_fused_shared_experts:
+    if layout is None:
         known = ", ".join(cls.__name__ for cls in METHOD_LAYOUTS)
-        raise ConfigError(f"{layer.layer_name}: SGLang chose the MoE method {type(method).__name__}"
-                          f"{' with fused shared experts' if layout else ''}, whose parameters --load-format "
-                          f"{LOAD_FORMAT} does not fill (it fills {known}, without fused shared experts); load "
-                          f"this model with SGLang's default --load-format")
-    return LayerTarget.of(layout, layer, layer._map_global_expert_id_to_local_expert_id, layer.num_experts)
+        raise ConfigError(f"{layer.layer_name}: SGLang chose the MoE method {type(method).__name__}, whose "
+                          f"parameters --load-format {LOAD_FORMAT} does not fill (it fills {known}); load this "
+                          f"model with SGLang's default --load-format")
+    return LayerTarget.of(layout, layer, layer._map_global_expert_id_to_local_expert_id,
+                          layer.num_global_routed_experts, shared_slots=layer.num_fused_shared_experts)
 
 
 def parallel_of(layer: FusedMoE) -> ParallelConfig:

@@ -46,11 +46,32 @@ from .device import DevicePolicy
 @dataclass(frozen=True)
 class LayerTarget:
     """An engine layer to fill: its method's layout, its parameters by name, the global expert id of each
-    slot (ascending, as the engine placed them)."""
+    routed slot (ascending, as the engine placed them), and `shared_slots`: the slots after those that hold
+    the family's shared experts (`families.SharedExperts`), where the engine fused them into the layer.
+
+    | slots (dim 0 of every parameter)            | hold                                        |
+    |---------------------------------------------|---------------------------------------------|
+    | [0, len(experts))                           | the routed experts `experts`, in order      |
+    | [len(experts), len(experts) + shared_slots) | shared expert 0, 1, ... (`shared()`)        |
+    """
 
     layout: MethodLayout
     params: Mapping[str, torch.Tensor]
     experts: tuple[int, ...]
+    shared_slots: int = 0
+
+    def routed(self) -> "LayerTarget":
+        """This layer's routed slots alone (every parameter's first len(experts) slots)."""
+        return self._slots(0, len(self.experts), self.experts)
+
+    def shared(self) -> "LayerTarget":
+        """This layer's shared slots alone, as a layer whose experts are shared experts 0, 1, ..."""
+        return self._slots(len(self.experts), self.shared_slots, tuple(range(self.shared_slots)))
+
+    def _slots(self, start: int, count: int, experts: tuple[int, ...]) -> "LayerTarget":
+        if not self.shared_slots:
+            return self
+        return LayerTarget(self.layout, {name: p[start:start + count] for name, p in self.params.items()}, experts)
 
     @property
     def device(self) -> torch.device:
@@ -59,18 +80,22 @@ class LayerTarget:
 
     @classmethod
     def of(cls, layout: MethodLayout, layer: torch.nn.Module, local_slot: Callable[[int], int],
-           experts: int) -> "LayerTarget":
-        """An engine `layer` filled in `layout`: its own parameters, and its slots' experts from
-        `local_slot(global expert id)` over `experts` ids (negative: not on this rank)."""
+           experts: int, shared_slots: int = 0) -> "LayerTarget":
+        """An engine `layer` filled in `layout`: its own parameters, its routed slots' experts from
+        `local_slot(global expert id)` over `experts` routed ids (negative: not on this rank), which must be
+        its first slots, and `shared_slots` after them."""
         slots = sorted((slot, expert) for expert in range(experts) if (slot := local_slot(expert)) >= 0)
-        return cls(layout, dict(layer.named_parameters(recurse=False)), tuple(e for _, e in slots))
+        assert not shared_slots or [slot for slot, _ in slots] == list(range(len(slots))), \
+            f"routed slots {slots} are not the first {len(slots)}: the shared slots' place is unknown"
+        return cls(layout, dict(layer.named_parameters(recurse=False)), tuple(e for _, e in slots), shared_slots)
 
 
 @dataclass(frozen=True)
 class FillReport:
     """What `fill_layers` did: the layers filled (prefix -> method row name), the non-expert tensors it
     left for the engine (checkpoint folders only), the most scratch one layer held (bytes), and the layers
-    whose checkpoint words were copied as they are (`load.direct`); `window_bytes`: the shared memory a node's
+    whose checkpoint words were copied as they are (`load.direct`); `shared`: the shared-expert tensors the fill
+    took into fused shared slots (`load.shared`); `window_bytes`: the shared memory a node's
     read used (0: the rank read alone); `buffer_bytes`: the memory of the rank's own read-ahead buffers."""
 
     layers: dict[str, str]
@@ -79,6 +104,7 @@ class FillReport:
     copied: tuple[str, ...] = ()
     window_bytes: int = 0
     buffer_bytes: int = 0
+    shared: tuple[str, ...] = ()  # the shared-expert tensors filled into shared slots (not the engine's to load)
 
 
 def layer_sizes(spec: FusedSpec, group_size: int) -> Sizes:
@@ -203,7 +229,7 @@ def _fill_checkpoint(path: str | Path, parallel: ParallelConfig, targets: Mappin
             for number, plan in enumerate(plans):
                 ahead.start(number)
                 if plan.prefix in targets:
-                    done.append(Filled(plan.prefix, *_fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
+                    done.append(Filled(plan.prefix, *fill_layer(index, moe, plan, targets[plan.prefix], copy_words)))
         return replace(_report(done, targets, scan.others), window_bytes=ahead.window_bytes,
                        buffer_bytes=ahead.buffer_bytes)
 
@@ -242,8 +268,8 @@ def _through_fused(prefix: str, target: LayerTarget, spec: FusedSpec, decls: tup
     return spec.nbytes
 
 
-def _fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
-                copy_words: bool) -> tuple[int, bool]:
+def fill_layer(index: CheckpointIndex, moe: MoEConfig, plan: LayerPlan, target: LayerTarget,
+               copy_words: bool) -> tuple[int, bool]:
     """One layer: its checkpoint words copied where its method holds them as they are, else through the
     fused writer; the scratch it held (bytes) and whether it was copied."""
     decls = check_target(plan.prefix, target, plan.fused, plan.moe.quant.group_size)

@@ -81,6 +81,8 @@ class MoEConfig:
     `zero_experts`: routed-to identity experts without tensors (not placed on ranks).
     `mtp`: the MTP layers the config declares (their experts take the first MoE layer's values);
     `mtp_prefixes`: the experts prefixes of the checkpoint's MTP layers (filled by read_moe_config).
+    `shared_experts`: how many shared experts each MoE layer's shared-expert module holds (the row's
+    `SharedExperts` count key; 0 where the row declares none, or the config counts none).
     `quant` is the top-level quantization spec; `spec_of(prefix)` each layer's own (from the format's
     per-module `rules`, or from `layer_specs`, recorded by `read_moe_config` with the tensors checked).
     """
@@ -102,6 +104,7 @@ class MoEConfig:
     resolution: Resolution | None = field(default=None, compare=False)
     mtp: MTPLayers = MTPLayers()
     mtp_prefixes: tuple[str, ...] = ()
+    shared_experts: int = 0
     rules: ModuleRules | None = field(default=None, compare=False, repr=False)
     layer_specs: tuple[tuple[str, LayerSpec], ...] = field(default=(), compare=False, repr=False)
 
@@ -259,10 +262,10 @@ def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = 
     hidden, hidden_key = first_key(text, family.keys.hidden, "hidden size", family)
     zero = _zero_experts(text, family)
     values = _layer_values(lists, moe_layers.value, zero.value)
-    mtp, kind = resolve_mtp(text, family, count.value), _kind(text, family)
+    mtp, kind, shared = resolve_mtp(text, family, count.value), _kind(text, family), _shared_experts(text, family)
     record = (Resolved("hidden size", hidden, f"{hidden_key} (row {family.name})", hidden_key), count, moe_layers,
               *(_per_moe_layer(v, k, what, family, moe_layers.value) for what, (v, k) in lists.items()), zero,
-              *kind, Resolved(MTP_LAYERS, mtp.describe(), mtp.source))
+              *kind, Resolved(MTP_LAYERS, mtp.describe(), mtp.source), shared)
     first = values[0][1] if values else LayerValues(*(v[0] for v, _ in lists.values()))
     return MoEConfig(
         num_experts=first.num_experts, top_k=first.top_k, hidden_size=hidden,
@@ -270,7 +273,7 @@ def resolve_moe_config(config: dict[str, Any], qconfig: dict[str, Any] | None = 
         quant=resolve_quant_spec(qconfig), rules=resolve_module_rules(qconfig), model_type=text.get("model_type") or config.get("model_type"),
         per_layer=values if len(set(v for _, v in values)) > 1 else (), zero_experts=zero.value,
         gated=family.gated, activation=kind[1].value, family=family.name,
-        resolution=Resolution(family.name, where, record), mtp=mtp)
+        resolution=Resolution(family.name, where, record), mtp=mtp, shared_experts=shared.value)
 
 
 def _layer_values(lists: dict[str, tuple[tuple[int, ...], str]], moe_layers: tuple[int, ...],
@@ -293,6 +296,19 @@ def _zero_experts(text: dict[str, Any], family: Family) -> Resolved:
                 raise ConfigError(f"config.json: {key}={value!r} (zero experts) must be an integer >= 0.")
             return Resolved("zero (identity) experts", value, f"{key} (row {family.name})", key)
     return Resolved("zero (identity) experts", 0, f"none (row {family.name} names no zero-expert key)")
+
+
+def _shared_experts(text: dict[str, Any], family: Family) -> Resolved:
+    """The shared experts of each MoE layer: the row's `SharedExperts` count key (0 when absent or null)."""
+    what = "shared experts"
+    if family.shared is None:
+        return Resolved(what, 0, f"none (row {family.name} declares no shared experts)")
+    for key in family.shared.count:
+        if text.get(key) is not None:
+            module = f"{family.modules[0]}.{family.shared.module}" if family.modules[0] else family.shared.module
+            value = _positive(key, text[key], what) if text[key] else 0
+            return Resolved(what, value, f"{key} (row {family.name}; module {module})", key)
+    return Resolved(what, 0, f"not given (tried {list(family.shared.count)})")
 
 
 def _kind(text: dict[str, Any], family: Family) -> tuple[Resolved, ...]:

@@ -9,6 +9,10 @@ before the layer number (`model.layers`; DeepSeek-V4 publishes `layers`). A fami
 (multi-token-prediction, "NextN") layers are named in one of two ways (`MTP`): decoder layers appended
 after the last one, `{root}.{L + i}` (DeepSeek-V3, GLM-4.x), or a tree of their own, `{mtp root}.{i}`
 (`mtp.layers.{i}`: Qwen3-Next, Qwen3.5; `mtp.{i}`: DeepSeek-V4).
+A family's shared experts (`SharedExperts`), computed for every token beside the routed ones,
+are one MLP next to the routed experts, `{root}.{L}.{module}.{shared}.{proj}.{suffix}` (DeepSeek-V3:
+`model.layers.3.mlp.shared_experts.gate_proj.qweight`): non-expert tensors, unless an engine fuses them into its
+MoE layer as extra experts after the routed ones (SGLang on DeepSeek-V3/R1).
 """
 
 from __future__ import annotations
@@ -87,6 +91,17 @@ class MTP:
 
 
 @dataclass(frozen=True)
+class SharedExperts:
+    """A family's shared experts: the module beside `experts` that holds them (one MLP, gated like the routed
+    experts, with the family's projection names), and the config keys counting them. An engine that fuses them
+    holds one slot per shared-expert module after a rank's routed experts; the module's I must then be one
+    routed expert's (a count of 1)."""
+
+    module: str
+    count: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Family:
     """One row of the table.
 
@@ -98,6 +113,7 @@ class Family:
     `mtp`: the family's MTP layers (None: it has none);
     `experts`: the name of the experts' container after the module (`experts`; DBRX: `experts.mlp`);
     `refusal`: why the family's experts are refused (None: they load).
+    `shared`: the family's shared experts beside the routed ones (None: it has none an engine fuses).
     """
 
     model_types: tuple[str, ...]
@@ -111,6 +127,7 @@ class Family:
     mtp: MTP | None = None
     experts: tuple[str, ...] = ("experts",)
     refusal: Refusal | None = None
+    shared: SharedExperts | None = None
 
     @property
     def name(self) -> str:
@@ -177,6 +194,10 @@ SEQ2SEQ = Refusal(("num_experts", "num_sparse_encoder_layers", "num_sparse_decod
 GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (gate_up_proj_bias, down_proj_bias) "
                   "and a clamped SwiGLU (swiglu_limit, swiglu_alpha); the fused WNA16 layout holds neither biases "
                   "nor that activation")
+# DeepSeek-V2/V3 and the models built on them (GLM-4.5, GLM-4.7-Flash, GLM-5, Kimi-K2.5): `mlp.shared_experts`,
+# `n_shared_experts` of them in one MLP (SGLang's deepseek_v2.py, glm4_moe.py, glm4_moe_lite.py fuse one into the
+# routed layer as expert n_routed_experts)
+SHARED_EXPERTS = SharedExperts("shared_experts", ("n_shared_experts",))
 
 FAMILIES: tuple[Family, ...] = (
     Family(("afmoe",), QWEN, layer_rules=("num_dense_layers",)),
@@ -191,8 +212,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(("dbrx",), Keys(("ffn_config.moe_num_experts",), ("ffn_config.moe_top_k",), ("ffn_config.ffn_hidden_size",),
                            hidden=("d_model",), layers=("n_layers",), activation=("ffn_config.ffn_act_fn.name",)),
            roots=("transformer.blocks",), modules=("ffn",), experts=("experts.mlp",), projections=DBRX),
-    Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
-    Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("deepseek_v3", "deepseek_v2"), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
+    Family(("deepseek_v32",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
     Family(("deepseek_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
                                   activation_limit=("swiglu_limit",)),
            roots=("layers",), modules=("ffn",), projections=W123, layer_rules=("mlp_layer_types", "num_hash_layers"),
@@ -213,14 +236,17 @@ FAMILIES: tuple[Family, ...] = (
                                             activation=("hidden_activation",)),
            roots=("model.language_model.layers",), modules=(None,), nested=("text_config",),
            layer_rules=("enable_moe_block",)),
-    Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN),
-    Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN),
+    Family(("glm4_moe",), DEEPSEEK, layer_rules=("first_k_dense_replace",), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
+    Family(("glm4_moe_lite",), DEEPSEEK, layer_rules=("mlp_layer_types",), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
     Family(("glm4v_moe", "glm4v_moe_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
     Family(("glm5_next", "glm5_next_text"), Keys(("n_routed_experts",), ("num_experts_per_tok",),
                                                  ("moe_intermediate_size",), activation_limit=("swiglu_limit",)),
            roots=LANGUAGE_MODEL, nested=("text_config",), layer_rules=("mlp_layer_types",)),
-    Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN),
+    Family(("glm_moe_dsa",), DEEPSEEK, layer_rules=("mlp_layer_types", "first_k_dense_replace"), mtp=NEXTN,
+           shared=SHARED_EXPERTS),
     Family(("gpt_oss",), LOCAL, refusal=GPT_OSS),
     Family(("granitemoe", "granitemoeshared", "granitemoehybrid"), LOCAL, modules=("block_sparse_moe",),
            refusal=STACKED_LINEAR),
@@ -233,7 +259,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
     Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
-           layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+           layer_rules=("first_k_dense_replace",), mtp=NEXTN, shared=SHARED_EXPERTS),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
     Family(("kolibri1",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")),

@@ -3,7 +3,9 @@
 This is the only module that matches tensor names. A routed-expert tensor name is
 `{root}.{L}[.{module}].experts.[{e}.]{proj}.{suffix}`, with the roots (e.g. `model.layers`), modules
 and projection names of the families table (families.py) matched in full; without
-`{e}` the tensor is stacked over experts (`[E, ...]`).
+`{e}` the tensor is stacked over experts (`[E, ...]`). A family's shared-expert tensor (families.SharedExperts) is
+`{root}.{L}[.{module}].{shared}.{proj}.{suffix}`, beside the routed experts: a non-expert tensor, unless
+read as one more expert of its layer (`shared_expert_key`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,15 @@ class LayerNames(Sequence[ExpertTensorKey]):
         self.names.append(key.name)
         self._keys = None
 
+    @classmethod
+    def of_keys(cls, prefix: str, layer: int, keys: list[ExpertTensorKey]) -> "LayerNames":
+        """The layer of `keys` as they are (e.g. `shared_expert_key`'s, which the name parser does not make)."""
+        names = cls(prefix, layer)
+        for key in keys:
+            names.add(key)
+        names._keys = list(keys)
+        return names
+
     @property
     def keys(self) -> list[ExpertTensorKey]:
         """The key of each name, in checkpoint order."""
@@ -256,6 +267,24 @@ def experts_prefix_for(root: str, layer: int, module: str | None, experts: str =
     """Build an experts prefix, e.g. `model.layers.3.mlp.experts` (root `model.layers`)."""
     middle = f".{module}" if module else ""
     return f"{root}.{layer}{middle}.{experts}"
+
+
+def shared_prefix(experts_prefix: str, module: str) -> str:
+    """The module of a layer's shared experts beside its routed experts, e.g. `model.layers.3.mlp.shared_experts`
+    for `model.layers.3.mlp.experts` and module `shared_experts`."""
+    return f"{experts_prefix.rpartition('.')[0]}.{module}"
+
+
+def shared_expert_key(name: str, experts_prefix: str, module: str, expert: int) -> ExpertTensorKey | None:
+    """The tensor `name` of the shared-expert module `module` beside `experts_prefix`, read as expert `expert` of
+    that layer (`{shared}.{proj}.{suffix}`, a projection of the families table); None for every other name."""
+    stem, dot, rest = name.partition(f"{shared_prefix(experts_prefix, module)}.")
+    proj, _, suffix = rest.partition(".")
+    if stem or not dot or proj not in PROJ_ALIASES or not suffix or "." in suffix:
+        return None
+    layer = layer_of_prefix(experts_prefix)
+    assert layer is not None, f"{experts_prefix!r} is not an experts prefix"
+    return ExpertTensorKey(name, experts_prefix, layer, expert, PROJ_ALIASES[proj], suffix)
 
 
 def layer_of_prefix(prefix: str) -> int | None:

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from ..load.outputs import SCHEMA_VERSION, OutputLayout, spec_record
+from ..models.families import family_of
+from ..models.names import shared_prefix
 from ..version import __version__
 from .plan import RankPlan, ShardPlan
 
@@ -58,7 +60,8 @@ def build_manifest(plan: ShardPlan, records: dict[str, dict[str, Any]]) -> dict[
             "parallel": {"tp": plan.params["tp"], "ep": plan.params["ep"], "placement": plan.params["placement"]},
             "source": plan.fingerprint, "quantization": plan.quant,
             "common": {"files": [records[f.path] for f in plan.common]}, "ranks": ranks,
-            "source_tensors": dict(sorted(account.items())), "copied": list(plan.copied), **_mtp_record(plan)}
+            "source_tensors": dict(sorted(account.items())), "copied": list(plan.copied), **_mtp_record(plan),
+            **_shared_record(plan)}
 
 
 def _mtp_record(plan: ShardPlan) -> dict[str, Any]:
@@ -68,3 +71,20 @@ def _mtp_record(plan: ShardPlan) -> dict[str, Any]:
         return {}
     return {"mtp": {"layers": list(plan.mtp_layers), "sharded": plan.params["mtp"],
                     "where": "the ranks' files" if plan.params["mtp"] else "common/ (--no-mtp), unchanged"}}
+
+
+def _shared_record(plan: ShardPlan) -> dict[str, Any]:
+    """`"shared_experts"`: the source's shared-expert modules (its family's `SharedExperts`) and where they are:
+    common/, in the source's names and format, whole (an engine that keeps them apart loads them as any common
+    tensor; one that fuses them into its MoE layers reads each rank's TP slice there). Only for a source with
+    some: other outputs stay as they were."""
+    declared = family_of(plan.moe.family).shared
+    if declared is None or not plan.moe.shared_experts:
+        return {}
+    common = {name for fp in plan.common for name in fp.tensors}
+    modules = sorted({shared_prefix(prefix, declared.module) for prefix in plan.ranks[0].plans} &
+                     {name.rsplit(".", 2)[0] for name in common})
+    if not modules:
+        return {}
+    return {"shared_experts": {"modules": modules, "count": plan.moe.shared_experts,
+                               "where": "common/, as the source holds them"}}

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ..formats import FORMATS, Dim, QuantSpec, Role, TensorLayout, resolve_quant_spec
 from ..formats.packing import pack_words, word_bias
-from ..models.names import experts_prefix_for
+from ..models.names import experts_prefix_for, shared_prefix
 from ..parallel.partition import ceil_div
 
 
@@ -251,13 +251,16 @@ def write_checkpoint(folder: str | Path, quant_config: dict[str, Any], *, family
 
 def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_config: dict[str, Any], *,
                             files: int = 1, scale_dtype: torch.dtype = torch.float16, seed: int = 0,
-                            mtp: bool = False, mtp_dtype: torch.dtype | None = None) -> SyntheticCheckpoint:
+                            mtp: bool = False, mtp_dtype: torch.dtype | None = None,
+                            shared: bool = False) -> SyntheticCheckpoint:
     """Write a checkpoint for a real `config` (a config.json of any family of the table) and return its
     references: expert tensors for every MoE layer the config names, at each layer's own sizes, under the
     family's root, module and projection names (up and down only for non-gated families).
     `mtp`: also every MTP layer the config declares (`MoEConfig.mtp`), in the family's MTP naming, with its
     non-expert tensors; its experts quantized like the rest (references and `prefixes` include them), or with
-    `mtp_dtype` as unquantized `.weight` tensors of that dtype (as official Qwen3.5 GPTQ releases ship them)."""
+    `mtp_dtype` as unquantized `.weight` tensors of that dtype (as official Qwen3.5 GPTQ releases ship them).
+    `shared`: also each MoE layer's shared experts (the row's `SharedExperts` module, quantized like the routed
+    ones, I = the count x the expert I), their references under (that module's name, 0, projection)."""
     from ..models.config import resolve_moe_config
     from ..models.families import BY_MODEL_TYPE, GENERIC
 
@@ -282,10 +285,23 @@ def write_family_checkpoint(folder: str | Path, config: dict[str, Any], quant_co
             prefixes.append(experts_prefix_for(root, layer, module, experts))
             shard.update(_layer_tensors(gen, moe.quant, names, prefixes[-1], (values.num_experts, moe.hidden_size,
                                         values.intermediate_size), scale_dtype, False, refs))
+            if shared:
+                module = shared_prefix(prefixes[-1], row.shared.module)
+                inter = values.intermediate_size * moe.shared_experts
+                for placeholder in [name for name in shard if name.startswith(f"{module}.")]:  # _other_tensors'
+                    del shard[placeholder]
+                shard.update(_shared_tensors(gen, moe.quant, names, module, (moe.hidden_size, inter), scale_dtype, refs))
     if mtp:
         prefixes += _write_mtp(gen, moe, names, (root, module), shards[-1], scale_dtype, refs, mtp_dtype)
     _save(folder, config, shards)
     return SyntheticCheckpoint(folder=folder, spec=moe.quant, references=refs, prefixes=tuple(prefixes))
+
+
+def _shared_tensors(gen: torch.Generator, spec: QuantSpec, names: dict[str, str], module: str, sizes: tuple[int, int],
+                    scale_dtype: torch.dtype, refs: dict[tuple[str, int, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A shared-expert module's tensors, `{module}.{proj}.{suffix}` (one expert's, without an expert index)."""
+    tensors = _layer_tensors(gen, spec, names, module, (1, *sizes), scale_dtype, False, refs)
+    return {name.replace(f"{module}.0.", f"{module}.", 1): tensor for name, tensor in tensors.items()}
 
 
 def _write_mtp(gen: torch.Generator, moe: Any, names: dict[str, str], where: tuple[str, str | None],
