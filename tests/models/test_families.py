@@ -31,6 +31,7 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "deepseek_v32": (256, 8, 2048, 61, tuple(range(3, 61)), "mlp_layer_types"),
     "deepseek_v4": (256, 6, 2048, 43, tuple(range(43)), "mlp_layer_types"),
     "deepseek_v4-published": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
+    "deepseek_v4-flash-base": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
     "axk1": (192, 8, 2048, 61, tuple(range(1, 61)), "mlp_layer_types"),
     "axk2": (128, 8, 512, 48, tuple(range(1, 48)), "mlp_layer_types"),
     "bailing_hybrid": (512, 8, 768, 42, tuple(range(2, 42)), "mlp_layer_types"),
