@@ -234,6 +234,13 @@ FAMILIES: tuple[Family, ...] = (
     Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN),
+    # Kimi K3 (SGLang 0.5.23 kimi_k3.py): latent MoE, the experts take routed_expert_hidden_size
+    # (routed_expert_down_proj projects the hidden states down first); their SiTU activation (hidden_act "situ", with
+    # activation_situ_beta and activation_situ_linear_beta) is the engine's; MoE layers as its _is_moe_layer; no MTP
+    Family(("kimi_k3",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size",
+                               hidden=("routed_expert_hidden_size", "hidden_size")),
+           roots=("language_model.model.layers",), modules=("block_sparse_moe",), projections=W123,
+           nested=("text_config",), layer_rules=("first_k_dense_replace",)),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
     Family(("kolibri1",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")),
