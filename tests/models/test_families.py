@@ -33,6 +33,7 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "deepseek_v4-published": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
     "deepseek_v4-flash-base": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
     "kimi_k3": (896, 16, 3072, 93, tuple(range(1, 93)), "first_k_dense_replace"),
+    "deepseek_ocr2": (64, 6, 896, 12, tuple(range(1, 12)), "mlp_layer_types"),
     "axk1": (192, 8, 2048, 61, tuple(range(1, 61)), "mlp_layer_types"),
     "axk2": (128, 8, 512, 48, tuple(range(1, 48)), "mlp_layer_types"),
     "bailing_hybrid": (512, 8, 768, 42, tuple(range(2, 42)), "mlp_layer_types"),
@@ -103,7 +104,8 @@ REFUSED = {"gpt_oss": ("gpt_oss", "swiglu_limit=7.0, swiglu_alpha=1.702"),
                                    "num_experts=8, num_sparse_encoder_layers=3, num_sparse_decoder_layers=3"),
            "step3p7": ("step3p5", "n_routed_experts=288"), "step3p5": ("step3p5", "n_routed_experts=288"),
            "inkling_mm_model": ("inkling_text", "n_routed_experts=256"),
-           "inkling2": ("inkling2_text", "n_routed_experts=384")}
+           "inkling2": ("inkling2_text", "n_routed_experts=384"),
+           "diffusion_gemma": ("diffusion_gemma_text", "num_experts=128")}
 ROW_TYPES = {"deepseek_v4", "dbrx", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next", "mistral4", "mistral_large4",
              "muse_spark", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "gpt_oss", "granitemoe", "jetmoe",
              "aria", "axk1", "axk2", "bailing_hybrid", "beam", "doge", "dots3_note", "flint", "hy_v3", "hy_v4",
@@ -112,7 +114,8 @@ ROW_TYPES = {"deepseek_v4", "dbrx", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next",
              "afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
              "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
              "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
-             "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4", "kimi_k3"}
+             "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4", "kimi_k3", "deepseek_ocr2",
+             "diffusion_gemma"}
 NAMES = sorted(EXPECTED)
 
 

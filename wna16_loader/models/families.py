@@ -172,6 +172,12 @@ EMBEDDED = Refusal(("is_moe", "num_experts"), "its experts (CDMoE) are rows of t
 # Switch Transformers, NLLB-MoE: encoder-decoder models whose experts are `experts.expert_{e}.{wi, wo}`
 SEQ2SEQ = Refusal(("num_experts", "num_sparse_encoder_layers", "num_sparse_decoder_layers"), "an encoder-decoder "
                   "model whose experts (experts.expert_{e}.wi / wo) are neither a decoder's nor gated projections")
+# DiffusionGemma: a block-diffusion model (an encoder and a denoising decoder over one stack of weights) whose experts
+# are stored stacked, `model.decoder.layers.L.experts.gate_up_proj` / `down_proj` (SGLang 0.5.23 gemma4_diffusion.py
+# loads only these; transformers' DiffusionGemmaTextExperts holds the same 3-D tensors)
+STACKED_DIFFUSION = Refusal(("num_experts",), "a block-diffusion model whose experts are stacked tensors "
+                            "experts.gate_up_proj [E, 2I, H] and down_proj [E, H, I] under model.decoder.layers, not "
+                            "the per-expert modules of a WNA16 checkpoint")
 # gpt-oss: biased experts (gate_up_proj_bias [E, 2I], down_proj_bias [E, H]) and SwiGLU clamped at swiglu_limit with
 # sigmoid slope swiglu_alpha (modeling_gpt_oss.py GptOssExperts); the fused WNA16 layout has no bias slot
 GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (gate_up_proj_bias, down_proj_bias) "
@@ -197,6 +203,13 @@ FAMILIES: tuple[Family, ...] = (
                                   activation_limit=("swiglu_limit",)),
            roots=("layers",), modules=("ffn",), projections=W123, layer_rules=("mlp_layer_types", "num_hash_layers"),
            mtp=V4_MTP),
+    # DeepSeek-OCR-2: its language model published as `model.layers.L.mlp.experts.E.{gate,up,down}_proj` (transformers'
+    # conversion mapping moves it to model.language_model.layers; vLLM deepseek_ocr2.py maps model.layers likewise)
+    Family(("deepseek_ocr2", "deepseek_ocr2_text"), DEEPSEEK, nested=("text_config",),
+           layer_rules=("mlp_layer_types",)),
+    Family(("diffusion_gemma", "diffusion_gemma_text"), _keys("num_experts", "top_k_experts", "moe_intermediate_size",
+                                                              activation=("hidden_activation",)),
+           nested=("text_config",), refusal=STACKED_DIFFUSION),
     Family(("doge",), QWEN, refusal=EMBEDDED),
     Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
     Family(("dots3_note", "dots3_note_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
