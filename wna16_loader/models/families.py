@@ -147,6 +147,10 @@ DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
 # 0.5.23 deepseek_v4.py and transformers' conversion mapping rename them); every layer MoE, hash-routed or top-k
 # (SGLang builds DeepseekV2MoE in every layer; transformers folds num_hash_layers into mlp_layer_types)
 V4_MTP = MTP(("num_nextn_predict_layers",), root="mtp")
+# HY-V4: its own `model.mtp_layers.i` tree, a MoE decoder layer each (transformers' modeling_hy_v4 ignores
+# model\.mtp_layers\..*; SGLang 0.5.23 hunyuan_v4_nextn.py builds DeepseekV2MoE from it), counted by
+# num_nextn_predict_layers, 1 where the config names none (SGLang's HYV4Config default)
+HY_V4_MTP = MTP(("num_nextn_predict_layers",), default=1, root="model.mtp_layers")
 
 QWEN3 = Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",))
 LANGUAGE_MODEL = ("model.language_model.layers",)
@@ -240,7 +244,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("hy_v3",), QWEN, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("hy_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
-                            activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",)),
+                            activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",), mtp=HY_V4_MTP),
     Family(("inkling2", "inkling2_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
     Family(("inkling_mm_model", "inkling_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
