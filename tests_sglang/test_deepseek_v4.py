@@ -12,8 +12,8 @@ compressed layers' deepseek_yarn scaling alone (rotary_embedding/factory.py:478 
 for a layer of ratio 0, deepseek_v4.py:1395), so Flash's two uncompressed first layers cannot be built here.
 
 The checkpoint holds what llm-compressor's W4A16 recipe quantizes when attention and the shared expert are ignored:
-the routed experts packed 4-bit (every layer, the 3 hash-routed ones too, and the MTP layer's), the routers and the
-shared experts in float16. SGLang's V4 class keeps the shared expert apart unless --enforce-shared-experts-fusion is
+the routed experts packed 4-bit (every layer, the 3 hash-routed ones too, and the MTP layer's), the routers with their
+routing tables (`gate.tid2eid`, `gate.bias`) and the shared experts in float16. SGLang's V4 class keeps the shared expert apart unless --enforce-shared-experts-fusion is
 given (DeepseekV4ForCausalLM.shared_experts_fusion_disable_reason), so no flag is needed to keep it unfused; the
 attention tensors are not written (both loads leave those parameters as allocated, and so equal).
 """
@@ -58,30 +58,35 @@ def v4_config() -> dict:
 
 
 def write_v4(folder: Path) -> dict[str, torch.Tensor]:
-    """The W4A16 checkpoint in `folder`: the synthetic writer's experts (MTP layer included) and routers, the
-    shared experts as float16 `w1`/`w3`/`w2`; returns its tensors."""
+    """The W4A16 checkpoint in `folder`: the synthetic writer's experts (MTP layer included) and routers, each
+    router's routing table as V4 publishes it (`gate.tid2eid` [vocab, top-k] in the hash-routed layers, `gate.bias`
+    [E] in the others), the shared experts as float16 `w1`/`w3`/`w2`; returns its tensors."""
     config = v4_config()
     write_family_checkpoint(folder, config, QUANT, mtp=True)
     written = load_file(str(folder / "model.safetensors"))
     kept = {name: t for name, t in written.items() if ".ffn.experts." in name or name.endswith(".ffn.gate.weight")}
-    gen, h = torch.Generator().manual_seed(7), config["hidden_size"]
+    gen, h, e = torch.Generator().manual_seed(7), config["hidden_size"], config["n_routed_experts"]
     shared = config["moe_intermediate_size"] * config["n_shared_experts"]
     for layer in range(LAYERS):
         for proj, shape in (("w1", (shared, h)), ("w3", (shared, h)), ("w2", (h, shared))):
             kept[f"layers.{layer}.ffn.shared_experts.{proj}.weight"] = \
                 (torch.randn(*shape, generator=gen) / 8).to(torch.float16)
+        if layer < config["num_hash_layers"]:
+            kept[f"layers.{layer}.ffn.gate.tid2eid"] = torch.randint(
+                0, e, (config["vocab_size"], config["num_experts_per_tok"]), generator=gen, dtype=torch.int32)
+        else:
+            kept[f"layers.{layer}.ffn.gate.bias"] = torch.randn(e, generator=gen)
     save_file(kept, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return kept
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory) -> dict[str, dict[str, list[dict]]]:
+def loaded(tmp_path_factory) -> dict:
     """group -> {job: each rank's parameters (or SGLang's error)}: SGLang's default load ("auto") and the plugin's
-    from the checkpoint and from a wna16-shard output of the group's layout."""
+    from the checkpoint and from a wna16-shard output of the group's layout; "written": the checkpoint's tensors."""
     out = tmp_path_factory.mktemp("deepseek_v4")
     source = out / "checkpoint"
-    write_v4(source)
-    got = {}
+    got: dict = {"written": write_v4(source)}
     for group, (ranks, ep) in GROUPS.items():
         layout = parallel(group, 0)
         shard = out / f"shard-{group}"
@@ -112,6 +117,16 @@ def test_plugin_equals_sglangs_own_v4_load(loaded, group, name):
         assert sorted(ours) == sorted(theirs)
         differ = sorted(p for p, t in theirs.items() if p != "loader" and not torch.equal(ours[p], t))
         assert not differ, f"{group} rank{rank} ({name}): {differ} differ from SGLang's own load"
+
+
+def test_the_routing_tables_reach_sglang_through_the_plugin(loaded):
+    """The hash-routed layers' tid2eid and the others' correction bias (non-expert tensors, handed to SGLang's
+    load_weights) hold the checkpoint's values after the plugin's load (the test above: equal to SGLang's own)."""
+    params, written = loaded["tp1"]["wna16-checkpoint"][0], loaded["written"]
+    for layer in range(3):
+        assert torch.equal(params[f"model.layers.{layer}.mlp.topk.tid2eid"],
+                           written[f"layers.{layer}.ffn.gate.tid2eid"])
+    assert torch.equal(params["model.layers.3.mlp.gate.e_score_correction_bias"], written["layers.3.ffn.gate.bias"])
 
 
 @pytest.mark.parametrize("group", GROUPS)
