@@ -31,6 +31,9 @@ EXPECTED: dict[str, tuple[int, int, int, int, tuple[int, ...], str | None]] = {
     "deepseek_v32": (256, 8, 2048, 61, tuple(range(3, 61)), "mlp_layer_types"),
     "deepseek_v4": (256, 6, 2048, 43, tuple(range(43)), "mlp_layer_types"),
     "deepseek_v4-published": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
+    "deepseek_v4-flash-base": (256, 6, 2048, 43, tuple(range(43)), "num_hash_layers"),
+    "kimi_k3": (896, 16, 3072, 93, tuple(range(1, 93)), "first_k_dense_replace"),
+    "deepseek_ocr2": (64, 6, 896, 12, tuple(range(1, 12)), "mlp_layer_types"),
     "axk1": (192, 8, 2048, 61, tuple(range(1, 61)), "mlp_layer_types"),
     "axk2": (128, 8, 512, 48, tuple(range(1, 48)), "mlp_layer_types"),
     "bailing_hybrid": (512, 8, 768, 42, tuple(range(2, 42)), "mlp_layer_types"),
@@ -101,7 +104,8 @@ REFUSED = {"gpt_oss": ("gpt_oss", "swiglu_limit=7.0, swiglu_alpha=1.702"),
                                    "num_experts=8, num_sparse_encoder_layers=3, num_sparse_decoder_layers=3"),
            "step3p7": ("step3p5", "n_routed_experts=288"), "step3p5": ("step3p5", "n_routed_experts=288"),
            "inkling_mm_model": ("inkling_text", "n_routed_experts=256"),
-           "inkling2": ("inkling2_text", "n_routed_experts=384")}
+           "inkling2": ("inkling2_text", "n_routed_experts=384"),
+           "diffusion_gemma": ("diffusion_gemma_text", "num_experts=128")}
 ROW_TYPES = {"deepseek_v4", "dbrx", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next", "mistral4", "mistral_large4",
              "muse_spark", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "gpt_oss", "granitemoe", "jetmoe",
              "aria", "axk1", "axk2", "bailing_hybrid", "beam", "doge", "dots3_note", "flint", "hy_v3", "hy_v4",
@@ -110,12 +114,18 @@ ROW_TYPES = {"deepseek_v4", "dbrx", "ernie4_5_vl_moe", "glm4v_moe", "glm5_next",
              "afmoe", "lfm2_moe", "glm4_moe_lite", "kimi_linear", "jamba", "llama4", "hunyuan_v1_moe", "longcat_flash",
              "nemotron_h", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "mixtral", "minimax_m2", "phimoe",
              "olmoe", "flex_olmo", "glm4_moe", "glm_moe_dsa", "deepseek_v3", "deepseek_v32", "kimi_k25", "dots1",
-             "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4"}
+             "ernie4_5_moe", "exaone_moe", "cohere2_moe", "gemma4", "kimi_k3", "deepseek_ocr2",
+             "diffusion_gemma"}
 NAMES = sorted(EXPECTED)
 
 
 def fixture(name: str) -> dict:
-    return json.loads((CONFIGS / f"{name}.json").read_text())
+    """A fixture as a WNA16 requantization of its checkpoint writes it: a decoder config's own quantization_config
+    (Kimi K3 publishes MXFP4 experts in text_config.quantization_config) is the requantizer's, set by each test."""
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    if isinstance(config.get("text_config"), dict):
+        config["text_config"].pop("quantization_config", None)
+    return config
 
 
 def resolve(config: dict) -> MoEConfig:
@@ -168,6 +178,26 @@ def test_muse_spark_experts_take_moe_hidden_size():
     moe = resolve(fixture("muse_spark"))
     assert (moe.hidden_size, fixture("muse_spark")["text_config"]["hidden_size"]) == (4096, 8192)
     assert moe.resolution["hidden size"].source == "moe_hidden_size (row muse_spark)"
+
+
+def test_kimi_k3_experts_take_routed_expert_hidden_size_and_situ():
+    """Kimi K3's latent MoE: its experts take routed_expert_hidden_size (3584, the published w1 [3072, 3584]), not
+    the hidden size (7168); the SiTU activation is recorded as the config names it."""
+    moe = resolve(fixture("kimi_k3"))
+    assert (moe.hidden_size, fixture("kimi_k3")["text_config"]["hidden_size"]) == (3584, 7168)
+    assert moe.resolution["hidden size"].source == "routed_expert_hidden_size (row kimi_k3)"
+    assert (moe.activation, moe.mtp.count) == ("situ", 0)
+    assert family_of("kimi_k3").patterns() == \
+        ("language_model.model.layers.L.block_sparse_moe.experts.E.{w1, w3, w2}.SUFFIX",)
+
+
+def test_kimi_k3_as_published_is_mxfp4_and_refused():
+    """The published checkpoint's experts are MXFP4 (text_config.quantization_config, which outranks the top
+    level's): not WNA16, refused naming the format."""
+    config = json.loads((CONFIGS / "kimi_k3.json").read_text())
+    with pytest.raises(ConfigError, match=r"group 'group_0' has format='mxfp4-pack-quantized'; only "
+                                          r"'pack-quantized' integer weights are WNA16"):
+        resolve(config)
 
 
 def test_dbrx_reads_its_nested_ffn_config():

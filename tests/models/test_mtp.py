@@ -91,9 +91,21 @@ def test_every_mtp_row_is_one_of_the_two_namings() -> None:
     rows = {f.name: f.mtp for f in FAMILIES if f.mtp is not None}
     assert sorted(rows) == sorted({"deepseek_v3", "deepseek_v32", "deepseek_v4", "glm4_moe", "glm4_moe_lite",
                                    "glm4v_moe", "glm_moe_dsa", "kimi_k25", "qwen3_5_moe", "qwen3_next", "qwen4_exp",
-                                   "bailing_hybrid", "hy_v3", "mimo_v2_flash", *DENSE})
-    assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp.layers", "mtp"}
-    assert MTP_ROOTS == {"mtp.layers", "mtp"}
+                                   "bailing_hybrid", "hy_v3", "hy_v4", "mimo_v2_flash", *DENSE})
+    assert {rows[n].root for n in rows if rows[n].routed} == {None, "mtp.layers", "mtp", "model.mtp_layers"}
+    assert MTP_ROOTS == {"mtp.layers", "mtp", "model.mtp_layers"}
+
+
+def test_hy_v4_mtp_is_its_model_mtp_layers_tree() -> None:
+    """HY-V4's MTP layer is model.mtp_layers.0 (a MoE decoder layer), one where the config names no count."""
+    moe = resolve("hy_v4")
+    assert (moe.mtp.count, moe.mtp.root, moe.mtp.first, moe.mtp.routed) == (1, "model.mtp_layers", 0, True)
+    assert moe.mtp.source == "1: no key of ['num_nextn_predict_layers'] present (row hy_v4's default)"
+    assert moe.mtp.index("model.mtp_layers.0.mlp.experts") == 0
+    assert moe.mtp.index("model.layers.33.mlp.experts") is None
+    assert moe.mtp.problem("model.mtp_layers.1.mlp.experts") == (
+        "MTP layer 1, but config.json declares 1 MTP layer(s) (1: no key of ['num_nextn_predict_layers'] present "
+        "(row hy_v4's default))")
 
 
 def test_deepseek_v4_mtp_is_its_own_tree_without_layers() -> None:

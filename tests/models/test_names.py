@@ -26,8 +26,9 @@ from wna16_loader.models.names import (
 )
 
 ALL_ROOTS = ("model.layers", "model.language_model.layers", "language_model.model.layers", "backbone.layers",
-             "mtp.layers", "layers", "mtp", "transformer.blocks", "thinker.model.layers")
-# mtp.layers: Qwen's MTP tree; layers, mtp: DeepSeek-V4 as published; transformer.blocks: DBRX; thinker: Qwen3-Omni
+             "mtp.layers", "layers", "mtp", "transformer.blocks", "thinker.model.layers", "model.mtp_layers")
+# mtp.layers: Qwen's MTP tree; layers, mtp: DeepSeek-V4 as published; transformer.blocks: DBRX; thinker: Qwen3-Omni;
+# model.mtp_layers: HY-V4's MTP tree
 ALL_MODULES = ("mlp", "block_sparse_moe", "moe", "feed_forward", "mixer", "ffn", None)
 ALIASES = {
     "gate_proj": Source.GATE, "w1": Source.GATE,
@@ -186,6 +187,7 @@ def test_non_expert_names_return_none(name: str) -> None:
      "language_model.model.layers.0.feed_forward.experts", 0, 15, Source.DOWN),
     ("layers.42.ffn.experts.255.w3.weight_packed", "layers.42.ffn.experts", 42, 255, Source.UP),  # DeepSeek-V4
     ("mtp.0.ffn.experts.7.w2.weight_scale", "mtp.0.ffn.experts", 0, 7, Source.DOWN),
+    ("model.mtp_layers.0.mlp.experts.5.gate_proj.qweight", "model.mtp_layers.0.mlp.experts", 0, 5, Source.GATE),
 ])
 def test_family_roots_and_modules_from_the_table(name, prefix, layer, expert, source) -> None:
     key = parse_expert_name(name)

@@ -22,6 +22,7 @@ module imports SGLang; `import wna16_loader` never does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,6 +65,8 @@ METHOD_LAYOUTS: dict[type, MethodLayout] = {
     UnquantizedFusedMoEMethod: UNQUANTIZED,
 }
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config.LoadConfig._verify_load_format"
+# the static method a model class renames checkpoint names with before its load_weights looks them up (deepseek_v4.py)
+REMAP_WEIGHT_NAME = "remap_weight_name_to_dpsk_hf_format"
 
 
 def register() -> None:
@@ -113,7 +116,14 @@ def load_experts_into(model: nn.Module, folder: Path) -> FillReport:
     """Fill every MoE layer of `model` from `folder`, in place, in its method's layout."""
     layers = expert_layers(model)
     return fill_model(folder, "SGLang", layers, layer_target, parallel_of(next(iter(layers.values()))),
-                      world_group=get_world_group().cpu_group)
+                      layer_name_of(model), world_group=get_world_group().cpu_group)
+
+
+def layer_name_of(model: nn.Module) -> Callable[[str], str]:
+    """A checkpoint experts prefix -> the SGLang layer name: renamed as the model's own load_weights renames every
+    checkpoint name where its class declares that renaming (DeepSeek-V4's static `remap_weight_name_to_dpsk_hf_format`:
+    `layers.L.ffn.experts` -> `model.layers.L.mlp.experts`), else as it is."""
+    return getattr(type(model), REMAP_WEIGHT_NAME, str)
 
 
 def expert_layers(model: nn.Module) -> dict[str, FusedMoE]:

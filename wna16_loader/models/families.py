@@ -164,6 +164,10 @@ DENSE_MTP = MTP(("num_nextn_predict_layers",), routed=False)
 # 0.5.23 deepseek_v4.py and transformers' conversion mapping rename them); every layer MoE, hash-routed or top-k
 # (SGLang builds DeepseekV2MoE in every layer; transformers folds num_hash_layers into mlp_layer_types)
 V4_MTP = MTP(("num_nextn_predict_layers",), root="mtp")
+# HY-V4: its own `model.mtp_layers.i` tree, a MoE decoder layer each (transformers' modeling_hy_v4 ignores
+# model\.mtp_layers\..*; SGLang 0.5.23 hunyuan_v4_nextn.py builds DeepseekV2MoE from it), counted by
+# num_nextn_predict_layers, 1 where the config names none (SGLang's HYV4Config default)
+HY_V4_MTP = MTP(("num_nextn_predict_layers",), default=1, root="model.mtp_layers")
 
 QWEN3 = Keys(("num_experts", "num_local_experts"), ("num_experts_per_tok",), ("moe_intermediate_size",))
 LANGUAGE_MODEL = ("model.language_model.layers",)
@@ -189,6 +193,12 @@ EMBEDDED = Refusal(("is_moe", "num_experts"), "its experts (CDMoE) are rows of t
 # Switch Transformers, NLLB-MoE: encoder-decoder models whose experts are `experts.expert_{e}.{wi, wo}`
 SEQ2SEQ = Refusal(("num_experts", "num_sparse_encoder_layers", "num_sparse_decoder_layers"), "an encoder-decoder "
                   "model whose experts (experts.expert_{e}.wi / wo) are neither a decoder's nor gated projections")
+# DiffusionGemma: a block-diffusion model (an encoder and a denoising decoder over one stack of weights) whose experts
+# are stored stacked, `model.decoder.layers.L.experts.gate_up_proj` / `down_proj` (SGLang 0.5.23 gemma4_diffusion.py
+# loads only these; transformers' DiffusionGemmaTextExperts holds the same 3-D tensors)
+STACKED_DIFFUSION = Refusal(("num_experts",), "a block-diffusion model whose experts are stacked tensors "
+                            "experts.gate_up_proj [E, 2I, H] and down_proj [E, H, I] under model.decoder.layers, not "
+                            "the per-expert modules of a WNA16 checkpoint")
 # gpt-oss: biased experts (gate_up_proj_bias [E, 2I], down_proj_bias [E, H]) and SwiGLU clamped at swiglu_limit with
 # sigmoid slope swiglu_alpha (modeling_gpt_oss.py GptOssExperts); the fused WNA16 layout has no bias slot
 GPT_OSS = Refusal(("swiglu_limit", "swiglu_alpha"), "its experts carry biases (gate_up_proj_bias, down_proj_bias) "
@@ -220,6 +230,13 @@ FAMILIES: tuple[Family, ...] = (
                                   activation_limit=("swiglu_limit",)),
            roots=("layers",), modules=("ffn",), projections=W123, layer_rules=("mlp_layer_types", "num_hash_layers"),
            mtp=V4_MTP),
+    # DeepSeek-OCR-2: its language model published as `model.layers.L.mlp.experts.E.{gate,up,down}_proj` (transformers'
+    # conversion mapping moves it to model.language_model.layers; vLLM deepseek_ocr2.py maps model.layers likewise)
+    Family(("deepseek_ocr2", "deepseek_ocr2_text"), DEEPSEEK, nested=("text_config",),
+           layer_rules=("mlp_layer_types",)),
+    Family(("diffusion_gemma", "diffusion_gemma_text"), _keys("num_experts", "top_k_experts", "moe_intermediate_size",
+                                                              activation=("hidden_activation",)),
+           nested=("text_config",), refusal=STACKED_DIFFUSION),
     Family(("doge",), QWEN, refusal=EMBEDDED),
     Family(("dots1",), DEEPSEEK, layer_rules=("first_k_dense_replace",)),
     Family(("dots3_note", "dots3_note_text"), DEEPSEEK, roots=LANGUAGE_MODEL, nested=("text_config",),
@@ -253,13 +270,20 @@ FAMILIES: tuple[Family, ...] = (
     Family(("hunyuan_v1_moe",), _keys("num_experts", "moe_topk", ("moe_intermediate_size", "intermediate_size"))),
     Family(("hy_v3",), QWEN, layer_rules=("mlp_layer_types",), mtp=NEXTN),
     Family(("hy_v4",), Keys(("n_routed_experts",), ("num_experts_per_tok",), ("moe_intermediate_size",),
-                            activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",)),
+                            activation_limit=("swiglu_limit",)), layer_rules=("mlp_layer_types",), mtp=HY_V4_MTP),
     Family(("inkling2", "inkling2_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
     Family(("inkling_mm_model", "inkling_text"), DEEPSEEK, nested=("text_config",), refusal=STACKED_W13),
     Family(("jamba",), OLMO, modules=("feed_forward",), layer_rules=("expert_layer_period",)),
     Family(("jetmoe",), LOCAL, refusal=STACKED_LINEAR),
     Family(("kimi_k25",), DEEPSEEK, roots=("language_model.model.layers",), nested=("text_config",),
            layer_rules=("first_k_dense_replace",), mtp=NEXTN, shared=SHARED_EXPERTS),
+    # Kimi K3 (SGLang 0.5.23 kimi_k3.py): latent MoE, the experts take routed_expert_hidden_size
+    # (routed_expert_down_proj projects the hidden states down first); their SiTU activation (hidden_act "situ", with
+    # activation_situ_beta and activation_situ_linear_beta) is the engine's; MoE layers as its _is_moe_layer; no MTP
+    Family(("kimi_k3",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size",
+                               hidden=("routed_expert_hidden_size", "hidden_size")),
+           roots=("language_model.model.layers",), modules=("block_sparse_moe",), projections=W123,
+           nested=("text_config",), layer_rules=("first_k_dense_replace",)),
     Family(("kimi_linear",), _keys("num_experts", "num_experts_per_token", "moe_intermediate_size"),
            modules=("block_sparse_moe",), projections=W123, layer_rules=("mlp_layer_types",)),
     Family(("kolibri1",), _keys("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")),
