@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from wna16_loader.formats import FORMATS
-from wna16_loader.models.families import render_table
+from wna16_loader.models.family_docs import render_table
 from wna16_loader.tables import FAMILIES_END, FAMILIES_START, format_tensors, formats_table, render
 
 MODELS = Path(__file__).resolve().parent.parent / "docs" / "models.md"

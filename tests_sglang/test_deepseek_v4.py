@@ -103,7 +103,8 @@ def loaded(tmp_path_factory) -> dict:
 
 
 def expert_params(params: dict) -> dict[str, torch.Tensor]:
-    return {name: t for name, t in params.items() if ".mlp.experts." in name}
+    """The MoE layers' parameters (not sglang_rank's `moe.NAME...` records of each layer)."""
+    return {name: t for name, t in params.items() if ".mlp.experts." in name and not name.startswith("moe.")}
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -136,6 +137,8 @@ def test_every_layer_is_an_int4_moe_layer_whose_experts_are_written(loaded, grou
     for rank, params in enumerate(loaded[group]["wna16-checkpoint"]):
         experts = expert_params(params)
         assert {n.split(".mlp.")[0] for n in experts} == {f"model.layers.{layer}" for layer in range(LAYERS)}
+        fused = {name: int(record[0]) for name, record in params.items() if name.endswith(".fused_shared")}
+        assert fused == {f"moe.model.layers.{layer}.mlp.experts.fused_shared": 0 for layer in range(LAYERS)}
         for layer in range(LAYERS):
             for half in ("w13", "w2"):
                 scales = experts[f"model.layers.{layer}.mlp.experts.{half}_weight_scale"]

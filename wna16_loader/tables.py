@@ -1,5 +1,5 @@
 """The generated tables of docs/models.md: checkpoint formats (from `formats.FORMATS`, here) and supported model
-families (`families.render_table`), so that the documentation cannot drift from the code.
+families (`family_docs.render_table`), so that the documentation cannot drift from the code.
 
 `python -m wna16_loader.tables docs/models.md` rewrites every generated section of the file in place;
 tests/test_tables.py and tests/models/test_families.py fail when its tables differ from the renderings.
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from .formats import FORMATS, Dim, FormatDecl, Need
-from .models.families import render_table
+from .models.family_docs import render_table
 
 DIM_TEXT = {Dim.N: "N", Dim.K: "K", Dim.GROUP: "K/G", Dim.PAIR: "2"}
 NEED_TEXT = {Need.ALWAYS: "", Need.ASYMMETRIC: " (asymmetric)", Need.ACT_ORDER: " (act-order)"}
@@ -41,7 +41,7 @@ def formats_table() -> str:
 
 SECTIONS: dict[str, Callable[[], str]] = {"formats": formats_table}
 
-FAMILIES_START = "<!-- families-table: rendered by wna16_loader.models.families.render_table -->"
+FAMILIES_START = "<!-- families-table: rendered by wna16_loader.models.family_docs.render_table -->"
 FAMILIES_END = "<!-- /families-table -->"
 
 

@@ -13,7 +13,8 @@ from conftest import assert_exact, assert_owners, reassemble
 from wna16_loader import ParallelConfig, load_experts, read_moe_config
 from wna16_loader.errors import ConfigError
 from wna16_loader.models.config import MoEConfig, resolve_moe_config
-from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, lookup, render_table
+from wna16_loader.models.families import BY_MODEL_TYPE, FAMILIES, GENERIC, family_of, lookup
+from wna16_loader.models.family_docs import render_table
 from wna16_loader.models.layer_rules import EXPLICIT_KEYS, RULES_BY_NAME
 from wna16_loader.models.names import layer_of_prefix
 from wna16_loader.preshard import preshard_checkpoint
@@ -363,7 +364,7 @@ def test_per_layer_sizes_load_with_their_own_geometry(tmp_path):
 # --------------------------------------------------------------------------------------------- the table
 
 MODELS = Path(__file__).resolve().parents[2] / "docs" / "models.md"
-TABLE_START, TABLE_END = "<!-- families-table: rendered by wna16_loader.models.families.render_table -->", \
+TABLE_START, TABLE_END = "<!-- families-table: rendered by wna16_loader.models.family_docs.render_table -->", \
     "<!-- /families-table -->"
 
 
