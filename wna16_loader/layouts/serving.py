@@ -21,7 +21,7 @@ name: rows are looked up by the values they declare.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..formats.spec import QuantSpec
@@ -43,8 +43,9 @@ class KeyRule:
     exempt: tuple[str, Any] | None = None
     at_start: bool = False
 
-    def refuses(self, qconfig: dict[str, Any]) -> str | None:
-        """The engine's words for `qconfig`, or None where it passes."""
+    def refuses(self, split: "Split") -> str | None:
+        """The engine's words for the split's quantization_config, or None where it passes."""
+        qconfig = split.qconfig
         if self.exempt is not None and qconfig.get(self.exempt[0]) == self.exempt[1]:
             return None
         if qconfig.get(self.key, self.default) in self.allowed:
@@ -193,12 +194,14 @@ class Split:
     intermediate: int = 0
     heads: int = 0
     attention: int = 0
-    world: int = field(init=False)
-    attention_part: int = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "world", self.tp * self.ep)
-        object.__setattr__(self, "attention_part", self.attention // self.world)
+    @property
+    def world(self) -> int:
+        return self.tp * self.ep
+
+    @property
+    def attention_part(self) -> int:
+        return self.attention // self.world
 
 
 def verdict(version: EngineVersion, split: Split) -> Verdict:
@@ -245,12 +248,13 @@ def launch_refusal(version: EngineVersion, split: Split) -> str:
 def attempt(version: EngineVersion, row: QuantConfigRow, split: Split) -> tuple[tuple[str, ...] | None, str, str]:
     """The MoE methods `row`'s config gives the split's layers, or None, why it cannot serve them and the engine's
     words ('' where the engine would build a method the plugin's row does not hold). In the engine's order: the
-    config's checks of the quantization_config, the engine's size checks, the linear layers', each MoE layer."""
+    config's checks made at start, the engine's size checks, the config's other checks, its linear layers' size
+    checks, then each MoE layer."""
     engine = version.engine.name
-    rules = [rule for rule in row.refusals + row.linear_refusals if rule.at_start]
-    for check in (*rules, *version.size_rules, *(r for r in row.refusals + row.linear_refusals if not r.at_start),
+    keys = row.refusals + row.linear_refusals
+    for check in (*(r for r in keys if r.at_start), *version.size_rules, *(r for r in keys if not r.at_start),
                   *row.linear_sizes):
-        words = check.refuses(split) if isinstance(check, SizeRule) else check.refuses(split.qconfig)
+        words = check.refuses(split)
         if words is not None:
             return None, refusal_text(engine, row, check, split, words), words
     picked: dict[str, None] = {}
@@ -264,12 +268,13 @@ def attempt(version: EngineVersion, row: QuantConfigRow, split: Split) -> tuple[
 
 def refusal_text(engine: str, row: QuantConfigRow, check: KeyRule | SizeRule, split: Split, words: str) -> str:
     """One refusal in words: whose check it is and the engine's words."""
+    if check in row.refusals:
+        return f"{engine}'s {row.name} config refuses it: \"{words}\""
+    if check in row.linear_refusals:
+        return f"{engine}'s {row.name} config refuses it for the model's linear layers: \"{words}\""
     if check in row.linear_sizes:
         return f"{engine}'s {row.name} config refuses the model's linear layers at {split.world} ranks: \"{words}\""
-    if isinstance(check, SizeRule):
-        return f"{engine} stops at {split.world} ranks: \"{words}\""
-    where = "" if check in row.refusals else " for the model's linear layers"
-    return f"{engine}'s {row.name} config refuses it{where}: \"{words}\""
+    return f"{engine} stops at {split.world} ranks: \"{words}\""  # one of the engine's own size checks
 
 
 def layer_method(row: QuantConfigRow, top: QuantSpec, layer: LayerKind, engine: str) -> tuple[MethodLayout, str]:
