@@ -787,8 +787,10 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(source: Path, tmp_path:
     (["--t", "2"], "unrecognized argument --t; did you mean --tp 2?"),  # never taken as --tp 2 (no abbreviations)
     (["--layot", "checkpoint"], "unrecognized argument --layot; did you mean --layout checkpoint?"),
     (["--quite"], "unrecognized argument --quite; did you mean --quiet?"),
-    (["--tensor-parallel-size", "4"], "unrecognized argument --tensor-parallel-size; did you mean --tp 4?"),
-    (["--tp-size=8"], "unrecognized argument --tp-size=8; did you mean --tp 8?"),
+    (["--tensor-parallel-size", "4"], "unrecognized argument --tensor-parallel-size; did you mean --tp 4? (with vLLM's "
+                                      "--enable-expert-parallel its MoE layers are EP over those ranks: --ep N, --tp 1)"),
+    (["--tp-size=8"], "unrecognized argument --tp-size=8; did you mean --tp 8? (SGLang's --tp-size counts every rank: "
+                      "with --ep-size E, --tp N/E --ep E)"),
     (["--ep-size", "8"], "unrecognized argument --ep-size; did you mean --ep 8?"),
     (["--expert-parallel-size", "2"], "unrecognized argument --expert-parallel-size; did you mean --ep 2?"),
     (["--enable-expert-parallel"], "unrecognized argument --enable-expert-parallel; did you mean --ep N? (vLLM's "

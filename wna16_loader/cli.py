@@ -80,8 +80,10 @@ def parse_size(text: str) -> int:
 
 # the engines' own spellings of the split: a did-you-mean for each (the output's sizes are the MoE layers')
 ENGINE_SPELLINGS = {
-    "--tensor-parallel-size": Spelling("--tp"), "--tp-size": Spelling("--tp"), "--ep-size": Spelling("--ep"),
-    "--expert-parallel-size": Spelling("--ep"),
+    "--tensor-parallel-size": Spelling("--tp", note=" (with vLLM's --enable-expert-parallel its MoE layers are EP "
+                                                    "over those ranks: --ep N, --tp 1)"),
+    "--tp-size": Spelling("--tp", note=" (SGLang's --tp-size counts every rank: with --ep-size E, --tp N/E --ep E)"),
+    "--ep-size": Spelling("--ep"), "--expert-parallel-size": Spelling("--ep"),
     "--enable-expert-parallel": Spelling("--ep", valued=False, note=" (vLLM's --enable-expert-parallel runs the MoE "
                                          "layers EP over all its -tp ranks: --ep with that count, --tp 1)"),
 }

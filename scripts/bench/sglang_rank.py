@@ -1,7 +1,8 @@
 """One rank of the SGLang suite, a process of its own: `python scripts/bench/sglang_rank.py SPEC.json RANK`.
 Joins the group's gloo process group as the SGLang tier does (tests_sglang/workarounds.py: CPU stand-ins for
 triton and torchvision, an H100's capability for Marlin's checks, none of which touches how a tensor is loaded),
-builds the model with SGLang's own `get_model_loader(...).load_model` (`--load-format` the spec's), and writes what
+builds the model with SGLang's own `get_model_loader(...).load_model` (the spec's `--load-format` and
+`--quantization`), and writes what
 it measured to OUT/rank{R}.json: the load's seconds after the model's parameters exist (SGLang's weights loaded,
 its default `load_weights` or the plugin's fill), bytes from storage (/proc/self/io read_bytes), the parameters'
 bytes and the anonymous memory the load added at its peak (RssAnon sampled every 5 ms, as vllm_rank.py samples
@@ -37,7 +38,7 @@ def load_measured(spec: dict) -> dict:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()  # as every SGLang process does: the entry point registers --load-format wna16
-    model_config = ModelConfig(model_path=spec["folder"], dtype="float16")
+    model_config = ModelConfig(model_path=spec["folder"], dtype="float16", quantization=spec["quantization"])
     chosen = loader.get_model_loader(load_config=LoadConfig(load_format=spec["load_format"]), model_config=model_config)
     loader.DefaultModelLoader.postprocess_weights = staticmethod(lambda model, target_device: None)
     initialize, measured = loader._initialize_model, {}

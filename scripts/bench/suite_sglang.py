@@ -9,7 +9,8 @@ layer), which SGLang builds with no --quantization flag (GPTQ Marlin's MoE metho
 (contenders.SGLANG_CONTENDERS: SGLang's default loader; --load-format wna16 from the checkpoint and from a
 wna16-shard output of the layout's split) runs at every layout (tpN: --tp-size N; epN: --tp-size N --ep-size N)
 as one group of fresh rank processes (sglang_rank.py), cold (the folder's files evicted from the page cache first)
-and then warm. Per rank: the load's seconds once the parameters exist, bytes from storage, memory the load adds
+and then warm, with the --quantization flag wna16-shard's SGLang verdict names for that split (`flag_of`: e.g.
+moe_wna16 where GPTQ Marlin would not hold the rank's groups), the same for every row. Per rank: the load's seconds once the parameters exist, bytes from storage, memory the load adds
 (anonymous RSS peak ÷ the parameters' bytes). SGLang's process_weights_after_loading (its Marlin repack, the same
 for every loader) is left out. The targets are targets.SGLANG_TARGETS; the table and verdicts print as the vLLM
 suite's do.
@@ -30,10 +31,26 @@ from .vllm_model import SIZES, expert_bytes, write_model
 RANK_SCRIPT = Path(__file__).with_name("sglang_rank.py")
 
 
+def flag_of(source: Path, name: str) -> str | None:
+    """The --quantization flag SGLang needs to serve layout `name`'s output (wna16-shard's verdict; None: none)."""
+    from wna16_loader.layouts.serving import Serve, verdict
+    from wna16_loader.layouts.serving_sglang import TESTED_SGLANG
+    from wna16_loader.preshard.layouts import output_split
+    from wna16_loader.preshard.plan import make_plan
+
+    ranks, ep = layout(name)
+    plan = make_plan(source, tp_size=1 if ep else ranks, ep_size=ranks if ep else 1, warn=False)
+    said = verdict(TESTED_SGLANG[-1], output_split(plan))
+    if said.serve is Serve.NEVER:
+        raise SystemExit(f"--layouts {name}: SGLang {TESTED_SGLANG[-1].version} does not serve it: {said.why}")
+    return said.flag
+
+
 def measure(args: argparse.Namespace, source: Path) -> list[dict]:
     """Every row at every layout and state, --reps times."""
     runs = []
     shards = {name: shard(source, args.workdir, name) for name in args.layouts}
+    flags = {name: flag_of(source, name) for name in args.layouts}
     for rep in range(args.reps):
         for name in args.layouts:
             ranks, ep = layout(name)
@@ -41,10 +58,13 @@ def measure(args: argparse.Namespace, source: Path) -> list[dict]:
                 folder = source if row.folder == "checkpoint" else shards[name]
                 for state in args.states:
                     out = args.workdir / "runs" / f"rep{rep}-{name}-{row.key.replace(' ', '_')}-{state}"
-                    spec = {"ranks": ranks, "ep": ep, "folder": str(folder), "load_format": row.load_format}
+                    spec = {"ranks": ranks, "ep": ep, "folder": str(folder), "load_format": row.load_format,
+                            "quantization": flags[name]}
                     found = start_group(RANK_SCRIPT, spec, out, cold=state == "cold")
-                    runs.append({"row": row.key, "layout": name, "state": state, "rep": rep, "ranks": found})
-                    print(f"rep {rep} {name} {row.key} {state}: slowest rank {slowest(found):.1f} s, "
+                    runs.append({"row": row.key, "layout": name, "state": state, "rep": rep, "ranks": found,
+                                 "quantization": flags[name]})
+                    print(f"rep {rep} {name} {row.key} {state} (--quantization {flags[name]}): slowest rank "
+                          f"{slowest(found):.1f} s, "
                           f"{max(m['read_bytes'] for m in found) / GIB:.2f} GiB read", flush=True)
     return runs
 

@@ -3,8 +3,11 @@ SGLang tier's venv: `./scripts/test_sglang --python scripts/bench --suite sglang
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from bench.contenders import SGLANG_CONTENDERS
-from bench.suite_sglang import parse
+from bench.suite_sglang import flag_of, parse
 from bench.targets import SGLANG_TARGETS, evaluate
 
 LAYOUTS = ("tp4", "ep4", "tp8", "ep8")
@@ -35,3 +38,13 @@ def test_the_targets_of_a_run() -> None:
         "cold EP 8: wna16 from the checkpoint ÷ SGLang's default loader": ("PASS", 0.7),
         "TP 8: memory wna16 adds ÷ the parameters (largest rank)": ("PASS", 1.01),
         "EP 8: memory wna16 adds ÷ the parameters (largest rank)": ("not measured", None)}
+
+
+def test_each_layout_runs_with_the_flag_the_verdict_names() -> None:
+    """flag_of: the real AWQ fixture (2 attention heads of 64) needs --quantization moe_wna16 at 2 ranks (AWQ
+    Marlin's attention check), none at 1, and 4 ranks stop the run with SGLang's words."""
+    awq = Path(__file__).resolve().parents[1] / "fixtures" / "awq_w4_g32" / "checkpoint"
+    assert [flag_of(awq, name) for name in ("tp1", "tp2", "ep2")] == [None, "moe_wna16", "moe_wna16"]
+    with pytest.raises(SystemExit, match=r"--layouts tp4: SGLang 0.5.23 does not serve it: SGLang stops at 4 ranks: "
+                                         r"\"assert self.total_num_heads % attn_tp_size == 0\""):
+        flag_of(awq, "tp4")

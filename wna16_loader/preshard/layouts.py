@@ -21,7 +21,7 @@ import torch
 
 from ..errors import PreshardError, WNA16Error
 from ..formats import QuantSpec
-from ..layouts.engines import ENGINES, command, of_engine, refusing, serve_lines, short_verdict, where
+from ..layouts.engines import ENGINES, command, of_engine, refusing, serve_lines, short_verdict
 from ..layouts.serving import EngineVersion, LayerKind, Serve, Split, verdict
 from ..load.experts import planned
 from ..load.fused import FusedSpec
