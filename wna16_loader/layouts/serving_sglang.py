@@ -2,8 +2,8 @@
 its MoE layers' size checks, and how it is launched. Read from sglang/srt/configs/model_config.py
 (`_verify_quantization`: each config's `override_quantization_method` picks gptq_marlin, awq_marlin or, named by
 the flag, moe_wna16), layers/quantization/{gptq/gptq.py, awq/awq.py, moe_wna16.py, auto_round.py, marlin_utils.py}
-and layers/moe/fused_moe_triton/layer.py. On a CPU, SGLang's AWQ config builds no Marlin method (`_is_cuda`): the
-SGLang tier pins that difference.
+and layers/moe/fused_moe_triton/layer.py. On a CPU, SGLang's AWQ config builds no Marlin method (`_is_cuda`) and
+compressed-tensors cannot ask the device's capability: the SGLang tier answers both as on a GPU (serve_rank.py).
 
 | config (--quantization) | picked with no flag for            | MoE method (row)                       | refuses           |
 |-------------------------|------------------------------------|----------------------------------------|-------------------|
