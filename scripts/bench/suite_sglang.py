@@ -7,13 +7,13 @@ Runs in the SGLang tier's venv (CPU ranks over gloo):
 The model is the vLLM suite's (vllm_model.py: a whole Qwen3-MoE, GPTQ 4-bit G 128 symmetric, one file per decoder
 layer), which SGLang builds with no --quantization flag (GPTQ Marlin's MoE method). Every contender row
 (contenders.SGLANG_CONTENDERS: SGLang's default loader; --load-format wna16 from the checkpoint and from a
-wna16-shard output of the layout's split) runs at every layout (tpN: --tp-size N; epN: --tp-size N --ep-size N)
-as one group of fresh rank processes (sglang_rank.py), cold (the folder's files evicted from the page cache first)
-and then warm, with the --quantization flag wna16-shard's SGLang verdict names for that split (`flag_of`: e.g.
-moe_wna16 where GPTQ Marlin would not hold the rank's groups), the same for every row. Per rank: the load's seconds once the parameters exist, bytes from storage, memory the load adds
-(anonymous RSS peak ÷ the parameters' bytes). SGLang's process_weights_after_loading (its Marlin repack, the same
-for every loader) is left out. The targets are targets.SGLANG_TARGETS; the table and verdicts print as the vLLM
-suite's do.
+wna16-shard output of the layout's split) runs at every layout (tpN: --tp-size N; epN: --tp-size N --ep-size N) as
+one group of fresh rank processes (sglang_rank.py), cold (the folder's files evicted from the page cache first) and
+then warm, with the --quantization flag wna16-shard's SGLang verdict names for that split (`flag_of`: e.g.
+moe_wna16 where GPTQ Marlin would not hold the rank's groups), the same for every row. Per rank: the load's seconds
+once the parameters exist, bytes from storage, memory the load adds (anonymous RSS peak ÷ the parameters' bytes).
+SGLang's process_weights_after_loading (its Marlin repack, the same for every loader) is left out. The targets are
+targets.SGLANG_TARGETS; the table and verdicts print as the vLLM suite's do.
 """
 
 from __future__ import annotations
