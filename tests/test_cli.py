@@ -150,7 +150,7 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     write_checkpoint(src, quant_config("gptq", group_size=128), hidden=64, intermediate=704, num_experts=2)
     assert main([str(src), "--plan", "--tp", "3"]) == 0
     out = capsys.readouterr().out
-    rows, methods = {}, {}  # tp -> (marked as requested, fields); tp -> the vLLM methods that take it
+    rows, methods = {}, {}  # tp -> (marked as requested, fields); tp -> what vLLM and SGLang say of it
     for line in out.splitlines():
         body, _, taken = line.rpartition("  ")
         fields = body.replace("*", " ").split()
@@ -161,7 +161,10 @@ def test_plan_view_without_out(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rows[3] == (True, ["3", "1", "720", "240", "16", "60488", "4032", "2", "0", "x2,", "16"])
     assert rows[4][1][2:9] == ["704", "176", "16", "44360", "0", "2", "0"]  # unpadded: the old rule
     assert rows[16][1][-3:] == ["x14,", "16,", "48"]
-    assert set(methods.values()) == {"no"}  # asymmetric GPTQ: refused by vLLM's configs (layouts.serving)
+    assert set(methods.values()) == {"no | no"}  # asymmetric GPTQ: refused by vLLM's and SGLang's configs
+    assert ('  SGLang 0.5.23 at TP 3: no: with no flag, SGLang\'s gptq_marlin config refuses it: "Unknown '
+            'quantization method: gptq"; with --quantization moe_wna16, SGLang stops at 3 ranks: "assert '
+            'intermediate_size % self.moe_tp_size == 0"') in out.splitlines()
     assert ("  vLLM 0.32.0, 0.34.0 at TP 8: no: with no flag, vLLM's gptq config refuses it: \"Unsupported "
             "quantization config: bits=4, sym=False\"; with --quantization moe_wna16, vLLM's moe_wna16 config refuses "
             "it for the model's linear layers: \"Unsupported quantization config: bits=4, sym=False\"") in out
@@ -248,8 +251,13 @@ def test_reduced_group_size_is_warned_and_shown(tmp_path: Path) -> None:
     write_checkpoint(src, quant_config("gptq", group_size=32), hidden=64, intermediate=128, num_layers=1)
     run = cli(str(src), str(tmp_path / "out"), "--tp", "8", "--quiet")
     assert run.returncode == 0 and run.stdout == "" and "Traceback" not in run.stderr
-    line, unserved = run.stderr.splitlines()  # the second: no vLLM serves it (--quiet included; test_serving.py)
-    assert unserved.startswith(f"wna16-shard: warning: {tmp_path / 'out'}: no tested vLLM serves this output")
+    line, vllm, sglang = run.stderr.splitlines()  # then: no vLLM, no SGLang serves it (--quiet included)
+    assert vllm.startswith(f"wna16-shard: warning: {tmp_path / 'out'}: no tested vLLM serves this output")
+    assert sglang == (f"wna16-shard: warning: {tmp_path / 'out'}: no tested SGLang serves this output with "
+                      f"--load-format wna16: with no flag, SGLang's gptq_marlin config refuses it: \"Unknown "
+                      f"quantization method: gptq\"; with --quantization moe_wna16, SGLang's moe_wna16 config refuses "
+                      f"it for the model's linear layers: \"The non-Marlin GPTQ CUDA kernel has been removed\"; no TP "
+                      f"or EP size up to 16 would serve it")  # asymmetric GPTQ
     assert line == ("wna16-shard: warning: tp=8: group size 32 becomes G_eff 16 in 1 layer(s) "
                     "(model.layers.0.mlp.experts): I/tp = 128/8 is not a multiple of 32, so each scale and zero "
                     "point is repeated; kernels that accept only some group sizes may refuse it. TP sizes that keep "
@@ -267,6 +275,9 @@ def test_summary_and_verify_say_what_they_did(source: Path, tmp_path: Path,
     assert lines[5].split()[:5] == ["total", "3", "19", "40.9", "KiB"]
     assert lines[6] == (f"vLLM 0.32.0, 0.34.0 at TP 2: yes: vllm serve {out} --load-format wna16 -tp 2 (MoE method "
                         f"moe_wna16, no --quantization flag)")  # H 64: not a Marlin shape, auto_awq falls back
+    assert lines[7] == (f"SGLang 0.5.23 at TP 2: yes: sglang serve --model-path {out} --load-format wna16 --tp-size 2 "
+                        f"(MoE method moe_wna16, no --quantization flag)")
+    lines = lines[:7] + lines[8:]
     assert lines[7].startswith(f"verified: {out}: ok: 3 files (") and lines[7].endswith(
         f"19 tensors) match the manifest's sha256; 4 experts in 1 layer(s) equal their tensors converted afresh from "
         f"{source}, 5 common tensors byte-identical")
@@ -404,7 +415,7 @@ def edited_mixed(tmp_path: Path, edit) -> Path:
 
 def test_the_summary_says_whether_vllm_serves_the_output(tmp_path: Path) -> None:
     """The summary's serve line (layouts.serving): the AWQ fixture at --tp 2 serves with no flag (auto_awq); the
-    asymmetric GPTQ fixture at --tp 3 cannot be served, and says why."""
+    asymmetric GPTQ fixture at --tp 3 cannot be served (its 2 attention heads at 3 ranks), and says why."""
     awq = ROOT / "tests" / "fixtures" / "awq_w4_g32" / "checkpoint"
     served = cli(str(awq), str(tmp_path / "awq"), "--tp", "2")
     assert served.returncode == 0 and "warning" not in served.stderr, served.stderr
@@ -414,10 +425,104 @@ def test_the_summary_says_whether_vllm_serves_the_output(tmp_path: Path) -> None
     edge = ROOT / "tests" / "fixtures" / "gptq_w4_g32_zero_edge" / "checkpoint"
     padded = cli(str(edge), str(tmp_path / "tp3"), "--tp", "3")
     assert padded.returncode == 0, padded.stderr
-    assert [line for line in padded.stdout.splitlines() if line.startswith("vLLM ")] == [
-        "vLLM 0.32.0, 0.34.0 at TP 3: no: with no flag, vLLM's gptq config refuses it: \"Unsupported quantization "
-        "config: bits=4, sym=False\"; with --quantization moe_wna16, vLLM's moe_wna16 config refuses it for the "
-        "model's linear layers: \"Unsupported quantization config: bits=4, sym=False\""]
+    assert [line for line in padded.stdout.splitlines() if line.startswith(("vLLM ", "SGLang "))] == [
+        'vLLM 0.32.0, 0.34.0 at TP 3: no: vLLM stops at 3 ranks: "Total number of attention heads (2) must be '
+        'divisible by tensor parallel size (3)" (with no flag and with --quantization moe_wna16)',
+        'SGLang 0.5.23 at TP 3: no: with no flag, SGLang\'s gptq_marlin config refuses it: "Unknown quantization '
+        'method: gptq"; with --quantization moe_wna16, SGLang stops at 3 ranks: "assert self.total_num_heads % '
+        'attn_tp_size == 0"']
+
+
+FIXTURES = ROOT / "tests" / "fixtures"
+AWQ = FIXTURES / "awq_w4_g32" / "checkpoint"  # 2 attention heads, 4 experts, I 128, G 32
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--tp", "2", "--ep", "2", "--for", "vllm"],
+     "vLLM 0.32.0, 0.34.0 will not serve --tp 2 --ep 2 with --load-format wna16: vLLM runs MoE layers at TP or at EP, "
+     "not both (TP 2 x EP 2; with --enable-expert-parallel its MoE TP is 1): --ep 2 would serve (vllm serve {out} "
+     "--load-format wna16 -tp 2 --enable-expert-parallel); nothing was written."),
+    (["--tp", "4", "--for", "sglang==0.5.23"],
+     'SGLang 0.5.23 will not serve --tp 4 with --load-format wna16: SGLang stops at 4 ranks: "assert '
+     'self.total_num_heads % attn_tp_size == 0" (with no flag and with --quantization moe_wna16): --tp 2 would '
+     'serve (sglang serve --model-path {out} --load-format wna16 --quantization moe_wna16 --tp-size 2); nothing '
+     'was written.'),  # 2 attention heads; at 2 ranks AWQ Marlin's attention refuses, moe_wna16 serves
+    (["--tp", "2", "--for", "vllm"], None),
+])
+def test_for_an_engine_refuses_what_it_will_not_serve_before_writing(tmp_path: Path, args: list[str],
+                                                                     line: str | None) -> None:
+    """`--for ENGINE`: a split the engine refuses is one line naming why and the split that would serve, exit 2,
+    nothing written (not even OUT); a split it serves is written, with no warning."""
+    out = tmp_path / "out"
+    run = cli(str(AWQ), str(out), *args, "--quiet")
+    if line is None:
+        assert run.returncode == 0 and run.stderr == "" and (out / MANIFEST_NAME).is_file()
+    else:
+        assert one_error_line(run) == "wna16-shard: error: " + line.format(out=out)
+        assert not out.exists()
+
+
+def test_for_with_an_unserved_quantization_says_no_split_serves_it(tmp_path: Path) -> None:
+    """Asymmetric GPTQ: no vLLM config takes it at any split; --dry-run refuses too (and writes nothing)."""
+    edge = FIXTURES / "gptq_w4_g32_zero_edge" / "checkpoint"
+    line = one_error_line(cli(str(edge), str(tmp_path / "out"), "--for", "vllm", "--dry-run"))
+    assert line == ("wna16-shard: error: vLLM 0.32.0, 0.34.0 will not serve --tp 1 with --load-format wna16: with no "
+                    "flag, vLLM's gptq config refuses it: \"Unsupported quantization config: bits=4, sym=False\"; with "
+                    "--quantization moe_wna16, vLLM's moe_wna16 config refuses it for the model's linear layers: "
+                    "\"Unsupported quantization config: bits=4, sym=False\"; no TP or EP size up to 16 would serve it; "
+                    "nothing was written.")
+    assert one_error_line(cli(str(edge), str(tmp_path / "out"), "--for", "vllm==0.33.0")) == (
+        "wna16-shard: error: --for vllm==0.33.0: no tested engine version of that name; use one of vllm, sglang, "
+        "vllm==0.32.0, vllm==0.34.0, sglang==0.5.23.")
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_for_the_warning_comes_before_the_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """No --for: each engine that serves no such output is warned about before any file is written (a write
+    that fails at its first file has already warned), once per engine."""
+    from wna16_loader.preshard import run as preshard_run
+
+    def no_write(*args: object, **kwargs: object) -> None:
+        raise OSError("the disk is full")
+
+    monkeypatch.setattr(preshard_run, "write_all", no_write)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="the disk is full"):
+        main([str(AWQ), str(out), "--tp", "2", "--ep", "2", "--quiet"])
+    assert [w for w in capsys.readouterr().err.splitlines() if "warning" in w] == [
+        f"wna16-shard: warning: {out}: no tested vLLM serves this output with --load-format wna16: vLLM runs MoE "
+        f"layers at TP or at EP, not both (TP 2 x EP 2; with --enable-expert-parallel its MoE TP is 1): --ep 2 would "
+        f"serve (vllm serve {out} --load-format wna16 -tp 2 --enable-expert-parallel)",
+        f'wna16-shard: warning: {out}: no tested SGLang serves this output with --load-format wna16: SGLang stops at 4 '
+        f'ranks: "assert self.total_num_heads % attn_tp_size == 0" (with no flag and with --quantization moe_wna16): '
+        f'--ep 2 would serve (sglang serve --model-path {out} --load-format wna16 --quantization moe_wna16 '
+        f'--tp-size 2 --ep-size 2)']
+
+
+def test_dry_run_and_plan_show_both_engines(tmp_path: Path) -> None:
+    dry = cli(str(AWQ), str(tmp_path / "out"), "--tp", "2", "--dry-run")
+    assert [line for line in dry.stdout.splitlines() if line.startswith(("vLLM ", "SGLang "))] == [
+        "vLLM 0.32.0, 0.34.0 at TP 2: yes: vllm serve OUT --load-format wna16 -tp 2 (MoE method auto_awq, no "
+        "--quantization flag)",
+        "SGLang 0.5.23 at TP 2: yes, with --quantization moe_wna16: sglang serve --model-path OUT --load-format wna16 "
+        "--quantization moe_wna16 --tp-size 2 (MoE method moe_wna16; with no flag SGLang's awq_marlin config refuses "
+        "the model's linear layers at 2 ranks: \"Weight input_size_per_partition = 64 is not divisible by "
+        "min_thread_k = 128\")"]  # the fixture's attention: 2 heads x 64 over 2 ranks
+    assert not (tmp_path / "out").exists()
+    plan = cli(str(AWQ), "--plan", "--ep", "2").stdout.splitlines()
+    assert plan[4].endswith("--load-format wna16: vLLM | SGLang")
+    assert plan[5].endswith("yes (auto_awq) | --quantization moe_wna16") and plan[6].endswith("no | no")  # EP 2; TP 2
+    assert "  SGLang 0.5.23 at TP 2 x EP 2: no: SGLang stops at 4 ranks: \"assert self.total_num_heads % " \
+           "attn_tp_size == 0\" (with no flag and with --quantization moe_wna16)" in plan
+
+
+def test_a_safetensors_file_as_source_is_told_to_pass_its_folder(tmp_path: Path) -> None:
+    file = AWQ / "model.safetensors"
+    assert one_error_line(cli(str(file), str(tmp_path / "out"), "--tp", "2", process=True)) == (
+        f"wna16-shard: error: {file}: a file, not a folder; pass the checkpoint folder holding config.json and the "
+        f"*.safetensors files (here {AWQ}).")
+    assert not (tmp_path / "out").exists()
 
 
 def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> None:
@@ -427,11 +532,14 @@ def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> Non
     out = tmp_path / "out"
     run = cli(str(MIXED), str(out), "--ep", "3")
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
-    assert [line for line in run.stderr.splitlines() if "warning" in line] == [
-        f"wna16-shard: warning: {out}: no tested vLLM serves this output with --load-format wna16: no: with no flag, "
-        f"vLLM's gptq config refuses it: \"Unsupported quantization config: bits=4, sym=False\"; with --quantization "
-        f"moe_wna16, vLLM's moe_wna16 config refuses it for the model's linear layers: \"Unsupported quantization "
-        f"config: bits=4, sym=False\""]
+    assert [line for line in run.stderr.splitlines() if "warning" in line] == [  # (1 attention head, 3 ranks)
+        f'wna16-shard: warning: {out}: no tested vLLM serves this output with --load-format wna16: vLLM stops at 3 '
+        f'ranks: "Total number of attention heads (1) must be divisible by tensor parallel size (3)" (with no flag and '
+        f'with --quantization moe_wna16); no TP or EP size up to 16 would serve it',
+        f'wna16-shard: warning: {out}: no tested SGLang serves this output with --load-format wna16: with no flag, '
+        f'SGLang\'s gptq_marlin config refuses it: "Unknown quantization method: gptq"; with --quantization '
+        f'moe_wna16, SGLang stops at 3 ranks: "assert self.total_num_heads % attn_tp_size == 0"; no TP or EP size '
+        f'up to 16 would serve it']
     rows = {line.split()[0]: line for line in run.stdout.splitlines()[2:6]}
     fields = rows["rank-00000-of-00003"].split()
     assert fields[5:8] == ["32,64,float", "fp16", "0"] and fields[-2:] == ["2:", "0–1"]
@@ -447,7 +555,7 @@ def test_float_layers_say_float_and_each_rank_its_experts(tmp_path: Path) -> Non
     float_block = plan[plan.index("weights float16:") + 1:]
     assert float_block[0].split()[6:9] == ["padding", "bytes", "experts/EP"]
     assert float_block[1].split() == ["*", "1", "3", "128", "128", "float", "98312", "0", "2,", "1", "x2", "0",
-                                      "no"]
+                                      "no", "|", "no"]
     assert "-1" not in "\n".join(plan)
 
 
@@ -679,6 +787,15 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(source: Path, tmp_path:
     (["--t", "2"], "unrecognized argument --t; did you mean --tp 2?"),  # never taken as --tp 2 (no abbreviations)
     (["--layot", "checkpoint"], "unrecognized argument --layot; did you mean --layout checkpoint?"),
     (["--quite"], "unrecognized argument --quite; did you mean --quiet?"),
+    (["--tensor-parallel-size", "4"], "unrecognized argument --tensor-parallel-size; did you mean --tp 4? (with vLLM's "
+                                      "--enable-expert-parallel its MoE layers are EP over those ranks: --ep N, --tp 1)"),
+    (["--tp-size=8"], "unrecognized argument --tp-size=8; did you mean --tp 8? (SGLang's --tp-size counts every rank: "
+                      "with --ep-size E, --tp N/E --ep E)"),
+    (["--ep-size", "8"], "unrecognized argument --ep-size; did you mean --ep 8?"),
+    (["--expert-parallel-size", "2"], "unrecognized argument --expert-parallel-size; did you mean --ep 2?"),
+    (["--enable-expert-parallel"], "unrecognized argument --enable-expert-parallel; did you mean --ep N? (vLLM's "
+                                   "--enable-expert-parallel runs the MoE layers EP over all its -tp ranks: --ep with "
+                                   "that count, --tp 1)"),
 ])
 def test_a_mistyped_flag_gets_a_did_you_mean(source: Path, tmp_path: Path, typed: list[str], meant: str) -> None:
     """A mistyped flag is one line with what it probably meant, exit 2, nothing written."""

@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING
 
 from .errors import CheckpointError, ShardInterrupted, WNA16Error
 from .logs import log
-from .usage import LazyChoices, Parser, check_not_shadowed, subcommand_typo
+from .usage import LazyChoices, Parser, Spelling, check_not_shadowed, subcommand_typo
 from .version import __version__
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from .preshard.verify import VerifyReport
 
 USAGE = """\
-wna16-shard SRC OUT [--tp N] [--ep M] [options]   pre-shard SRC into OUT
+wna16-shard SRC OUT [--tp N] [--ep M] [--for ENGINE] [options]   pre-shard SRC into OUT
        wna16-shard verify OUT [--source SRC]             re-check an output
        wna16-shard SRC --plan [--tp N] [--ep M]          compare TP layouts: G_eff, padding, bytes per rank
        wna16-shard --version | --help"""
@@ -42,6 +42,7 @@ examples:
   wna16-shard ./Mixtral-AWQ ./out --tp 2 --ep 4 --placement round_robin --max-file-size 2GB
   wna16-shard ./ckpt --plan --ep 2                 # G_eff, padding, bytes per rank of TP 1..16
   wna16-shard ./ckpt ./out --ep 8                  # EP only (--tp defaults to 1)
+  wna16-shard ./ckpt ./out --tp 8 --for sglang     # refused, nothing written, unless SGLang serves TP 8
   wna16-shard ./ckpt ./out --tp 2 --dry-run        # print the plan and how the config resolved, write nothing
   wna16-shard ./ckpt ./out --tp 2 --resume         # finish an interrupted run
   wna16-shard ./ckpt ./out --tp 2                  # again: re-check every file, rewrite only damaged ones
@@ -77,10 +78,22 @@ def parse_size(text: str) -> int:
     return value
 
 
+# the engines' own spellings of the split: a did-you-mean for each (the output's sizes are the MoE layers')
+ENGINE_SPELLINGS = {
+    "--tensor-parallel-size": Spelling("--tp", note=" (with vLLM's --enable-expert-parallel its MoE layers are EP "
+                                                    "over those ranks: --ep N, --tp 1)"),
+    "--tp-size": Spelling("--tp", note=" (SGLang's --tp-size counts every rank: with --ep-size E, --tp N/E --ep E)"),
+    "--ep-size": Spelling("--ep"), "--expert-parallel-size": Spelling("--ep"),
+    "--enable-expert-parallel": Spelling("--ep", valued=False, note=" (vLLM's --enable-expert-parallel runs the MoE "
+                                         "layers EP over all its -tp ranks: --ep with that count, --tp 1)"),
+}
+
+
 def shard_parser() -> argparse.ArgumentParser:
     """The parser of `wna16-shard SRC OUT ...`."""
     from .parallel.config import ExpertPlacement
     p = Parser(prog="wna16-shard", formatter_class=argparse.RawDescriptionHelpFormatter, usage=USAGE,
+               spellings=ENGINE_SPELLINGS,
                                 description="Pre-shard a WNA16 MoE checkpoint: write every TP/EP rank's fused expert "
                                             "tensors to OUT/rank-RRRRR-of-WWWWW/, the other tensors to OUT/common/, "
                                             "and OUT/wna16_manifest.json. Also: `wna16-shard verify OUT`.",
@@ -93,6 +106,11 @@ def shard_parser() -> argparse.ArgumentParser:
                                                          "same parameters); not needed with --plan")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1), e.g. --tp 4")
     p.add_argument("--ep", type=int, default=1, metavar="M", help="expert-parallel size (default 1), e.g. --ep 2")
+    p.add_argument("--for", dest="serve_for", metavar="ENGINE",
+                   help="the engine that will serve OUT with --load-format wna16: vllm or sglang, or a tested "
+                        "version (vllm==0.34.0, sglang==0.5.23); a split it would refuse is an error (exit 2) "
+                        "before anything is written, naming a split it serves. Without it: a warning before the "
+                        "write; --dry-run and --plan show both engines")
     p.add_argument("--placement", choices=[p.value for p in ExpertPlacement], default="linear",
                    help="how experts are dealt to EP ranks: linear = consecutive blocks, round_robin = id %% ep "
                         "(default linear)")
@@ -280,7 +298,10 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from .preshard import describe_layouts, describe_plan, preshard_checkpoint
     from .preshard import OutputLayout
     from .storage.hub import resolve_checkpoint
+    from .layouts.engines import versions_for
     args.layout = OutputLayout.FUSED.value if args.layout is None else args.layout
+    if args.serve_for is not None:
+        versions_for(args.serve_for)  # a name no tested engine has: exit 2 before anything is read
     src = resolve_checkpoint(args.src, revision=args.revision)
     if args.plan or (args.dry_run and args.out is None):
         print(describe_layouts(src, tp_size=args.tp, ep_size=args.ep, placement=args.placement))
@@ -293,7 +314,8 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     summary = preshard_checkpoint(src, args.out, tp_size=args.tp, ep_size=args.ep, placement=args.placement,
                                   max_file_size=args.max_file_size, resume=args.resume, verify=args.verify,
                                   dry_run=args.dry_run, progress=not args.quiet, layout=args.layout,
-                                  workers=args.workers, force=args.force, mtp=not args.no_mtp)
+                                  workers=args.workers, force=args.force, mtp=not args.no_mtp,
+                                  serve_for=args.serve_for)
     if args.dry_run:
         print(describe_plan(summary.plan))
         return 0
@@ -326,6 +348,13 @@ def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
     from .parallel.config import ShardJob
     from .preshard import preshard_distributed
     from .preshard.verify import verify_report
+    if args.serve_for is not None and args.layout == "fused":  # each process refuses before anything is written
+        from .preshard.layouts import check_served
+        from .preshard.plan import make_plan
+        from .layouts.engines import versions_for
+        plan = make_plan(src, tp_size=args.tp, ep_size=args.ep, placement=args.placement, layout=args.layout,
+                         mtp=not args.no_mtp, warn=False)
+        check_served(plan, versions_for(args.serve_for), str(args.out))
     with ShardJob.joined() as job:
         summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,

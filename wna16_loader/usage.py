@@ -10,6 +10,7 @@ import difflib
 import importlib
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
@@ -34,14 +35,31 @@ class LazyChoices(Sequence[str]):
         return len(self.values())
 
 
+@dataclass(frozen=True)
+class Spelling:
+    """Another tool's option for one of a parser's (an engine's `--tensor-parallel-size` for `--tp`): `option`
+    the parser's; `valued` whether the other takes the same value; `note` what differs."""
+
+    option: str
+    valued: bool = True
+    note: str = ""
+
+    def meant(self, token: str, following: str) -> str:
+        """The did-you-mean of `token` (followed by `following`)."""
+        _, _, value = token.partition("=")
+        value = value or (following if self.valued and following and not following.startswith("-") else "")
+        return f"unrecognized argument {token}; did you mean {self.option} {value or 'N'}?{self.note}"
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with no abbreviations (`--t 2` is no `--tp 2`) and one-line errors: an unknown option gets a
     did-you-mean (`--tp2`, `-tp 2`, `--t 2` -> `--tp 2`; `--layot` -> `--layout`). The usage is printed only
     when no argument was given at all."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, spellings: dict[str, Spelling] | None = None, **kwargs: Any) -> None:
         super().__init__(allow_abbrev=False, **kwargs)
         self.bare = False
+        self.spellings = spellings or {}  # another tool's option -> this parser's
 
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         args = sys.argv[1:] if args is None else list(args)
@@ -65,6 +83,9 @@ def unknown_arguments(extras: list[str], parser: argparse.ArgumentParser) -> str
         return f"unrecognized arguments: {' '.join(extras)} (see {parser.prog} --help)"
     token = extras[unknown]
     name, _, value = token.partition("=")
+    spelled = getattr(parser, "spellings", {}).get(name)
+    if spelled is not None:  # an engine's own spelling (`--tensor-parallel-size 4`)
+        return spelled.meant(token, extras[unknown + 1] if unknown + 1 < len(extras) else "")
     name = "--" + name.lstrip("-")
     meant = next((o for o in options if name != o and name.startswith(o) and not value), None)
     if meant is not None:  # `--tp2`: the option and its value run together

@@ -7,6 +7,7 @@
   python scripts/bench --suite node --size qwen3-30b-16l --ranks 8   N ranks of one machine started together
   python scripts/bench --suite bounds|reads|verify|device|inplace [options]
   ./scripts/test_vllm --python scripts/bench --suite vllm [options]   (in a vLLM tier venv)
+  ./scripts/test_sglang --python scripts/bench --suite sglang [options]   (in the SGLang tier's venv)
 Every suite takes --help.
 """
 
@@ -17,13 +18,14 @@ import importlib
 
 from .baselines import NAME_SIZES, SCALE_SIZES
 
-SUITES = ("scale", "small", "names", "bounds", "reads", "verify", "device", "inplace", "vllm", "node")
+SUITES = ("scale", "small", "names", "bounds", "reads", "verify", "device", "inplace", "vllm", "sglang", "node")
 SMALL_SIZES = ("small", "full", "full8", "mixtral")
 SIZED = ("scale", "small", "names", "device", "node")  # the suites that take --size
 QUICK = {"scale": ["--size", "qwen3-30b-8l", "--reps", "1", "--skip", "whole,floortr,owntr", "--no-shard"], "small": ["--size", "small", "--reps", "2"],
          "names": ["--reps", "1", "--no-conversions"], "bounds": ["--reps", "1"], "reads": ["--reps", "2"],
          "verify": ["--reps", "1", "--experts", "16"], "device": ["--reps", "1"],
          "inplace": ["--experts", "16", "--layers", "2"], "vllm": ["--layers", "2", "--layouts", "tp2", "--reps", "1"],
+         "sglang": ["--layers", "2", "--layouts", "tp2", "--reps", "1"],
          "node": ["--size", "qwen3-30b-8l", "--reps", "1"]}
 
 

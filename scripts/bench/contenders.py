@@ -164,3 +164,21 @@ VLLM_CONTENDERS: tuple[VllmContender, ...] = (
     VllmContender("wna16", "--load-format wna16 from the checkpoint", "wna16"),
     VllmContender("wna16 shard", "--load-format wna16 from a wna16-shard output", "wna16", folder="shard"),
 )
+
+
+@dataclass(frozen=True)
+class SglangContender:
+    """One row of the SGLang suite: SGLang's --load-format and the folder it reads ("checkpoint", or "shard": a
+    wna16-shard output of the layout's split)."""
+
+    key: str
+    label: str
+    load_format: str
+    folder: str = "checkpoint"
+
+
+SGLANG_CONTENDERS: tuple[SglangContender, ...] = (
+    SglangContender("default", "SGLang's default loader", "auto"),
+    SglangContender("wna16", "--load-format wna16 from the checkpoint", "wna16"),
+    SglangContender("wna16 shard", "--load-format wna16 from a wna16-shard output", "wna16", folder="shard"),
+)

@@ -77,20 +77,26 @@ def free_port() -> int:
 def run_group(row: VllmContender, folder: Path, ranks: int, ep: bool, out: Path, args: argparse.Namespace,
               cold: bool) -> list[dict]:
     """One vLLM group of `ranks` processes loading `folder`; each rank's measurements."""
-    out.mkdir(parents=True, exist_ok=True)
     spec = {"ranks": ranks, "ep": ep, "folder": str(folder), "load_format": row.load_format, "load": dict(row.load),
-            "parallel": dict(row.parallel), "process": args.process, "device": args.device, "out": str(out),
-            "init_method": f"tcp://127.0.0.1:{free_port()}"}
+            "parallel": dict(row.parallel), "process": args.process, "device": args.device}
+    return start_group(RANK_SCRIPT, spec, out, cold=cold)
+
+
+def start_group(script: Path, spec: dict, out: Path, *, cold: bool) -> list[dict]:
+    """`spec["ranks"]` processes of a rank script (its SPEC.json: `spec`, the group's address and OUT), the
+    folder's files evicted first when `cold`; each rank's OUT/rank{R}.json. A rank that fails stops the run."""
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "out": str(out), "init_method": f"tcp://127.0.0.1:{free_port()}"}
     (out / "spec.json").write_text(json.dumps(spec))
     if cold:
-        evict(folder)
-    logs = [out / f"rank{r}.log" for r in range(ranks)]
-    procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(out / "spec.json"), str(r)],
+        evict(Path(spec["folder"]))
+    logs = [out / f"rank{r}.log" for r in range(spec["ranks"])]
+    procs = [subprocess.Popen([sys.executable, str(script), str(out / "spec.json"), str(r)],
                               stdout=log.open("w"), stderr=subprocess.STDOUT) for r, log in enumerate(logs)]
     for proc, log in zip(procs, logs):
         if proc.wait() != 0:
             raise SystemExit(f"{log} (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(spec["ranks"])]
 
 
 def shard(source: Path, workdir: Path, name: str) -> Path:

@@ -101,6 +101,16 @@ VLLM_TARGETS: tuple[Target, ...] = (
     Target("EP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 ep8 added", None, 1.05),
 )
 
+SGLANG_TARGETS: tuple[Target, ...] = (
+    Target("cold TP 8: wna16 from the checkpoint ÷ SGLang's default loader", "wna16 tp8 cold", "default tp8 cold",
+           0.5),
+    Target("cold TP 8: wna16 from a shard ÷ SGLang's default loader", "wna16 shard tp8 cold", "default tp8 cold", 0.2),
+    Target("cold EP 8: wna16 from the checkpoint ÷ SGLang's default loader", "wna16 ep8 cold", "default ep8 cold",
+           0.8),
+    Target("TP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 tp8 added", None, 1.05),
+    Target("EP 8: memory wna16 adds ÷ the parameters (largest rank)", "wna16 ep8 added", None, 1.05),
+)
+
 
 def evaluate(targets: tuple[Target, ...], values: dict[str, float]) -> list[Verdict]:
     """Each target's value and verdict on `values` (name -> measured number)."""

@@ -242,3 +242,36 @@ def test_layout_cost_matches_what_loads(tmp_path: Path, tp: int, ep: int) -> Non
                                                                      8: (256, 32, 32), 1: (176, 176, 64)}[tp]
     assert cost.group_eff == loads[0].group_size
     assert (cost.padding_bytes == 0) == (tp == 1)
+
+
+AWQ = Path(__file__).resolve().parents[1] / "fixtures" / "awq_w4_g32" / "checkpoint"  # 2 heads, 4 experts, I 128
+
+
+def test_serve_for_refuses_before_the_output_folder_exists(tmp_path: Path) -> None:
+    """`shard(..., serve_for=...)` (the CLI's --for): a split the engine refuses raises before anything is written,
+    naming the split that would serve; one it serves is written."""
+    out = tmp_path / "out"
+    with pytest.raises(PreshardError) as caught:
+        shard(AWQ, out, tp=2, ep=2, serve_for="vllm==0.34.0", progress=False)
+    assert str(caught.value) == (
+        f"vLLM 0.34.0 will not serve --tp 2 --ep 2 with --load-format wna16: vLLM runs MoE layers at TP or at EP, not "
+        f"both (TP 2 x EP 2; with --enable-expert-parallel its MoE TP is 1): --ep 2 would serve (vllm serve {out} "
+        f"--load-format wna16 -tp 2 --enable-expert-parallel); nothing was written.")
+    assert not out.exists()
+    assert shard(AWQ, out, ep=2, serve_for="sglang", progress=False).plan.params["ep"] == 2
+
+
+def test_the_split_that_would_serve_is_sought_ep_first_where_ep_was_asked(tmp_path: Path) -> None:
+    """serving_split: the sizes given, alone as EP then TP, then every candidate size, largest first (EP first when
+    --ep was given), one rank last; None where no split serves."""
+    from wna16_loader.layouts.serving_sglang import TESTED_SGLANG
+    from wna16_loader.layouts.serving_vllm import TESTED_VLLM
+    from wna16_loader.preshard.layouts import serving_split
+
+    (sglang,), vllm = TESTED_SGLANG, TESTED_VLLM[0]
+    both = make_plan(AWQ, tp_size=2, ep_size=2, warn=False)
+    assert (serving_split(both, vllm).tp, serving_split(both, vllm).ep) == (1, 2)
+    wide = make_plan(AWQ, tp_size=4, warn=False)  # 2 heads: 2 ranks at most; TP 2's attention needs moe_wna16
+    assert (serving_split(wide, sglang).tp, serving_split(wide, sglang).ep) == (2, 1)
+    edge = make_plan(AWQ.parent.parent / "gptq_w4_g32_zero_edge" / "checkpoint", tp_size=2, warn=False)
+    assert serving_split(edge, vllm) is None  # asymmetric GPTQ: no split

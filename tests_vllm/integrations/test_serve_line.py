@@ -1,8 +1,9 @@
-"""`wna16-shard`'s serve line (layouts.serving) against what the installed vLLM does: every real fixture's
-`wna16-shard --tp 1` output built as a whole model by vLLM with `--load-format wna16`, with no --quantization flag and with
-`--quantization moe_wna16`. The verdict of the installed version (TESTED_VLLM, by its version string) says
-whether each build loads, which MoE methods it picks (the plugin's METHOD_LAYOUTS rows) and, where it refuses,
-vLLM's words.
+"""`wna16-shard`'s serve line (layouts.serving, layouts.serving_vllm) against what the installed vLLM does: every
+real fixture's `wna16-shard` output at TP 1, TP 2 and EP 2 built as a whole model by vLLM with `--load-format wna16`
+(`-tp 2`, `-tp 2 --enable-expert-parallel`), with no --quantization flag and with `--quantization moe_wna16`. The
+verdict of the installed version (TESTED_VLLM, by its version string) says whether each build loads, which MoE
+methods it picks (the plugin's METHOD_LAYOUTS rows) and, where it refuses, vLLM's words. The table of vLLM's model
+classes (layouts.architectures) equals the installed vLLM's registry.
 
 vLLM's CPU platform, where the tier runs, differs from a GPU in two choices the declarations leave out (they
 describe a GPU, where users serve): CPU_ONLY pins them with vLLM's words.
@@ -18,13 +19,15 @@ import pytest
 from tier import result, run_group
 
 from wna16_loader.integrations import vllm as plugin
-from wna16_loader.layouts.serving import TESTED_VLLM, Serve, Split, Verdict, verdict
+from wna16_loader.layouts.serving import Serve, Split, Verdict, verdict
+from wna16_loader.layouts.serving_vllm import TESTED_VLLM
 from wna16_loader.preshard.layouts import output_split
 from wna16_loader.preshard.run import preshard_checkpoint
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
 REAL = sorted(p.name for p in FIXTURES.iterdir() if (p / "checkpoint" / "config.json").is_file())
 FLAGS = (None, "moe_wna16")
+GROUPS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "ep2": (1, 2, True)}  # name -> wna16-shard's TP, EP; vLLM's EP
 # vLLM's CPU platform: (fixture, flag) -> (exception type, words of its trace)
 CPU_ONLY = {
     # INCWNA16MoEScheme._build_cpu_method: every quantized MoE layer unquantized on a CPU; the plugin refuses it
@@ -49,31 +52,44 @@ def installed() -> str:
 
 
 def test_the_installed_vllm_is_a_tested_version():
-    """The tier runs only vLLM versions the serve line declares (layouts.serving.TESTED_VLLM)."""
+    """The tier runs only vLLM versions the serve line declares (layouts.serving_vllm.TESTED_VLLM)."""
     assert installed() in {v.version for v in TESTED_VLLM}, (
-        f"vLLM {installed()} is not in layouts.serving.TESTED_VLLM: declare it there once the tier passes")
+        f"vLLM {installed()} is not in layouts.serving_vllm.TESTED_VLLM: declare it there once the tier passes")
     assert os.environ.get("WNA16_TIER_VLLM", installed()).startswith(installed().rsplit(".", 1)[0])
 
 
+def test_the_model_class_table_is_vllms_registry():
+    """layouts.architectures' table of the installed version is the keys of vLLM's model registry."""
+    from vllm.model_executor.models.registry import _VLLM_MODELS
+
+    declared = next(v for v in TESTED_VLLM if v.version == installed()).architectures
+    found = set(_VLLM_MODELS)
+    assert declared == found, f"missing: {sorted(found - declared)}; not in vLLM: {sorted(declared - found)}"
+
+
 @pytest.fixture(scope="session")
-def outputs(tmp_path_factory) -> dict[str, tuple[Path, Split]]:
-    """name -> its `wna16-shard --tp 1` output and the serve question wna16-shard asked when it wrote it: the
-    real fixtures."""
+def outputs(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Split]]:
+    """(name, group) -> its `wna16-shard` output at the group's TP x EP and the serve question wna16-shard asked
+    when it wrote it: the real fixtures."""
     root = tmp_path_factory.mktemp("serve-line")
-    sources = {name: FIXTURES / name / "checkpoint" for name in REAL}
     out = {}
-    for name, source in sources.items():
-        summary = preshard_checkpoint(source, root / name, tp_size=1, progress=False)
-        out[name] = (root / name, output_split(summary.plan))
+    for group, (tp, ep, _) in GROUPS.items():
+        for name in REAL:
+            folder = root / f"{name}-{group}"
+            summary = preshard_checkpoint(FIXTURES / name / "checkpoint", folder, tp_size=tp, ep_size=ep,
+                                          progress=False)
+            out[(name, group)] = (folder, output_split(summary.plan))
     return out
 
 
 @pytest.fixture(scope="session")
 def built(outputs, tmp_path_factory) -> Path:
-    """Every output built by vLLM at TP 1 with --load-format wna16, with each flag (one process)."""
+    """Every output built by vLLM in its group with --load-format wna16, with each flag (one process a rank)."""
     out = tmp_path_factory.mktemp("serve-line-jobs")
-    run_group(1, [{"kind": "serve", "name": f"{name}-{flag}", "folder": str(folder), "load_format": "wna16",
-                   "quantization": flag} for name, (folder, _) in outputs.items() for flag in FLAGS], out)
+    for group, (tp, ep, expert) in GROUPS.items():
+        jobs = [{"kind": "serve", "name": f"{name}-{flag}", "folder": str(outputs[(name, group)][0]),
+                 "load_format": "wna16", "quantization": flag} for name in REAL for flag in FLAGS]
+        run_group(tp * ep, jobs, out / group, ep=expert)
     return out
 
 
@@ -93,13 +109,22 @@ def test_every_fixture_has_a_kind():
 
 
 @pytest.mark.parametrize("name, kind", [(n, k) for k, names in KINDS.items() for n in names])
-def test_the_serve_line_says_what_vllm_does(name, kind, outputs, built):
-    """The declared verdict is the fixture's kind, and vLLM does what it says with each flag: loads it with the
-    declared MoE methods, or refuses it with the declared words."""
-    v = declared(outputs[name][1])
-    assert v.serve is kind, v
-    for flag in FLAGS if v.serve is not Serve.NO_FLAG else (None,):
-        got = result(built, f"{name}-{flag}", 0)
+def test_each_fixture_has_its_kind_at_tp_1(name, kind, outputs):
+    assert declared(outputs[(name, "tp1")][1]).serve is kind
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("name", REAL)
+def test_the_serve_line_says_what_vllm_does(name, group, outputs, built):
+    """vLLM does what the declared verdict says with each flag on every rank: loads it with the declared MoE
+    methods, or refuses it with the declared words (a fixture with one attention head at 2 ranks: vLLM's own
+    check). A CPU platform difference (CPU_ONLY) is pinned by the next test instead."""
+    v = declared(outputs[(name, group)][1])
+    tp, ep, _ = GROUPS[group]
+    flags = [f for f in (FLAGS if v.serve is not Serve.NO_FLAG else (None,))
+             if not ((name, f) in CPU_ONLY and v.serve is Serve.NO_FLAG)]
+    for flag, rank in [(f, r) for f in flags for r in range(tp * ep)]:
+        got = result(built / group, f"{name}-{flag}", rank)
         loads = v.serve is Serve.NO_FLAG or (v.serve is Serve.FLAG and flag == v.flag)
         if loads:
             assert "type" not in got, f"{name} --quantization {flag}: vLLM refused: {got.get('trace')}"
@@ -112,9 +137,9 @@ def test_the_serve_line_says_what_vllm_does(name, kind, outputs, built):
 
 @pytest.mark.parametrize("name, flag", sorted(CPU_ONLY, key=str))
 def test_the_cpu_platform_differences_are_pinned(name, flag, outputs, built):
-    """Where vLLM's CPU platform picks another method than a GPU, the tier sees vLLM's CPU choice fail as pinned;
-    the serve line (a GPU's) says the output serves."""
+    """Where vLLM's CPU platform picks another method than a GPU, the tier sees vLLM's CPU choice fail as pinned
+    (at TP 1); the serve line (a GPU's) says the output serves."""
     kind, words = CPU_ONLY[(name, flag)]
-    got = result(built, f"{name}-{flag}", 0)
+    got = result(built / "tp1", f"{name}-{flag}", 0)
     assert got.get("type") == kind and words in got["trace"], got
-    assert declared(outputs[name][1]).serve is Serve.NO_FLAG
+    assert declared(outputs[(name, "tp1")][1]).serve is Serve.NO_FLAG

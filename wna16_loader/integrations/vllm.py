@@ -3,7 +3,7 @@ in the layout of the MoE method vLLM picked for that layer, and the rest of the 
 `load_weights`. No `--quantization` flag is needed.
 
 Registered by the `vllm.general_plugins` entry point (`register`); tested with the vLLM versions of
-`layouts.serving.TESTED_VLLM` (0.32.0 and 0.34.0, docs/vllm-versions.md). The folder is a checkpoint folder (each rank reads only its slices of the
+`layouts.serving_vllm.TESTED_VLLM` (0.32.0 and 0.34.0, docs/vllm-versions.md). The folder is a checkpoint folder (each rank reads only its slices of the
 expert tensors) or a `wna16-shard --layout fused` output (each rank reads only its own files and `common/`).
 
 | vLLM MoE method (layer.quant_method)  | its parameters, declared in           |
@@ -24,7 +24,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from ..layouts import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED, MethodLayout
-from ..layouts.serving import TESTED_VLLM
+from ..layouts.serving_vllm import TESTED_VLLM
 from ..load.inplace import FillReport, LayerTarget
 from ..parallel.config import ExpertPlacement, ParallelConfig
 from ..storage.hub import resolve_checkpoint

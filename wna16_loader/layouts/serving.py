@@ -1,21 +1,21 @@
-"""Whether `vllm serve OUT --load-format wna16` serves an output, per tested vLLM version, as data: which of
-vLLM's quantization configs a checkpoint gets with no --quantization flag (`QuantConfigRow.picked_for`, its
-quantization_config's quant_method), what that config refuses before any loader runs (`KeyRule`s over the
-quantization_config, with vLLM's words), which MoE method it builds each layer with (`method`, or `fallback`
-where the layer fails its Marlin shape check), and whether that method's row (layouts.vllm, the rows the
-plugin fills) holds the layer as written. The vLLM tier (tests_vllm/integrations/test_serve_line.py) builds
-every fixture's model with each tested vLLM and checks the verdict against what vLLM did.
+"""Whether an engine serves a `wna16-shard` output with `--load-format wna16`, per tested engine version, as data:
+which of the engine's quantization configs a checkpoint gets with no --quantization flag (`QuantConfigRow.picked_for`,
+its quantization_config's quant_method), what that config refuses before any loader runs (`KeyRule`s over the
+quantization_config, in the engine's words), which MoE method it builds each layer with (`method`, or `fallback`
+where the layer fails its Marlin shape check), whether that method's row (layouts.vllm, layouts.sglang: the rows
+the plugins fill) holds the layer as written, whether the engine runs the split at all (`Launch`, `SizeRule`) and
+whether it has the model class config.json names (`EngineVersion.architectures`). The rows are the engines':
+layouts/serving_vllm.py and layouts/serving_sglang.py; each engine tier builds every fixture's model and checks
+the verdict against what the engine did.
 
 | verdict  | meaning                                                                                       |
 |----------|-----------------------------------------------------------------------------------------------|
-| NO_FLAG  | `vllm serve OUT --load-format wna16 -tp N` loads it                                            |
-| FLAG     | it loads with `--quantization NAME` added (with no flag vLLM refuses it: `why`)               |
-| NEVER    | no flag of a tested version loads it (`why`: each try's reason)                                |
+| NO_FLAG  | the engine's serve command with `--load-format wna16` and the split's flags loads it          |
+| FLAG     | it loads with `--quantization NAME` added (with no flag the engine refuses it: `why`)          |
+| NEVER    | no flag of the version loads it (`why`: each try's reason)                                     |
 
-Read from vLLM's quantization/{auto_gptq, auto_awq, moe_wna16}.py, inc/, compressed_tensors/ and
-utils/{gptq_utils, marlin_utils}.py (0.32.0 and 0.34.0 alike); the choices are those of a CUDA GPU, where users
-serve (vLLM's CPU platform builds INC's MoE layers unquantized; the tier pins that difference). Nothing here
-branches on a method's or format's name: rows are looked up by the values they declare.
+The choices are those of a GPU, where users serve. Nothing here branches on an engine's, a method's or a format's
+name: rows are looked up by the values they declare.
 """
 
 from __future__ import annotations
@@ -26,23 +26,26 @@ from typing import Any
 
 from ..formats.spec import QuantSpec
 from .spec import MethodLayout, leaves_partial_group
-from .vllm import AUTO_AWQ, AUTO_GPTQ, CT_WNA16, MOE_WNA16, UNQUANTIZED
+from .vllm import UNQUANTIZED
 
 
 @dataclass(frozen=True)
 class KeyRule:
-    """A quantization_config key a vLLM config checks when it is built: a value outside `allowed` (`default`
-    when absent) is refused with `words` (formatted with the quantization_config), unless `exempt` (key, value)
-    holds."""
+    """A quantization_config key a config checks when it is built: a value outside `allowed` (`default` when
+    absent) is refused with `words` (formatted with the quantization_config), unless `exempt` (key, value) holds.
+    `at_start`: the engine checks it as it reads its configuration, before its size checks (SizeRule); else as it
+    builds the model's layers, after them."""
 
     key: str
     allowed: tuple[Any, ...]
     default: Any
     words: str
     exempt: tuple[str, Any] | None = None
+    at_start: bool = False
 
-    def refuses(self, qconfig: dict[str, Any]) -> str | None:
-        """vLLM's words for `qconfig`, or None where it passes."""
+    def refuses(self, split: "Split") -> str | None:
+        """The engine's words for the split's quantization_config, or None where it passes."""
+        qconfig = split.qconfig
         if self.exempt is not None and qconfig.get(self.exempt[0]) == self.exempt[1]:
             return None
         if qconfig.get(self.key, self.default) in self.allowed:
@@ -52,9 +55,9 @@ class KeyRule:
 
 @dataclass(frozen=True)
 class MarlinCheck:
-    """vLLM's `check_moe_marlin_supports_config`: H a multiple of `hidden_multiple`, G in `group_sizes`, and G
-    dividing I_p (`tile_padding`: vLLM pads I_p to the tile) or max(64, G) dividing it; `symmetric_only`: the
-    (bits, sym) pair must be symmetric too (INC's GPTQ scheme)."""
+    """The engine's MoE Marlin shape check: H a multiple of `hidden_multiple`, G in `group_sizes`, and G dividing
+    I_p (`tile_padding`: the engine pads I_p to the tile) or max(64, G) dividing it; `symmetric_only`: the
+    (bits, sym) pair must be symmetric too."""
 
     hidden_multiple: int = 128
     group_sizes: tuple[int, ...] = (-1, 32, 64, 128)
@@ -70,11 +73,10 @@ class MarlinCheck:
 
 @dataclass(frozen=True)
 class QuantConfigRow:
-    """One vLLM quantization config (`name`: its --quantization value; see the module docstring).
-    `per_layer` False: it builds every MoE layer at the top-level spec (moe_wna16 ignores GPTQ's `dynamic`);
-    `takes`: the quant_methods it accepts when named by the flag; `linear_refusals`: rules of the config it
-    builds the model's linear layers (attention) with (moe_wna16 hands a GPTQ model's to AutoGPTQ's config,
-    which refuses sym=False: asymmetric GPTQ is refused with the flag too)."""
+    """One quantization config of an engine (`name`: its --quantization value; see the module docstring).
+    `per_layer` False: it builds every MoE layer at the top-level spec (it ignores per-layer rules);
+    `takes`: the quant_methods it accepts when named by the flag; `linear_refusals`, `linear_sizes`: rules of the
+    config it builds the model's linear layers (attention) with, over the quantization_config and the split."""
 
     name: str
     picked_for: tuple[str, ...]
@@ -85,38 +87,64 @@ class QuantConfigRow:
     per_layer: bool = True
     takes: tuple[str, ...] = ()
     linear_refusals: tuple[KeyRule, ...] = ()
-
-
-DESC_ACT = KeyRule("desc_act", (False, None), False, "GPTQ group activation ordering (desc_act=True) is no longer "
-                   "supported", exempt=("group_size", -1))
-GPTQ_TYPES = KeyRule("sym", (True,), True, "Unsupported quantization config: bits={bits}, sym={sym}")
-NOT_MOE_WNA16 = KeyRule("desc_act", (False, None), False, "Quantization method specified in the model config "
-                        "({quant_method}) does not match the quantization method specified in the `quantization` "
-                        "argument (moe_wna16)", exempt=("group_size", -1))  # is_moe_wna16_compatible: no act-order
-AUTO_ROUND_PACKING = KeyRule("packing_format", ("auto_round:auto_gptq", "auto_round:auto_awq"),
-                             "auto_round:auto_gptq", "Unsupported packing_format: {packing_format}")
-MARLIN = MarlinCheck()
-
-CONFIGS = (
-    QuantConfigRow("gptq", ("gptq",), AUTO_GPTQ, (DESC_ACT, GPTQ_TYPES), MARLIN, MOE_WNA16),
-    QuantConfigRow("awq", ("awq",), AUTO_AWQ, (), MARLIN, MOE_WNA16),
-    QuantConfigRow("compressed-tensors", ("compressed-tensors",), CT_WNA16),
-    QuantConfigRow("inc", ("auto-round", "intel/auto-round"), AUTO_GPTQ, (AUTO_ROUND_PACKING,),
-                   MarlinCheck(tile_padding=False, symmetric_only=True), MOE_WNA16),
-    QuantConfigRow("moe_wna16", (), MOE_WNA16, (NOT_MOE_WNA16,), per_layer=False, takes=("gptq", "awq"),
-                   linear_refusals=(GPTQ_TYPES,)),
-)
+    linear_sizes: tuple[SizeRule, ...] = ()
 
 
 @dataclass(frozen=True)
-class VllmVersion:
-    """A vLLM release the tier tests, and its quantization configs."""
+class SizeRule:
+    """An engine's check of a split's sizes when it starts or builds the model: the Split field `size` must be a
+    multiple of `by` (a Split field, or a number), else the engine stops with `words` (formatted with both)."""
 
+    size: str
+    by: str | int
+    words: str
+
+    def refuses(self, split: "Split") -> str | None:
+        size, by = getattr(split, self.size), self.by if isinstance(self.by, int) else getattr(split, self.by)
+        return self.words.format(size=size, by=by) if by and size % by else None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How an engine is started on a split's ranks: `command` (formatted with `out`), `world` the flag of its
+    rank count, `expert` the flag that turns on expert parallelism (`expert_sized`: it takes the EP size;
+    else EP spans every rank), `tp_with_ep`: whether its MoE layers run TP inside each EP group."""
+
+    command: str
+    world: str
+    expert: str
+    expert_sized: bool
+    tp_with_ep: bool
+
+    def flags(self, tp: int, ep: int) -> str:
+        """The flags of TP `tp` x EP `ep` (world tp·ep ranks), '' for one rank."""
+        world = tp * ep
+        expert = "" if ep == 1 else f" {self.expert} {ep}" if self.expert_sized else f" {self.expert}"
+        return (f" {self.world} {world}" if world > 1 else "") + expert
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A serving engine: its name as users write it, its `--for` and pip name, and how it is launched."""
+
+    name: str
+    key: str
+    launch: Launch
+
+
+@dataclass(frozen=True)
+class EngineVersion:
+    """A release of an engine its tier tests: its quantization configs, size checks and model classes."""
+
+    engine: Engine
     version: str
     configs: tuple[QuantConfigRow, ...]
+    architectures: frozenset[str]
+    size_rules: tuple[SizeRule, ...] = ()
 
-
-TESTED_VLLM = (VllmVersion("0.32.0", CONFIGS), VllmVersion("0.34.0", CONFIGS))
+    @property
+    def label(self) -> str:
+        return f"{self.engine.name} {self.version}"
 
 
 class Serve(enum.Enum):
@@ -139,121 +167,128 @@ class LayerKind:
 
 @dataclass(frozen=True)
 class Verdict:
-    """What one vLLM version does with an output (see the module table); `methods`: the MoE methods its layers
+    """What one engine version does with an output (see the module table); `methods`: the MoE methods its layers
     get where it loads; `flag`: the --quantization value it needs."""
 
     serve: Serve
     methods: tuple[str, ...] = ()
     flag: str | None = None
     why: str = ""
-    words: tuple[str, ...] = ()  # vLLM's words of each config refusal met on the way (no flag first)
+    words: tuple[str, ...] = ()  # the engine's words of each refusal met on the way (no flag first)
 
 
 @dataclass(frozen=True)
 class Split:
     """What a verdict is asked about: the checkpoint's quantization_config and top-level spec, the TP and EP
-    sizes, and every MoE layer of every rank."""
+    sizes, every MoE layer of every rank, and config.json's `architectures`, routed experts, I, attention heads
+    and the attention output projection's input (heads x head_dim). `world`: the ranks, TP x EP; `attention_part`:
+    that input per rank (attention runs TP over every rank)."""
 
     qconfig: dict[str, Any]
     top: QuantSpec
     tp: int
     ep: int
     layers: tuple[LayerKind, ...]
+    architectures: tuple[str, ...] = ()
+    experts: int = 0
+    intermediate: int = 0
+    heads: int = 0
+    attention: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.ep
+
+    @property
+    def attention_part(self) -> int:
+        return self.attention // self.world
 
 
-def verdict(version: VllmVersion, split: Split) -> Verdict:
+def verdict(version: EngineVersion, split: Split) -> Verdict:
     """What `version` does with `split`: with no flag, else with the first flag whose config takes it."""
-    if split.tp > 1 and split.ep > 1:
-        return Verdict(Serve.NEVER, why=f"vLLM runs MoE layers at TP or at EP, not both (TP {split.tp} x EP "
-                                        f"{split.ep}; with --enable-expert-parallel its MoE TP is 1)")
+    refused = launch_refusal(version, split)
+    if refused:
+        return Verdict(Serve.NEVER, why=refused)
     method = str(split.qconfig.get("quant_method", "")).lower()
     default = next((row for row in version.configs if method in row.picked_for), None)
-    methods, why = attempt(default, split) if default else (None, f"no vLLM config reads quant_method {method!r}")
+    name = version.engine.name
+    methods, why, said = attempt(version, default, split) if default else \
+        (None, f"no {name} config reads quant_method {method!r}", "")
     if methods is not None:
         return Verdict(Serve.NO_FLAG, methods)
-    tries, words = [f"with no flag, {why}"], [w for w in [refused(default, split)] if w]
+    tries, words = {"no flag": why}, [said] if said else []
     for row in (row for row in version.configs if method in row.takes):
-        methods, flagged = attempt(row, split)
+        methods, flagged, said = attempt(version, row, split)
         if methods is not None:
             return Verdict(Serve.FLAG, methods, row.name, why, tuple(words))
-        tries.append(f"with --quantization {row.name}, {flagged}")
-        words += [w for w in [refused(row, split)] if w]
-    return Verdict(Serve.NEVER, why="; ".join(tries), words=tuple(words))
+        tries[f"--quantization {row.name}"] = flagged
+        words += [said] if said else []
+    return Verdict(Serve.NEVER, why=tried(tries), words=tuple(words))
 
 
-def refused(row: QuantConfigRow | None, split: Split) -> str | None:
-    """vLLM's words where `row`'s config refuses the split's quantization_config (None: it does not)."""
-    rules = row.refusals + row.linear_refusals if row else ()
-    return next((words for rule in rules if (words := rule.refuses(split.qconfig)) is not None), None)
+def tried(tries: dict[str, str]) -> str:
+    """Each try's reason, `with no flag, A; with --quantization X, B`; one reason for them all said once."""
+    if len(tries) > 1 and len(set(tries.values())) == 1:
+        return f"{next(iter(tries.values()))} (with {' and with '.join(tries)})"
+    return "; ".join(f"with {flag}, {why}" for flag, why in tries.items())
 
 
-def attempt(row: QuantConfigRow, split: Split) -> tuple[tuple[str, ...] | None, str]:
-    """The MoE methods `row`'s config gives the split's layers, or None and why it cannot serve them."""
-    for rule in row.refusals + row.linear_refusals:
-        words = rule.refuses(split.qconfig)
+def launch_refusal(version: EngineVersion, split: Split) -> str:
+    """Why `version` does not run the split's model whatever its flags ('' where it may): no model class of
+    config.json's `architectures`, or MoE TP with EP where it runs only one of them."""
+    name, launch = version.engine.name, version.engine.launch
+    if split.architectures and not set(split.architectures) & version.architectures:
+        return f"{version.label} has no model class {' or '.join(split.architectures)} (config.json's architectures)"
+    if split.tp > 1 and split.ep > 1 and not launch.tp_with_ep:
+        return (f"{name} runs MoE layers at TP or at EP, not both (TP {split.tp} x EP {split.ep}; with "
+                f"{launch.expert} its MoE TP is 1)")
+    return ""
+
+
+def attempt(version: EngineVersion, row: QuantConfigRow, split: Split) -> tuple[tuple[str, ...] | None, str, str]:
+    """The MoE methods `row`'s config gives the split's layers, or None, why it cannot serve them and the engine's
+    words ('' where the engine would build a method the plugin's row does not hold). In the engine's order: the
+    config's checks made at start, the engine's size checks, the config's other checks, its linear layers' size
+    checks, then each MoE layer."""
+    engine = version.engine.name
+    keys = row.refusals + row.linear_refusals
+    for check in (*(r for r in keys if r.at_start), *version.size_rules, *(r for r in keys if not r.at_start),
+                  *row.linear_sizes):
+        words = check.refuses(split)
         if words is not None:
-            where = "" if rule in row.refusals else " for the model's linear layers"
-            return None, f"vLLM's {row.name} config refuses it{where}: \"{words}\""
+            return None, refusal_text(engine, row, check, split, words), words
     picked: dict[str, None] = {}
     for layer in split.layers:
-        method, why = layer_method(row, split.top, layer)
+        method, why = layer_method(row, split.top, layer, engine)
         if why:
-            return None, f"{layer.prefix}: {why}"
+            return None, f"{layer.prefix}: {why}", ""
         picked[method.name] = None
-    return tuple(picked), ""
+    return tuple(picked), "", ""
 
 
-def layer_method(row: QuantConfigRow, top: QuantSpec, layer: LayerKind) -> tuple[MethodLayout, str]:
+def refusal_text(engine: str, row: QuantConfigRow, check: KeyRule | SizeRule, split: Split, words: str) -> str:
+    """One refusal in words: whose check it is and the engine's words."""
+    if check in row.refusals:
+        return f"{engine}'s {row.name} config refuses it: \"{words}\""
+    if check in row.linear_refusals:
+        return f"{engine}'s {row.name} config refuses it for the model's linear layers: \"{words}\""
+    if check in row.linear_sizes:
+        return f"{engine}'s {row.name} config refuses the model's linear layers at {split.world} ranks: \"{words}\""
+    return f"{engine} stops at {split.world} ranks: \"{words}\""  # one of the engine's own size checks
+
+
+def layer_method(row: QuantConfigRow, top: QuantSpec, layer: LayerKind, engine: str) -> tuple[MethodLayout, str]:
     """The MoE method `row` builds `layer` with, and why its row cannot hold the layer as written ('' if it can)."""
     spec = layer.spec if row.per_layer else top
     method = (UNQUANTIZED if not spec.quantized else
               row.fallback if row.marlin and row.fallback and not row.marlin.passes(spec, layer.hidden, layer.part)
               else row.method)
     if spec != layer.spec:
-        return method, (f"vLLM's {row.name} config builds it as {spec.describe()} (it ignores the per-layer rules), "
-                        f"the output holds {layer.spec.describe()}")
+        return method, (f"{engine}'s {row.name} config builds it as {spec.describe()} (it ignores the per-layer "
+                        f"rules), the output holds {layer.spec.describe()}")
     q = spec.quantized
     reason = method.refusal(quantized=q, padded=layer.padded, asymmetric=q and not spec.symmetric,
                             reduced=q and layer.group_eff not in (spec.group_size, -1), group_eff=layer.group_eff,
                             partial=q and leaves_partial_group(spec.group_size, layer.group_eff, layer.hidden,
-                                                               layer.part))
+                                                               layer.part), act_order=q and spec.act_order)
     return method, reason or ""
-
-
-def serve_lines(split: Split, out: str = "OUT") -> list[str]:
-    """One line per distinct verdict over the tested vLLM versions (see the module table)."""
-    verdicts: dict[Verdict, list[str]] = {}
-    for version in TESTED_VLLM:
-        verdicts.setdefault(verdict(version, split), []).append(version.version)
-    where = f"TP {split.tp}" if split.ep == 1 else f"EP {split.ep}" if split.tp == 1 else \
-        f"TP {split.tp} x EP {split.ep}"
-    flags = f" -tp {split.tp}" if split.ep == 1 and split.tp > 1 else (
-        f" -tp {split.ep} --enable-expert-parallel" if split.ep > 1 else "")
-    return [f"vLLM {', '.join(versions)} at {where}: {_say(v, out, flags)}" for v, versions in verdicts.items()]
-
-
-def _say(v: Verdict, out: str, flags: str) -> str:
-    command = f"vllm serve {out} --load-format wna16" + (f" --quantization {v.flag}" if v.flag else "") + flags
-    if v.serve is Serve.NO_FLAG:
-        return f"yes: {command} (MoE method {', '.join(v.methods)}, no --quantization flag)"
-    if v.serve is Serve.FLAG:
-        return f"yes, with --quantization {v.flag}: {command} (MoE method {', '.join(v.methods)}; with no flag " \
-               f"{v.why})"
-    return f"no: {v.why}"
-
-
-def short_verdict(split: Split) -> str:
-    """`--plan`'s column: `yes (auto_gptq)`, `--quantization moe_wna16` or `no`, prefixed by the versions when
-    they differ."""
-    said: dict[str, list[str]] = {}
-    for version in TESTED_VLLM:
-        v = verdict(version, split)
-        text = {Serve.NO_FLAG: f"yes ({', '.join(v.methods)})", Serve.FLAG: f"--quantization {v.flag}",
-                Serve.NEVER: "no"}[v.serve]
-        said.setdefault(text, []).append(version.version)
-    return text if len(said) == 1 else "; ".join(f"{', '.join(on)}: {text}" for text, on in said.items())
-
-
-def unserved(split: Split) -> bool:
-    """Whether no tested vLLM version serves `split` with any flag."""
-    return all(verdict(version, split).serve is Serve.NEVER for version in TESTED_VLLM)

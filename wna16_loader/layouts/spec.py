@@ -167,15 +167,16 @@ class MethodLayout:
         return all(allocated_shape(p, floor) == allocated_shape(p, ceil) for p in self.params)
 
     def refusal(self, *, quantized: bool, padded: bool, reduced: bool, asymmetric: bool, partial: bool,
-                group_eff: int) -> str | None:
+                group_eff: int, act_order: bool = False) -> str | None:
         """Why this row cannot hold a fused layer of this kind (None: it can); `partial`: G leaves a last,
-        partial group along H or I_p (`leaves_partial_group`)."""
+        partial group along H or I_p (`leaves_partial_group`); `act_order`: the layer's g_idx orders its groups."""
         if self.quantized != quantized:
             return f"{self.name} holds {'quantized' if self.quantized else 'float'} experts, the layer's are not"
         why = (["padding columns (an I that TP does not split evenly)"] * (padded and not self.padded)
                + ["a G_eff below the checkpoint's G"] * (reduced and not self.reduced_groups)
                + ["zero points"] * (asymmetric and not self.asymmetric)
                + ["a partial last group"] * (partial and not self.partial_groups)
+               + ["act-order (g_idx)"] * (act_order and not self.act_order)
                + [f"G_eff {group_eff} (it needs G >= {self.min_group})"] * (0 < group_eff < self.min_group))
         return f"{self.name} does not hold {' or '.join(why)}" if why else None
 

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import format_ranges
 from ..formats.spec import group_words
 from ..load.outputs import OutputLayout
-from ..layouts.serving import serve_lines
+from ..layouts.engines import serve_lines
 from .layouts import output_split
 from .plan import COMMON_DIR, RankPlan, ShardPlan, paddings
 
@@ -71,7 +71,8 @@ def describe_plan(plan: ShardPlan) -> str:
     lines.append(f"total: {len(files)} files, {sum(len(f.tensors) for f in files)} tensors, "
                  f"{human_size(sum(f.nbytes for f in files))}")
     lines.append(f"copied: {', '.join(plan.copied) or '(none)'}")
-    return "\n".join(lines + padding_lines(plan))
+    serve = serve_lines(output_split(plan)) if plan.layout is OutputLayout.FUSED else []
+    return "\n".join(lines + padding_lines(plan) + serve)
 
 
 def padding_lines(plan: ShardPlan) -> list[str]:
@@ -171,7 +172,8 @@ class ShardSummary:
         return "\n".join(rows + padding_lines(self.plan) + self._methods())
 
     def _methods(self) -> list[str]:
-        """Whether each tested vLLM serves the output (a fused one; --layout checkpoint holds source tensors)."""
+        """Whether each tested vLLM and SGLang serves the output (a fused one; --layout checkpoint holds source
+        tensors)."""
         if self.plan.layout is not OutputLayout.FUSED:
             return []
         return serve_lines(output_split(self.plan), str(self.out))

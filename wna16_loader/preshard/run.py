@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
+from ..layouts.engines import versions_for
 from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..storage.hub import resolve_checkpoint
 from .journal import (JOURNAL_NAME, Recheck, check_existing, interrupted, recheck, start, warn_repairing,
                       warn_starting_over)
 from .manifest import build_manifest
-from .layouts import warn_unserved
+from .layouts import check_served, warn_unserved
 from .plan import COMMON_DIR, ShardPlan, make_plan, warn_plan
 from .progress import RankSummary, ShardSummary
 from .safefiles import copy_file, locked_by_another, make_dir, output_lock, write_json_atomic
@@ -23,22 +24,22 @@ from .writing import write_all
 def shard(src: str | Path, out: str | Path, *, tp: int = 1, ep: int = 1, placement: str = "linear",
           revision: str | None = None, layout: str | OutputLayout = OutputLayout.FUSED, max_file_size: int = 4 * 2**30,
           resume: bool = False, force: bool = False, verify: bool = False, dry_run: bool = False,
-          workers: int = 1, mtp: bool = True, progress: bool = True) -> ShardSummary:
+          workers: int = 1, mtp: bool = True, progress: bool = True, serve_for: str | None = None) -> ShardSummary:
     """The Python twin of `wna16-shard SRC OUT --tp TP --ep EP [...]`, option for option (`mtp=False` is
-    `--no-mtp`; named `shard`, as `preshard` is this package's folder): pre-shard `src` (a folder, or a Hugging Face repo id at `revision`) into `out`, and return
+    `--no-mtp`, `serve_for="sglang"` is `--for sglang`; named `shard`, as `preshard` is this package's folder): pre-shard `src` (a folder, or a Hugging Face repo id at `revision`) into `out`, and return
     the summary the CLI prints (`summary.table()`; `summary.complete` when `out` already held it). Then
     `load_experts(out, ParallelConfig.from_manifest(out, rank=r))` loads rank r."""
     return preshard_checkpoint(resolve_checkpoint(src, revision=revision), out, tp_size=tp, ep_size=ep,
                                placement=placement, max_file_size=max_file_size, resume=resume, verify=verify,
                                dry_run=dry_run, progress=progress, layout=layout, workers=workers, force=force,
-                               mtp=mtp)
+                               mtp=mtp, serve_for=serve_for)
 
 
 def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_size: int = 1,
                         placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
                         verify: bool = False, dry_run: bool = False, progress: bool = True,
                         layout: str | OutputLayout = OutputLayout.FUSED, workers: int = 1, force: bool = False,
-                        mtp: bool = True) -> ShardSummary:
+                        mtp: bool = True, serve_for: str | None = None) -> ShardSummary:
     """Write every rank's expert tensors of `src` into `out` (see the module docstring).
 
     layout: OutputLayout.FUSED, "fused" (load_experts' tensors) or OutputLayout.CHECKPOINT, "checkpoint" (source
@@ -47,6 +48,9 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
     verify: re-read the output and compare it with the source; problems land in the summary.
     workers: folders written in parallel processes (output identical to workers=1).
     mtp: shard the MTP layers' experts (default); False copies their tensors unchanged into common/.
+    serve_for: an engine (`"vllm"`, `"sglang"`, `"sglang==0.5.23"`: layouts.engines.versions_for) that must serve
+    the fused output: a split it refuses raises PreshardError before anything is written, naming a split it
+    would serve. Without it, each engine that serves no such output is warned about before the write.
     An `out` that already holds this plan's finished output (same parameters and source) is re-checked, file
     by file, against its manifest (size, then sha256; progress shown): exactly the files that differ, are
     truncated or are missing are rewritten, the others are left untouched (their mtime too); when none
@@ -59,6 +63,8 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         raise PreshardError(f"workers={workers}: must be at least 1, e.g. --workers 4.")
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
                      layout=layout, mtp=mtp, warn=False)  # warned below, only when something is written
+    if serve_for is not None and plan.layout is OutputLayout.FUSED:
+        check_served(plan, versions_for(serve_for), str(out))
     if dry_run:
         warn_plan(plan)
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
@@ -75,6 +81,8 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         if found is None and not force:
             warn_starting_over(out, plan)
         warn_plan(plan)
+        if serve_for is None:
+            warn_unserved(plan, out)
         journal: dict[str, dict[str, Any]] = {}
         try:
             journal = start(out, plan, None if found is None else found.kept)
@@ -86,7 +94,6 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         except KeyboardInterrupt:
             raise interrupted(out, plan, journal) from None
         (out / JOURNAL_NAME).unlink(missing_ok=True)
-    warn_unserved(plan, out)
     return replace(ShardSummary(out=out, plan=plan, ranks=summaries), **_verified(out, plan, verify))
 
 
