@@ -275,9 +275,28 @@ def test_reduced_groups_are_refused_on_either_route(tmp_path, copy_words):
                               num_experts=4, hidden=128, intermediate=128, num_layers=2, seed=9).folder
     config = ParallelConfig(tp_size=4, tp_rank=1)  # I/tp = 32 columns: G_eff 32 < G 64, no w2 group at G
     params = targets(load_experts(folder, config), AUTO_GPTQ, 64)
-    with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts\.w2_scales: the fused layer has "
-                       r"1 groups, the engine's parameter 0; 1 is not a multiple of 0"):
+    with pytest.raises(LayoutMismatchError, match=r"model\.layers\.0\.mlp\.experts: the engine's auto_gptq "
+                       r"parameters hold groups of the checkpoint's group size 64, but this rank's 32 columns of I "
+                       r"128 are not whole groups of 64 \(the layer is written at G_eff 32\), so some columns would "
+                       r"take another group's scale; serve it with moe_wna16 \(SGLang and vLLM: --quantization "
+                       r"moe_wna16\), which holds G_eff, or at a TP size that keeps group size 64: \[1, 2\]"):
         fill_layers(folder, config, params, copy_words=copy_words)
+
+
+@pytest.mark.parametrize("row", [AUTO_GPTQ, GPTQ_MARLIN])
+def test_a_rank_whose_columns_span_two_groups_is_refused_not_regrouped(tmp_path, row):
+    """I 384 at TP 2, G 128: each rank's 192 columns are a group and a half (G_eff 64: three fused groups, rank 1's
+    [g1, g2, g2]). A row at G holds one group a rank; taking every third fused group would give rank 1's last 128
+    columns group 1's scale (as an engine's own loader does: its narrow of the checkpoint's groups): refused."""
+    folder = write_checkpoint(tmp_path / "ckpt", quant_config("gptq", bits=4, group_size=128, symmetric=True),
+                              num_experts=2, hidden=128, intermediate=384, num_layers=1, seed=3).folder
+    config = ParallelConfig(tp_size=2, tp_rank=1)
+    fused = load_experts(folder, config)
+    assert next(iter(fused.values())).spec.group_size == 64
+    with pytest.raises(LayoutMismatchError, match=rf"the engine's {row.name} parameters hold groups of the "
+                       r"checkpoint's group size 128, but this rank's 192 columns of I 384 are not whole groups"):
+        fill_layers(folder, config, targets(fused, row, 128))
+    fill_layers(folder, config, targets(fused, MOE_WNA16, 128))  # (moe_wna16 holds G_eff)
 
 
 @pytest.mark.parametrize("row", [AUTO_GPTQ, MOE_WNA16])

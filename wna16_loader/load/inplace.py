@@ -147,7 +147,24 @@ def check_target(prefix: str, target: LayerTarget, spec: FusedSpec, group_size: 
                                   f"layer ({sizes}): {'; '.join(wrong + [f'{m} missing' for m in missing])}; load "
                                   f"it with the engine's own loader or shard it for the engine's TP/EP sizes")
     _check_whole_groups(prefix, target.layout, decls, sizes, group_size, spec.group_size)
+    _check_reduced_groups(prefix, target.layout, sizes, group_size, spec.group_size)
     return decls
+
+
+def _check_reduced_groups(prefix: str, layout: MethodLayout, sizes: Sizes, group_size: int, g_eff: int) -> None:
+    """Refuse a method row without `reduced_groups` (its scales hold groups of the checkpoint's G) for a layer
+    written at a G_eff below G: a TP cut that G does not divide, so this rank's I_p columns are not whole groups of
+    G, and a group-G parameter would give some of them another group's scale (taking every G / G_eff-th of the
+    fused layer's groups keeps the first group's scale for the columns of the next)."""
+    if layout.reduced_groups or not 0 < g_eff < group_size:
+        return
+    keep = [1] + [t for t in range(2, 65) if sizes.I % t == 0 and (sizes.I // t) % group_size == 0]
+    raise LayoutMismatchError(
+        f"{prefix}: the engine's {layout.name} parameters hold groups of the checkpoint's group size {group_size}, "
+        f"but this rank's {sizes.I_p} columns of I {sizes.I} are not whole groups of {group_size} (the layer is "
+        f"written at G_eff {g_eff}), so some columns would take another group's scale; serve it with moe_wna16 "
+        f"(SGLang and vLLM: --quantization moe_wna16), which holds G_eff, or at a TP size that keeps group size "
+        f"{group_size}: {keep}")
 
 
 def _check_whole_groups(prefix: str, layout: MethodLayout, decls: tuple[ParamDecl, ...], sizes: Sizes,
