@@ -19,14 +19,11 @@ targets.SGLANG_TARGETS; the table and verdicts print as the vLLM suite's do.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 from .contenders import SGLANG_CONTENDERS
-from .suite_vllm import GIB, layout, shard, slowest, start_group, table, values
-from .targets import SGLANG_TARGETS, evaluate, targets_table
-from .vllm_model import SIZES, expert_bytes, write_model
+from .suite_vllm import GIB, engine_parser, layout, parsed, report, shard, slowest, source_of, start_group
+from .targets import SGLANG_TARGETS
 
 RANK_SCRIPT = Path(__file__).with_name("sglang_rank.py")
 
@@ -70,33 +67,11 @@ def measure(args: argparse.Namespace, source: Path) -> list[dict]:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="scripts/bench --suite sglang", description=__doc__.split("\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="qwen3-30b")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--inter", type=int, help="the experts' I (default: the size's)")
-    parser.add_argument("--layouts", type=lambda s: s.split(","), default=["tp4", "ep4", "tp8", "ep8"])
-    parser.add_argument("--states", type=lambda s: s.split(","), default=["cold", "warm"])
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/wna16-bench-sglang"))
-    parser.add_argument("--json", type=Path, help="write every run, the table and the targets here")
-    args = parser.parse_args(argv)
-    for name in args.layouts:
-        layout(name)
-    return args
+    return parsed(engine_parser("sglang", __doc__, ["tp4", "ep4", "tp8", "ep8"]), argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    start = time.perf_counter()
-    source = write_model(args.workdir / f"{args.size}-{args.layers}l-i{args.inter or 'default'}-gptq", args.size,
-                         args.layers, args.inter)
-    print(f"checkpoint {source}: {expert_bytes(source) / GIB:.2f} GiB of experts, {args.layers} layers "
-          f"(ready in {time.perf_counter() - start:.0f} s)", flush=True)
-    runs = measure(args, source)
-    text, verdicts = table(runs), targets_table(evaluate(SGLANG_TARGETS, values(runs)))
-    print(f"\nmedian of {args.reps} run(s); per rank 'rank 0 / rank 1 / ...'\n{text}\n\n{verdicts}")
-    if args.json:
-        args.json.write_text(json.dumps({"size": args.size, "layers": args.layers, "inter": args.inter,
-                                         "expert_bytes": expert_bytes(source), "reps": args.reps, "runs": runs,
-                                         "table": text, "targets": verdicts}, indent=1))
+    source = source_of(args)
+    report(args, source, measure(args, source), SGLANG_TARGETS)
     return 0

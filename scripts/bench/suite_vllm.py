@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .contenders import VLLM_CONTENDERS, VllmContender
-from .targets import VLLM_TARGETS, evaluate, targets_table
+from .targets import VLLM_TARGETS, Target, evaluate, targets_table
 from .vllm_model import SIZES, expert_bytes, write_model
 
 RANK_SCRIPT = Path(__file__).with_name("vllm_rank.py")
@@ -171,18 +171,39 @@ def table(runs: list[dict]) -> str:
     return "\n".join([head, *rows])
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="scripts/bench --suite vllm", description=__doc__.split("\n")[0])
+def engine_parser(engine: str, doc: str, layouts: list[str]) -> argparse.ArgumentParser:
+    """The options an engine suite (vllm, sglang) shares: the model written, its layouts, states and repetitions."""
+    parser = argparse.ArgumentParser(prog=f"scripts/bench --suite {engine}", description=doc.split("\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="qwen3-30b")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--inter", type=int, help="the experts' I (default: the size's)")
-    parser.add_argument("--layouts", type=lambda s: s.split(","), default=["tp4", "tp8", "ep4", "ep8"])
+    parser.add_argument("--layouts", type=lambda s: s.split(","), default=layouts)
     parser.add_argument("--states", type=lambda s: s.split(","), default=["cold", "warm"])
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--workdir", type=Path, default=Path("/tmp/wna16-bench-vllm"))
+    parser.add_argument("--workdir", type=Path, default=Path(f"/tmp/wna16-bench-{engine}"))
     parser.add_argument("--json", type=Path, help="write every run, the table and the targets here")
+    return parser
+
+
+def source_of(args: argparse.Namespace) -> Path:
+    """The suite's GPTQ checkpoint (written once per size, layers and I), announced with its expert bytes."""
+    start = time.perf_counter()
+    source = write_model(args.workdir / f"{args.size}-{args.layers}l-i{args.inter or 'default'}-gptq", args.size,
+                         args.layers, args.inter)
+    print(f"checkpoint {source}: {expert_bytes(source) / GIB:.2f} GiB of experts, {args.layers} layers "
+          f"(ready in {time.perf_counter() - start:.0f} s)", flush=True)
+    return source
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = engine_parser("vllm", __doc__, ["tp4", "tp8", "ep4", "ep8"])
     parser.add_argument("--process", action="store_true", help="also run vLLM's process_weights_after_loading")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    return parsed(parser, argv)
+
+
+def parsed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """An engine suite's arguments, every --layouts name checked (`layout` raises on one it does not know)."""
     args = parser.parse_args(argv)
     for name in args.layouts:
         layout(name)
@@ -191,18 +212,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse(argv)
-    start = time.perf_counter()
-    source = write_model(args.workdir / f"{args.size}-{args.layers}l-i{args.inter or 'default'}-gptq", args.size,
-                         args.layers, args.inter)
-    print(f"checkpoint {source}: {expert_bytes(source) / GIB:.2f} GiB of experts, {args.layers} layers "
-          f"(ready in {time.perf_counter() - start:.0f} s)", flush=True)
+    source = source_of(args)
     runs, skipped = measure(args, source)
-    text, verdicts = table(runs), targets_table(evaluate(VLLM_TARGETS, values(runs)))
+    report(args, source, runs, VLLM_TARGETS, skipped)
+    return 0
+
+
+def report(args: argparse.Namespace, source: Path, runs: list[dict], targets: tuple[Target, ...],
+           skipped: dict[str, str] | None = None) -> None:
+    """An engine suite's table and target verdicts, printed, and with --json every run written too."""
+    text, verdicts = table(runs), targets_table(evaluate(targets, values(runs)))
     print(f"\nmedian of {args.reps} run(s); per rank 'rank 0 / rank 1 / ...'\n{text}\n\n{verdicts}")
-    for key, why in skipped.items():
+    for key, why in (skipped or {}).items():
         print(f"skipped: {key}: {why}")
     if args.json:
         args.json.write_text(json.dumps({"size": args.size, "layers": args.layers, "inter": args.inter,
                                          "expert_bytes": expert_bytes(source), "reps": args.reps, "runs": runs,
-                                         "skipped": skipped, "table": text, "targets": verdicts}, indent=1))
-    return 0
+                                         "skipped": skipped or {}, "table": text, "targets": verdicts}, indent=1))
