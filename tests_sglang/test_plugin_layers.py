@@ -78,7 +78,8 @@ REFUSALS = {
         SIZE, ("LayoutMismatchError", "its last group is partial"), "GPTQ Marlin allocates 704 // 128 = 5 w2 scale "
         "groups, the checkpoint stores 6"),
     ("synthetic_gptq_w4_sym_i704.marlin", ("tp2",)): Refusal(
-        None, ("LayoutMismatchError", "the fused layer has 11 groups, the engine's parameter 2"), "I_p 352, G 128: "
+        None, ("LayoutMismatchError", "parameters hold groups of the checkpoint's group size 128, but this rank's "
+               "352 columns of I 704 are not whole groups of 128 (the layer is written at G_eff 32)"), "I_p 352, G 128: "
         "no group size holds the rank's columns (its first group starts mid-group); SGLang copies the checkpoint's "
         "scales at their own groups"),
     ("gptq_dynamic_mixed.L1", ALL): Refusal(SIZE, NO_FIT, "moe_wna16 ignores GPTQ `dynamic`: the 8-bit g64 layer is "
