@@ -10,13 +10,31 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 RANK_SCRIPT = Path(__file__).with_name("vllm_rank.py")
 TIMEOUT_S = 600
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "fixtures"  # the real quantizers' checkpoints
+REAL = sorted(p.name for p in FIXTURES.iterdir() if (p / "checkpoint" / "config.json").is_file())
+
+
+def fixture_outputs(root: Path, sizes: dict[str, tuple[int, int]]) -> dict[tuple[str, str], tuple[Path, Any]]:
+    """(fixture, group) -> the `wna16-shard` output of every real fixture at each group's (TP, EP) of `sizes`,
+    under `root`, with the serve question wna16-shard asked when it wrote it (`output_split`)."""
+    from wna16_loader.preshard.layouts import output_split
+    from wna16_loader.preshard.run import preshard_checkpoint
+
+    out = {}
+    for group, (tp, ep) in sizes.items():
+        for name in REAL:
+            folder = root / f"{name}-{group}"
+            summary = preshard_checkpoint(FIXTURES / name / "checkpoint", folder, tp_size=tp, ep_size=ep,
+                                          progress=False)
+            out[(name, group)] = (folder, output_split(summary.plan))
+    return out
 
 
 def free_port() -> int:

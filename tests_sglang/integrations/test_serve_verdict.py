@@ -14,16 +14,12 @@ from pathlib import Path
 
 import pytest
 from sglang_cases import GROUPS
-from tier import result, run_group
+from tier import REAL, fixture_outputs, result, run_group
 
 from wna16_loader.layouts.serving import Serve, Split, Verdict, verdict
 from wna16_loader.layouts.serving_sglang import TESTED_SGLANG
-from wna16_loader.preshard.layouts import output_split
-from wna16_loader.preshard.run import preshard_checkpoint
 
 HERE = Path(__file__).resolve().parents[1]
-FIXTURES = HERE.parent / "tests" / "fixtures"
-REAL = sorted(p.name for p in FIXTURES.iterdir() if (p / "checkpoint" / "config.json").is_file())
 FLAGS = (None, "moe_wna16")
 SIZES = {"tp1": (1, 1), "tp2": (2, 1), "ep2": (1, 2)}  # the tier's gloo groups as wna16-shard's TP x EP
 
@@ -59,15 +55,7 @@ def test_the_model_class_table_is_sglangs_registry():
 @pytest.fixture(scope="session")
 def outputs(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Split]]:
     """(fixture, group) -> its `wna16-shard` output at the group's TP x EP and the verdict's question."""
-    root = tmp_path_factory.mktemp("serve-verdict")
-    out = {}
-    for group, (tp, ep) in SIZES.items():
-        for name in REAL:
-            folder = root / f"{name}-{group}"
-            summary = preshard_checkpoint(FIXTURES / name / "checkpoint", folder, tp_size=tp, ep_size=ep,
-                                          progress=False)
-            out[(name, group)] = (folder, output_split(summary.plan))
-    return out
+    return fixture_outputs(tmp_path_factory.mktemp("serve-verdict"), SIZES)
 
 
 @pytest.fixture(scope="session")

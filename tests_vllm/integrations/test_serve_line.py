@@ -16,16 +16,12 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import pytest
-from tier import result, run_group
+from tier import REAL, fixture_outputs, result, run_group
 
 from wna16_loader.integrations import vllm as plugin
 from wna16_loader.layouts.serving import Serve, Split, Verdict, verdict
 from wna16_loader.layouts.serving_vllm import TESTED_VLLM
-from wna16_loader.preshard.layouts import output_split
-from wna16_loader.preshard.run import preshard_checkpoint
 
-FIXTURES = Path(__file__).resolve().parents[2] / "tests" / "fixtures"
-REAL = sorted(p.name for p in FIXTURES.iterdir() if (p / "checkpoint" / "config.json").is_file())
 FLAGS = (None, "moe_wna16")
 GROUPS = {"tp1": (1, 1, False), "tp2": (2, 1, False), "ep2": (1, 2, True)}  # name -> wna16-shard's TP, EP; vLLM's EP
 # vLLM's CPU platform: (fixture, flag) -> (exception type, words of its trace)
@@ -71,15 +67,7 @@ def test_the_model_class_table_is_vllms_registry():
 def outputs(tmp_path_factory) -> dict[tuple[str, str], tuple[Path, Split]]:
     """(name, group) -> its `wna16-shard` output at the group's TP x EP and the serve question wna16-shard asked
     when it wrote it: the real fixtures."""
-    root = tmp_path_factory.mktemp("serve-line")
-    out = {}
-    for group, (tp, ep, _) in GROUPS.items():
-        for name in REAL:
-            folder = root / f"{name}-{group}"
-            summary = preshard_checkpoint(FIXTURES / name / "checkpoint", folder, tp_size=tp, ep_size=ep,
-                                          progress=False)
-            out[(name, group)] = (folder, output_split(summary.plan))
-    return out
+    return fixture_outputs(tmp_path_factory.mktemp("serve-line"), {g: (tp, ep) for g, (tp, ep, _) in GROUPS.items()})
 
 
 @pytest.fixture(scope="session")
