@@ -348,17 +348,11 @@ def _shard_distributed(args: argparse.Namespace, src: str | Path) -> int:
     from .parallel.config import ShardJob
     from .preshard import preshard_distributed
     from .preshard.verify import verify_report
-    if args.serve_for is not None and args.layout == "fused":  # each process refuses before anything is written
-        from .preshard.layouts import check_served
-        from .preshard.plan import make_plan
-        from .layouts.engines import versions_for
-        plan = make_plan(src, tp_size=args.tp, ep_size=args.ep, placement=args.placement, layout=args.layout,
-                         mtp=not args.no_mtp, warn=False)
-        check_served(plan, versions_for(args.serve_for), str(args.out))
     with ShardJob.joined() as job:
         summary = preshard_distributed(src, args.out, job, tp_size=args.tp, ep_size=args.ep,
                                        placement=args.placement, max_file_size=args.max_file_size,
-                                       resume=args.resume, layout=args.layout, mtp=not args.no_mtp)
+                                       resume=args.resume, layout=args.layout, mtp=not args.no_mtp,
+                                       serve_for=args.serve_for)
     if job.process != 0:
         return 0
     if not args.quiet:

@@ -80,5 +80,5 @@ def short_verdict(split: Split, versions: tuple[EngineVersion, ...]) -> str:
 
 
 def refusing(split: Split, versions: tuple[EngineVersion, ...]) -> tuple[EngineVersion, ...]:
-    """The versions among `versions` that serve `split` with no flag of theirs."""
+    """The versions among `versions` that do not serve `split`, with or without a --quantization flag."""
     return tuple(version for version in versions if verdict(version, split).serve is Serve.NEVER)

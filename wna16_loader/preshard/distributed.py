@@ -32,6 +32,7 @@ from ..storage.index import CheckpointIndex
 from ..storage.readahead import ReadOptions
 from ..storage.windows import windows_of
 from .journal import JOURNAL_NAME, check_existing, recheck, start
+from .layouts import check_served
 from .manifest import build_manifest
 from .plan import ShardPlan, make_plan
 from .progress import ShardSummary
@@ -48,16 +49,18 @@ def owner(group: int | None, processes: int) -> int:
 def preshard_distributed(src: str | Path, out: str | Path, job: ShardJob, *, tp_size: int, ep_size: int = 1,
                          placement: str = "linear", max_file_size: int = 4 * 2**30, resume: bool = False,
                          layout: str | OutputLayout = OutputLayout.FUSED, mtp: bool = True,
-                         reads: ReadOptions | None = None) -> ShardSummary:
+                         reads: ReadOptions | None = None, serve_for: str | None = None) -> ShardSummary:
     """`preshard_checkpoint` split over the processes of `job` (every process calls it with the same
     arguments; torch.distributed must be initialised when there are several). Process 0's summary lists
     every folder. A fresh fused run with one rank folder per process reads as a node: the processes of each
-    host read every source byte once, together (`reads`: the read options, default `ReadOptions()`)."""
+    host read every source byte once, together (`reads`: the read options, default `ReadOptions()`). `serve_for`:
+    as `preshard_checkpoint`'s, checked by every process before anything is written."""
     out = Path(out)
     check_out_not_in_source(Path(src), out)
     lead = job.process == 0
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
                      layout=layout, mtp=mtp, warn=lead)  # one warning per run, not one per process
+    check_served(plan, serve_for, out)
     if lead:
         make_dir(out)
     with output_lock(out) if lead else nullcontext():

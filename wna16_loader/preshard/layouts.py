@@ -21,7 +21,7 @@ import torch
 
 from ..errors import PreshardError, WNA16Error
 from ..formats import QuantSpec
-from ..layouts.engines import ENGINES, command, of_engine, refusing, serve_lines, short_verdict
+from ..layouts.engines import ENGINES, command, of_engine, refusing, serve_lines, short_verdict, versions_for
 from ..layouts.serving import EngineVersion, LayerKind, Serve, Split, verdict
 from ..load.experts import planned
 from ..load.fused import FusedSpec
@@ -142,14 +142,17 @@ def warn_unserved(plan: ShardPlan, out: Path) -> None:
                             refusal_words(plan, split, versions, str(out)))
 
 
-def check_served(plan: ShardPlan, versions: tuple[EngineVersion, ...], out: str) -> None:
-    """`--for`: a PreshardError, before anything is written, when one of `versions` does not serve the fused
-    output, saying why and naming a split that it would serve."""
-    split = output_split(plan)
+def check_served(plan: ShardPlan, serve_for: str | None, out: Path) -> None:
+    """`--for ENGINE` (`serve_for`, as `versions_for` reads it; None: no check): a PreshardError, before anything
+    is written, when one of the versions it names does not serve the fused output, saying why and naming a split
+    that it would serve. An output in the checkpoint's own layout is the engine's own loader's to judge."""
+    if serve_for is None or plan.layout is not OutputLayout.FUSED:
+        return
+    versions, split = versions_for(serve_for), output_split(plan)
     refused = refusing(split, versions)
     if refused:
         raise PreshardError(f"{labels(refused)} will not serve {shard_flags(split)} with --load-format wna16: "
-                            f"{refusal_words(plan, split, refused, out)}; nothing was written.")
+                            f"{refusal_words(plan, split, refused, str(out))}; nothing was written.")
 
 
 def labels(versions: tuple[EngineVersion, ...]) -> str:

@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PreshardError
-from ..layouts.engines import versions_for
 from ..load.outputs import MANIFEST_NAME, OutputLayout
 from ..storage.hub import resolve_checkpoint
 from .journal import (JOURNAL_NAME, Recheck, check_existing, interrupted, recheck, start, warn_repairing,
@@ -63,8 +62,7 @@ def preshard_checkpoint(src: str | Path, out: str | Path, *, tp_size: int, ep_si
         raise PreshardError(f"workers={workers}: must be at least 1, e.g. --workers 4.")
     plan = make_plan(src, tp_size=tp_size, ep_size=ep_size, placement=placement, max_file_size=max_file_size,
                      layout=layout, mtp=mtp, warn=False)  # warned below, only when something is written
-    if serve_for is not None and plan.layout is OutputLayout.FUSED:
-        check_served(plan, versions_for(serve_for), str(out))
+    check_served(plan, serve_for, out)
     if dry_run:
         warn_plan(plan)
         return ShardSummary(out=out, plan=plan, ranks=(), dry_run=True)
